@@ -1,0 +1,26 @@
+"""hf_ropekv: keep long HuggingFace generations inside a fixed KV-cache budget.
+
+    from hf_ropekv import RopeKVCache
+    cache = RopeKVCache(model, budget=2048)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4096)
+"""
+
+from .cache import RopeKVCache
+from .scorers import FrequencyScorer, KeyNormScorer, RandomScorer, RecencyScorer, ScoreContext, Scorer
+from .scoring import score_keys
+from .stats import FrequencyStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FrequencyScorer",
+    "FrequencyStats",
+    "KeyNormScorer",
+    "RandomScorer",
+    "RecencyScorer",
+    "RopeKVCache",
+    "ScoreContext",
+    "Scorer",
+    "__version__",
+    "score_keys",
+]

@@ -1,0 +1,41 @@
+"""The one place that knows how transformers versions differ (5.17 through the newest 5.x).
+
+- 5.0-5.3 call ``cache.update(k, v, layer_idx, cache_kwargs)`` with a dict; 5.4-5.23 pass nothing more;
+  5.24+ pass ``kwargs=`` (the attention module's kwargs, holding ``position_ids``).
+- 5.24 renamed the forward/generate argument ``past_key_values`` to ``cache`` (the old name still works).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+#: Keyword names under which a model's forward may receive the cache, newest first.
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_from_forward_kwargs(kwargs: dict[str, Any]) -> Any:
+    """The cache object passed to a model forward, under either name."""
+    for name in CACHE_KWARGS:
+        value = kwargs.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def position_ids_from_update(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``position_ids`` of the new tokens if this transformers version hands them to ``Cache.update``."""
+    inner = kwargs.get("kwargs")
+    if isinstance(inner, dict) and isinstance(inner.get("position_ids"), torch.Tensor):
+        return inner["position_ids"]
+    if isinstance(kwargs.get("position_ids"), torch.Tensor):
+        return kwargs["position_ids"]
+    for arg in args:  # 5.0-5.3: a cache_kwargs dict
+        if isinstance(arg, dict) and isinstance(arg.get("position_ids"), torch.Tensor):
+            return arg["position_ids"]
+    return None

@@ -1,0 +1,146 @@
+"""What a cache built from a model hooks into that model, and why.
+
+- A forward pre-hook reads generate's 2-D ``attention_mask``: on transformers 5.4-5.23 the cache never sees
+  it otherwise, and it is the only exact source of each row's left padding. It also checks that the mask
+  covers exactly the tokens the cache has seen plus the new ones.
+- Query hooks (online statistics only) hand the pre-RoPE queries of multi-token forwards to the cache.
+- ``prepare_inputs_for_generation`` is wrapped once per model so that a cache reused for an unrelated batch
+  is refused instead of silently continuing another conversation (generate would slice the new inputs by
+  the old cache length).
+
+Every hook only acts when the forward's cache is the cache that installed it, and all are removed when that
+cache is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import _compat
+from .capture import QueryCapture
+
+if TYPE_CHECKING:
+    from .cache import RopeKVCache
+
+_WRAPPED_MARK = "_hf_ropekv_continuation_check"
+
+
+class ModelAttachment:
+    """Hooks of one :class:`RopeKVCache` on one model."""
+
+    def __init__(self, model: nn.Module, cache: "RopeKVCache", collect_queries: bool) -> None:
+        self._cache_ref = weakref.ref(cache)
+        self._collecting = False
+        self._new_token_mask: torch.Tensor | None = None
+        self._tokens: torch.Tensor | None = None  # ids seen so far, [B, capacity]
+        self._num_tokens = 0
+        self._tokens_known = True  # False once a forward came as inputs_embeds: nothing to compare then
+        handles = [
+            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            model.register_forward_hook(self._post_forward, with_kwargs=True),
+        ]
+        capture = None
+        if collect_queries:
+            capture = QueryCapture(model, cache.geometry, self._on_query)
+            capture.attach()
+        weakref.finalize(cache, _release, handles, capture)
+        _wrap_prepare_inputs(model)
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        cache = self._cache_ref()
+        if cache is None or _compat.cache_from_forward_kwargs(kwargs) is not cache:
+            return
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        new = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
+        seen = cache.get_seq_length()
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            if mask.shape[-1] != seen + new:
+                raise ValueError(
+                    f"attention_mask covers {mask.shape[-1]} tokens, but this RopeKVCache has seen {seen} and {new} "
+                    "arrive now. The cache belongs to another sequence: create a fresh RopeKVCache per batch "
+                    "(or use hf_ropekv.enable(model, ...))."
+                )
+            cache._observe_padding(mask)
+            self._new_token_mask = mask[:, -new:].bool()
+        else:
+            self._new_token_mask = None
+        if input_ids is None:
+            self._tokens_known = False
+        else:
+            self._log_tokens(input_ids)
+        self._collecting = new > 1 or seen == 0
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        self._collecting = False
+
+    def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
+        cache = self._cache_ref()
+        if self._collecting and cache is not None and cache._online is not None:
+            cache._online.add(layer_idx, queries, self._new_token_mask)
+
+    # ------------------------------------------------------------------ token log (continuation check)
+    def _log_tokens(self, input_ids: torch.Tensor) -> None:
+        batch, new = input_ids.shape[:2]
+        end = self._num_tokens + new
+        if self._tokens is None or self._tokens.shape[0] != batch or end > self._tokens.shape[1]:
+            grown = torch.empty(batch, max(end, 2 * end), dtype=input_ids.dtype, device=input_ids.device)
+            if self._tokens is not None and self._tokens.shape[0] == batch:
+                grown[:, : self._num_tokens] = self._tokens[:, : self._num_tokens]
+            self._tokens = grown
+        self._tokens[:, self._num_tokens : end] = input_ids
+        self._num_tokens = end
+
+    def check_continuation(self, input_ids: torch.Tensor) -> None:
+        """Refuse generate() inputs that do not continue the tokens this cache holds."""
+        seen = self._num_tokens
+        if not self._tokens_known or seen == 0 or input_ids.shape[1] == seen + 1:  # fresh cache, or an ordinary decoding step
+            return
+        same = (
+            input_ids.shape[1] > seen
+            and self._tokens is not None
+            and input_ids.shape[0] == self._tokens.shape[0]
+            and bool((input_ids[:, :seen].to(self._tokens.device) == self._tokens[:, :seen]).all())
+        )
+        if not same:
+            raise ValueError(
+                f"This RopeKVCache already holds {seen} tokens of another sequence; the new inputs do not continue "
+                "them. Reusing a cache across batches corrupts the output: create a fresh RopeKVCache for every "
+                "generate() call (or use hf_ropekv.enable(model, ...), which does it for you)."
+            )
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self._tokens is not None:
+            self._tokens = self._tokens.index_select(0, index.to(self._tokens.device))
+
+    def reset(self) -> None:
+        self._tokens, self._num_tokens, self._tokens_known = None, 0, True
+
+
+def _release(handles: list, capture: QueryCapture | None) -> None:
+    for handle in handles:
+        handle.remove()
+    if capture is not None:
+        capture.detach()
+
+
+def _wrap_prepare_inputs(model: nn.Module) -> None:
+    original = model.prepare_inputs_for_generation
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    def prepare_inputs_for_generation(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        cache = _compat.cache_from_forward_kwargs(kwargs)
+        attachment = getattr(cache, "_attachment", None)
+        if isinstance(attachment, ModelAttachment) and input_ids is not None:
+            attachment.check_continuation(input_ids)
+        return original(input_ids, *args, **kwargs)
+
+    setattr(prepare_inputs_for_generation, _WRAPPED_MARK, True)
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation

@@ -1,0 +1,107 @@
+"""Cache layers: one small class per storage behaviour (see transformers' ``cache_utils`` layers).
+
+Full-attention layers get a :class:`BudgetedLayer` (paged, compacted in place); sliding-window layers are
+already bounded and stay transformers' own ``DynamicSlidingWindowLayer``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .storage import PagedKV
+
+if TYPE_CHECKING:
+    from .cache import RopeKVCache
+
+
+class BudgetedLayer(CacheLayerMixin):
+    """A full-attention layer whose kept tokens stay within the cache's budget.
+
+    It reports ``tokens_seen`` as its sequence length and the geometry of a sliding-window layer to the mask
+    (``kv_length = kept + q``, ``kv_offset = seen - kept``): kept slots then line up with the rightmost columns
+    of generate's 2-D attention mask, surviving left padding first. Eviction decisions belong to the cache;
+    the layer only stores.
+    """
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: "RopeKVCache", layer_idx: int, storage: PagedKV) -> None:
+        super().__init__()
+        self._cache = cache
+        self.layer_idx = layer_idx
+        self.storage = storage
+        self.tokens_seen = 0
+
+    def __repr__(self) -> str:
+        return f"BudgetedLayer(seen={self.tokens_seen}, kept={self.storage.length})"
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        return self.tokens_seen == self.storage.length
+
+    @property
+    def tokens_kept(self) -> int:
+        return self.storage.length
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # Compaction happens here, before writing: no tensor this forward returned still aliases the arena.
+        self._cache._before_layer_update(self, key_states, args, kwargs)
+        keys, values = self.storage.append(key_states, value_states, first_position=self.tokens_seen)
+        self.tokens_seen += key_states.shape[-2]
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kept = self._cache.planned_kept(self.storage.length, query_length)
+        return kept + query_length, self.tokens_seen - kept
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.storage.clear()
+        self.keys = self.values = None
+        self.tokens_seen = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.storage.select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.storage.select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.storage.repeat_batch(repeats)
+
+    def crop(self, max_length: int) -> None:
+        """Drop tokens from the end; only possible while nothing was evicted (eviction is not reversible).
+
+        A negative value removes that many tokens; a non-negative one is the length to keep (both conventions
+        exist across transformers 5.x).
+        """
+        if not self.is_croppable:
+            raise ValueError(
+                "RopeKVCache cannot crop: tokens were already evicted, so the cache cannot be rolled back. "
+                "Assisted/speculative decoding and DoLa need a croppable cache; use a plain DynamicCache for "
+                "them, or a budget larger than the whole generation."
+            )
+        target = self.tokens_seen + max_length if max_length < 0 else max_length
+        target = max(0, min(self.tokens_seen, target))
+        self.storage.truncate(target)
+        self.tokens_seen = target

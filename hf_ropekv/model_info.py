@@ -1,0 +1,198 @@
+"""What the cache needs to know about a model: attention geometry, layer kinds and RoPE frequencies.
+
+Everything is read from the model's own config and its own rotary-embedding module, so llama3 / YaRN /
+linear scaling and partial rotary dims come out exactly as the model applies them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+_SUPPORTED_LAYER_TYPES = (FULL, SLIDING)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Attention geometry and RoPE setting of a decoder-only model.
+
+    Attributes:
+        model_type: `config.model_type` of the text decoder (e.g. ``"llama"``).
+        num_layers: number of decoder layers.
+        num_q_heads / num_kv_heads / head_dim: attention shape (GQA when ``num_q_heads > num_kv_heads``).
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``.
+        sliding_windows: per layer, the window of a sliding layer, else ``None``.
+        rope_type / rope_theta / rope_parameters: the RoPE setting of the full-attention layers.
+        inv_freq: float32 CPU tensor ``[F]``, the rotary frequencies of the full-attention layers;
+            ``rotary_dim = 2 * F`` may be smaller than ``head_dim`` (partial rotary).
+    """
+
+    model_type: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_windows: tuple[int | None, ...]
+    rope_type: str
+    rope_theta: float | None
+    rope_parameters: dict[str, Any] = field(hash=False)
+    inv_freq: torch.Tensor = field(hash=False, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token occupies in a full cache: layers x (K and V) x kv_heads x head_dim x dtype size."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+
+def text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
+    """The decoder text config of a model or config (multimodal configs nest it)."""
+    config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(
+            f"Expected a transformers PreTrainedModel or PretrainedConfig, got {type(model_or_config).__name__}. "
+            "Pass the model itself (recommended) or `model.config`."
+        )
+    return config.get_text_config(decoder=True)
+
+
+def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeometry:
+    """Read the attention geometry and RoPE frequencies of a decoder-only RoPE model.
+
+    Raises:
+        TypeError: if the argument is neither a model nor a config.
+        ValueError: for encoder-decoder models, cross-attention, models without RoPE, or layer kinds the
+            cache cannot hold (linear attention, chunked attention, ...). The message names the problem.
+    """
+    config = text_config(model_or_config)
+    name = getattr(config, "model_type", type(config).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"hf_ropekv supports decoder-only models; '{name}' is an encoder-decoder model. "
+            "Use a decoder-only RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
+        )
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(
+            f"'{name}' is configured with cross-attention (add_cross_attention=True); hf_ropekv only compresses "
+            "self-attention caches of decoder-only models."
+        )
+    num_layers = config.num_hidden_layers
+    num_q_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+
+    layer_types = tuple(getattr(config, "layer_types", None) or _infer_layer_types(config, num_layers))
+    unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(
+            f"'{name}' has layers of kind {unsupported}; hf_ropekv handles only full and sliding-window "
+            "attention layers."
+        )
+    window = getattr(config, "sliding_window", None)
+    sliding_windows = tuple(window if t == SLIDING else None for t in layer_types)
+
+    rotary = _rotary_module(model_or_config, config, name)
+    inv_freq = _full_attention_inv_freq(rotary, name).detach().to("cpu", torch.float32).contiguous()
+    if 2 * inv_freq.numel() > head_dim:
+        raise ValueError(f"'{name}': rotary dim {2 * inv_freq.numel()} exceeds head_dim {head_dim}.")
+    rope = _full_attention_rope_parameters(config)
+    return ModelGeometry(
+        model_type=name,
+        num_layers=num_layers,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        layer_types=layer_types,
+        sliding_windows=sliding_windows,
+        rope_type=str(rope.get("rope_type", "default")),
+        rope_theta=rope.get("rope_theta"),
+        rope_parameters=_jsonable(rope),
+        inv_freq=inv_freq,
+    )
+
+
+def _infer_layer_types(config: PretrainedConfig, num_layers: int) -> list[str]:
+    # Mistral-style configs mark every layer sliding through one `sliding_window` field.
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return [SLIDING] * num_layers
+    return [FULL] * num_layers
+
+
+def _full_attention_rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict) and FULL in params and isinstance(params[FULL], dict):
+        params = params[FULL]  # per-layer-type RoPE (Gemma3)
+    params = dict(params)
+    if "rope_theta" not in params and getattr(config, "rope_theta", None) is not None:
+        params["rope_theta"] = config.rope_theta
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(params, default=str))
+
+
+def _rotary_module(
+    model_or_config: PreTrainedModel | PretrainedConfig, config: PretrainedConfig, name: str
+) -> nn.Module:
+    """The model's own rotary-embedding module (from the model, or built from the config on CPU)."""
+    if isinstance(model_or_config, nn.Module):
+        for module in model_or_config.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                return module
+    else:
+        cls = _rotary_class(config)
+        if cls is not None:
+            with torch.device("cpu"):
+                return cls(config=config)
+    raise ValueError(
+        f"'{name}' has no rotary position embedding (RoPE); hf_ropekv scores keys from RoPE geometry and "
+        "needs a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
+    )
+
+
+def _rotary_class(config: PretrainedConfig) -> type[nn.Module] | None:
+    # The modeling module sits beside the config's module: .../configuration_x.py -> .../modeling_x.py
+    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    candidates = [
+        obj
+        for attr, obj in vars(module).items()
+        if attr.endswith("RotaryEmbedding") and isinstance(obj, type) and issubclass(obj, nn.Module)
+    ]
+    # Prefer the text model's class when a modeling file defines several (e.g. vision + text).
+    candidates.sort(key=lambda c: ("Vision" in c.__name__, len(c.__name__)))
+    return candidates[0] if candidates else None
+
+
+def _full_attention_inv_freq(rotary: nn.Module, name: str) -> torch.Tensor:
+    for attr in ("inv_freq", f"{FULL}_inv_freq"):
+        value = getattr(rotary, attr, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    raise ValueError(f"Could not find the RoPE frequencies (inv_freq) of '{name}' on {type(rotary).__name__}.")

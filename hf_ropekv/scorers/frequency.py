@@ -1,0 +1,50 @@
+"""RoPE frequency-band scoring (TriAttention): the default eviction policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..scoring import score_keys
+from .base import ScoreContext, standardize
+
+if TYPE_CHECKING:
+    from ..stats import FrequencyStats
+
+
+@dataclass
+class FrequencyScorer:
+    """Expected future attention of each key from calibrated pre-RoPE query statistics (DESIGN.md §2).
+
+    Per query head: raw ``trig + norm`` score (``hf_ropekv.score_keys``), z-scored over the candidate slots,
+    then the max over the query heads of each GQA group gives one score per KV head.
+
+    Args:
+        stats: query statistics; ``None`` lets ``RopeKVCache`` fill them in from the prompt (online).
+        offsets: future offsets the mean query is placed at (default 1, 2, 4, ..., 65536).
+    """
+
+    stats: "FrequencyStats | None" = None
+    offsets: tuple[int, ...] | None = None
+    _device_cache: dict = field(default_factory=dict, init=False, repr=False)
+
+    def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
+        if self.stats is None:
+            raise RuntimeError("FrequencyScorer has no statistics: pass stats= or let RopeKVCache gather them.")
+        q_mean, q_abs_mean, inv_freq = self._layer_tensors(ctx.layer_idx, keys.device)
+        raw = score_keys(keys, q_mean, q_abs_mean, inv_freq, ctx.position, self.offsets)  # [B, H_q, S]
+        batch, kv_heads, slots = keys.shape[:3]
+        group = raw.shape[1] // kv_heads
+        candidates = ctx.candidates.repeat_interleave(group, dim=1)
+        z = standardize(raw, candidates)
+        return z.view(batch, kv_heads, group, slots).amax(dim=2)
+
+    def _layer_tensors(self, layer_idx: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        key = (id(self.stats), layer_idx, str(device))
+        if key not in self._device_cache:
+            q_mean, q_abs_mean = self.stats.for_layer(layer_idx)
+            inv_freq = torch.tensor(self.stats.metadata["inv_freq"], dtype=torch.float32)
+            self._device_cache[key] = tuple(t.to(device) for t in (q_mean, q_abs_mean, inv_freq))
+        return self._device_cache[key]

@@ -1,0 +1,142 @@
+"""Paged key/value storage of one attention layer.
+
+One arena per layer, ``[batch, kv_heads, capacity, head_dim]`` for keys and values plus the absolute
+token index of every slot. Live slots are always the prefix ``[0, length)`` of every (row, head), so
+attention reads a view of the arena (no copy), appending ``q`` tokens writes ``q`` slots, and
+compaction moves survivors forward in place (``hf_ropekv.kernels.compact``): the trailing pages it frees
+are the ones the next tokens are written to. Capacity is counted in pages of ``page_size`` slots and only
+grows while the cache is filling up (prompt, or before the first compaction).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.compact import compact_
+
+
+class PagedKV:
+    """Keys, values and slot positions of one layer, compacted in place.
+
+    Args:
+        page_size: slots per page; capacity is always a whole number of pages.
+        capacity_hint: slots the arena should hold in steady state (``budget + compress_every``);
+            the first allocation reserves this much so decoding never reallocates.
+    """
+
+    def __init__(self, page_size: int, capacity_hint: int | None = None) -> None:
+        self.page_size = page_size
+        self.capacity_hint = capacity_hint
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # int64 [B, H, capacity]: token index of each slot
+        self.length = 0
+        self.num_compactions = 0
+
+    # -- introspection -------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def pages_allocated(self) -> int:
+        return self.capacity // self.page_size
+
+    @property
+    def pages_in_use(self) -> int:
+        return -(-self.length // self.page_size)
+
+    @property
+    def bytes_held(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
+
+    # -- writes --------------------------------------------------------------------------------
+    def append(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, first_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``q`` new tokens after the live slots; return views of all live slots (keys, values)."""
+        batch, heads, q, _ = key_states.shape
+        self._reserve(key_states, value_states, self.length + q)
+        end = self.length + q
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        new_positions = torch.arange(first_position, first_position + q, device=self.positions.device)
+        self.positions[:, :, self.length : end] = new_positions
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep slots ``keep`` ([B, H, K'] ascending per row and head), moved in order to ``[0, K')``."""
+        keep = keep.to(self.keys.device)
+        compact_((self.keys, self.values), keep)
+        kept = keep.shape[-1]
+        # Positions are 8 bytes a slot: a small gather is cheaper than another kernel launch path.
+        self.positions[:, :, :kept] = self.positions.gather(2, keep)
+        self.length = kept
+        self.num_compactions += 1
+        self._shrink_to_hint()
+
+    def truncate(self, length: int) -> None:
+        """Forget the live slots from ``length`` on (a crop before anything was evicted)."""
+        self.length = max(0, min(self.length, length))
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder or select batch rows (beam search, contrastive search)."""
+        if self.keys is None:
+            return
+        index = index.to(self.keys.device)
+        self.keys = self.keys.index_select(0, index)
+        self.values = self.values.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+
+    def repeat_batch(self, repeats: int) -> None:
+        if self.keys is None:
+            return
+        self.keys = self.keys.repeat_interleave(repeats, dim=0)
+        self.values = self.values.repeat_interleave(repeats, dim=0)
+        self.positions = self.positions.repeat_interleave(repeats, dim=0)
+
+    def clear(self) -> None:
+        """Drop everything, memory included."""
+        self.keys = self.values = self.positions = None
+        self.length = 0
+        self.num_compactions = 0
+
+    # -- views ---------------------------------------------------------------------------------
+    def live_keys(self) -> torch.Tensor:
+        return self.keys[:, :, : self.length]
+
+    def live_positions(self) -> torch.Tensor:
+        return self.positions[:, :, : self.length]
+
+    # -- allocation ----------------------------------------------------------------------------
+    def _shrink_to_hint(self) -> None:
+        """Give back what a long, unpinned prefill made the arena grow to, once it fits the steady state."""
+        if self.capacity_hint is None:
+            return
+        steady = -(-self.capacity_hint // self.page_size) * self.page_size
+        if self.capacity > steady and self.length <= steady:
+            self.keys = self.keys[:, :, :steady].clone()
+            self.values = self.values[:, :, :steady].clone()
+            self.positions = self.positions[:, :, :steady].clone()
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        if self.keys is not None and needed <= self.capacity:
+            return
+        batch, heads, _, head_dim = key_states.shape
+        target = max(needed, self.capacity_hint or 0) if self.keys is None else max(needed, 2 * self.capacity)
+        if self.capacity_hint is not None and self.keys is not None:
+            # Past the fill-up phase the arena needs at most the steady-state size (or what was asked).
+            target = max(needed, min(target, self.capacity_hint))
+        capacity = -(-target // self.page_size) * self.page_size
+        device = key_states.device
+        keys = torch.empty(batch, heads, capacity, head_dim, dtype=key_states.dtype, device=device)
+        values = torch.empty(batch, heads, capacity, value_states.shape[-1], dtype=value_states.dtype, device=device)
+        positions = torch.empty(batch, heads, capacity, dtype=torch.int64, device=device)
+        if self.keys is not None and self.length:
+            keys[:, :, : self.length] = self.keys[:, :, : self.length]
+            values[:, :, : self.length] = self.values[:, :, : self.length]
+            positions[:, :, : self.length] = self.positions[:, :, : self.length]
+        self.keys, self.values, self.positions = keys, values, positions
