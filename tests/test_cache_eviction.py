@@ -1,0 +1,158 @@
+"""With eviction, RopeKVCache must equal a full-cache forward masked to exactly the kept tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import tiny_model
+from hf_ropekv import KeyNormScorer, RandomScorer, RecencyScorer, RopeKVCache
+from test_cache_exact import padded_batch
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """generate's position ids: count real tokens, padding parked at 1."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def kept_positions(cache: RopeKVCache) -> torch.Tensor:
+    """Token indices held by the full-attention layers [B, H_kv, K]; identical across layers in global mode."""
+    layers = cache._full_layers
+    first = layers[0].storage.live_positions()
+    for layer in layers[1:]:
+        assert torch.equal(layer.storage.live_positions(), first), "layers disagree on the kept tokens"
+    return first
+
+
+def reference_mask(kept: torch.Tensor, mask2d: torch.Tensor, new: int, group: int) -> torch.Tensor:
+    """Additive 4-D mask [B, H_q, new, total]: each query sees the kept tokens of its KV head, causally."""
+    batch, kv_heads, _ = kept.shape
+    total = mask2d.shape[1]
+    allowed = torch.zeros(batch, kv_heads, total, dtype=torch.bool)
+    allowed.scatter_(2, kept, True)
+    query_pos = torch.arange(total - new, total).view(1, 1, new, 1)
+    allowed = allowed[:, :, None, :] & (torch.arange(total).view(1, 1, 1, total) <= query_pos)
+    allowed &= mask2d.bool()[:, None, None, :]
+    # Padding queries see nothing; let them see themselves so no NaN enters the reference (never compared).
+    diagonal = torch.arange(total).view(1, 1, 1, total) == query_pos
+    allowed |= diagonal & ~allowed.any(-1, keepdim=True)
+    allowed = allowed.repeat_interleave(group, dim=1)
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def run_and_compare(model, cache: RopeKVCache, chunks: list[torch.Tensor], mask: torch.Tensor, decode_steps: int):
+    """Feed `chunks` (then greedy decode) to both caches; compare logits of every real new position."""
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    reference = DynamicCache(config=model.config)
+    seen = 0
+    mask2d = mask[:, :0]
+    steps = list(chunks) + [None] * decode_steps
+    next_token = None
+    max_kept = 0
+    for chunk in steps:
+        if chunk is None:
+            chunk = next_token
+            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)
+        new = chunk.shape[1]
+        mask2d = mask[:, : seen + new]
+        positions = positions_from_mask(mask2d)[:, -new:]
+        with torch.no_grad():
+            got = model(input_ids=chunk, attention_mask=mask2d, position_ids=positions, past_key_values=cache).logits
+            ref_mask = reference_mask(kept_positions(cache), mask2d, new, group)
+            want = model(
+                input_ids=chunk, attention_mask=ref_mask, position_ids=positions, past_key_values=reference
+            ).logits
+        real = mask2d[:, -new:].bool()
+        torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
+        seen += new
+        max_kept = max(max_kept, cache.tokens_kept)
+        next_token = got[:, -1:].argmax(-1)
+    return max_kept
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_with_eviction_matches_masked_reference(arch: str, attn: str) -> None:
+    model = tiny_model(arch, attn_implementation=attn)
+    ids, mask = padded_batch(model.config.vocab_size)
+    cache = RopeKVCache(model, budget=16, compress_every=4)
+    max_kept = run_and_compare(model, cache, [ids], mask, decode_steps=30)
+    assert cache.num_compactions >= 5 and cache.evicted
+    assert max_kept <= 16 + 4
+
+
+@pytest.mark.parametrize("scorer", [None, RecencyScorer(), KeyNormScorer(), RandomScorer(seed=3)])
+def test_chunked_prefill_with_eviction_matches_masked_reference(scorer) -> None:
+    model = tiny_model("qwen2")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(40, 33), seed=1)
+    chunks = list(ids.split(8, dim=1))
+    kwargs = {} if scorer is None else {"scorer": scorer}
+    cache = RopeKVCache(model, budget=12, compress_every=4, protect_prompt=False, sink=1, window=2, **kwargs)
+    max_kept = run_and_compare(model, cache, chunks, mask, decode_steps=6)
+    assert cache.evicted
+    assert max_kept <= 12 + 4
+
+
+def test_left_padding_is_evicted_first() -> None:
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 4))  # row 1 has 8 pads
+    cache = RopeKVCache(model, budget=14, compress_every=2, scorer=RecencyScorer())
+    run_and_compare(model, cache, [ids], mask, decode_steps=5)
+    kept = kept_positions(cache)
+    assert cache.evicted
+    for head in range(kept.shape[1]):
+        evicted = set(range(cache.tokens_seen)) - set(kept[1, head].tolist())
+        # Row 1 had its 8 pad tokens at indices 0..7: only padding may have gone so far ...
+        assert evicted and all(index < 8 for index in evicted)
+        # ... and the surviving padding sits in front of the real tokens (the mask's rightmost columns).
+        assert kept[1, head, : 8 - len(evicted)].max() < 8
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+def test_generate_completes_with_eviction(mode: str) -> None:
+    model = tiny_model("mistral")
+    ids, mask = padded_batch(model.config.vocab_size)
+    kw = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_p=0.9), "beam": dict(num_beams=3)}[mode]
+    cache = RopeKVCache(model, budget=16, compress_every=8)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, pad_token_id=0, **kw
+    )
+    assert out.shape == (3, ids.shape[1] + 40)
+    assert cache.tokens_seen == ids.shape[1] + 39
+    assert 16 <= cache.tokens_kept <= 16 + 8 and cache.num_compactions >= 3
+
+
+def test_per_layer_selection_keeps_layer_specific_tokens() -> None:
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids, mask = padded_batch(model.config.vocab_size)
+    cache = RopeKVCache(model, budget=16, compress_every=4, selection="per_layer", scorer=KeyNormScorer())
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30, pad_token_id=0)
+    kept = [layer.storage.live_positions() for layer in cache._full_layers]
+    assert all(k.shape == kept[0].shape for k in kept)  # same count everywhere ...
+    assert any(not torch.equal(k, kept[0]) for k in kept[1:])  # ... but each layer chose its own
+
+
+def test_storage_stays_in_place_and_bounded() -> None:
+    """After the prompt, decoding neither reallocates nor grows: compaction moves survivors in place."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size)
+    cache = RopeKVCache(model, budget=32, compress_every=16, page_size=16)
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    storage = cache._full_layers[0].storage
+    pointer, capacity = storage.keys.data_ptr(), storage.capacity
+    assert capacity == 48 and cache.pages_allocated == 3 * len(cache._full_layers)
+    ids2 = torch.cat([ids, torch.randint(3, 100, (3, 1))], dim=1)
+    steps = 0
+    for _ in range(100):  # decode by hand so we can look at the arena after every step
+        seen = cache.tokens_seen
+        mask2 = torch.ones(3, seen + 1, dtype=mask.dtype)
+        mask2[:, : mask.shape[1]] = mask
+        with torch.no_grad():
+            model(input_ids=ids2[:, -1:], attention_mask=mask2, past_key_values=cache,
+                  position_ids=positions_from_mask(mask2)[:, -1:])
+        steps += 1
+        assert storage.keys.data_ptr() == pointer and storage.capacity == capacity
+        assert cache.tokens_kept <= 48
+    assert cache.num_compactions >= 5
+    assert cache.bytes_held < cache.full_cache_bytes
