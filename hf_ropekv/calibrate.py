@@ -1,0 +1,229 @@
+"""Calibrate the RoPE scorer's query statistics on ordinary text.
+
+    stats = hf_ropekv.calibrate.calibrate(model, tokenizer, [open("book.txt").read()])
+    stats.save("model.ropekv.safetensors")
+
+or from the command line::
+
+    python -m hf_ropekv.calibrate --model Qwen/Qwen3-8B --text book.txt --out qwen3-8b.safetensors
+
+The model runs forward without a cache over up to ``max_tokens`` tokens; :class:`QueryCapture` hands every
+layer's pre-RoPE queries to a :class:`FrequencyAccumulator`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging as pylogging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from .capture import QueryCapture
+from .model_info import describe
+from .stats import FrequencyAccumulator, FrequencyStats
+
+logger = logging.get_logger(__name__)
+
+Texts = Union[str, Sequence[str], torch.Tensor, Sequence[int], Sequence[Sequence[int]]]
+
+DEFAULT_MAX_TOKENS = 32768
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def calibrate(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: Texts,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    source: str | None = None,
+    progress: bool = True,
+) -> "FrequencyStats":
+    """Average the pre-RoPE queries of ``model`` over ``texts`` (DESIGN.md §2).
+
+    Args:
+        model: a decoder-only RoPE model (any dtype, device or ``device_map``; weight-quantized works).
+        tokenizer: its tokenizer; may be ``None`` when ``texts`` are token ids.
+        texts: a string, a list of strings (each tokenized on its own, with special tokens), or token ids:
+            a 1-D / 2-D ``input_ids`` tensor (rows are separate sequences, unpadded), a list of ids or a list
+            of id lists.
+        max_tokens: at most this many tokens are used in total.
+        chunk_tokens: at most this many tokens (batch x padded length) go through one forward; longer texts
+            are cut into consecutive pieces, short ones share a right-padded batch.
+        source: description of the text stored in the statistics (default: a summary of ``texts``).
+        progress: show a tqdm progress bar.
+
+    Returns:
+        float32 :class:`FrequencyStats` covering every decoder layer.
+    """
+    if max_tokens < 1 or chunk_tokens < 1:
+        raise ValueError(f"max_tokens and chunk_tokens must be positive, got {max_tokens} and {chunk_tokens}.")
+    geometry = describe(model)
+    sequences, kind = _token_sequences(tokenizer, texts, max_tokens)
+    pieces = [seq[i : i + chunk_tokens] for seq in sequences for i in range(0, len(seq), chunk_tokens)]
+    total = sum(len(p) for p in pieces)
+    if total == 0:
+        raise ValueError("calibrate() got no tokens: pass non-empty text (or input_ids).")
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)
+    device = _input_device(model)
+
+    accumulator = FrequencyAccumulator(geometry)
+    current_mask: dict[str, torch.Tensor] = {}
+
+    def on_query(layer_idx: int, queries: torch.Tensor) -> None:
+        accumulator.add(layer_idx, queries, current_mask.get("mask"))
+
+    was_training = model.training
+    model.eval()  # dropout off: the statistics are those of inference
+    try:
+        with torch.no_grad(), QueryCapture(model, geometry, on_query), logging.tqdm(
+            total=total, unit="tok", desc="hf_ropekv calibration", disable=not progress
+        ) as bar:
+            for input_ids, attention_mask in _batches(pieces, chunk_tokens, pad_id):
+                current_mask["mask"] = attention_mask.bool() if not bool(attention_mask.all()) else None
+                model(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    use_cache=False,
+                )
+                bar.update(int(attention_mask.sum()))
+    finally:
+        model.train(was_training)
+    if source is None:
+        source = f"{kind}, {total} tokens"
+    stats = accumulator.to_stats(source=source)
+    logger.info("hf_ropekv: calibrated %s on %d tokens (%s).", geometry.model_type, stats.tokens, source)
+    return stats
+
+
+def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[list[list[int]], str]:
+    """Token id lists, cut to ``max_tokens`` in total, and a short description of where they came from."""
+    if isinstance(texts, str):
+        texts = [texts]
+    if isinstance(texts, torch.Tensor):
+        ids = texts.detach().cpu()
+        rows, kind = ([ids.tolist()] if ids.ndim == 1 else ids.tolist()), "input_ids"
+    elif isinstance(texts, Sequence) and texts and all(isinstance(t, str) for t in texts):
+        if tokenizer is None:
+            raise ValueError("calibrate() needs a tokenizer to tokenize text; pass one, or pass token ids instead.")
+        rows, kind, seen = [], f"{len(texts)} text(s)", 0
+        for text in texts:  # tokenize lazily: stop once max_tokens are there
+            if seen >= max_tokens:
+                break
+            rows.append(tokenizer(text, add_special_tokens=True)["input_ids"])
+            seen += len(rows[-1])
+    elif isinstance(texts, Sequence) and texts and isinstance(texts[0], int):
+        rows, kind = [list(texts)], "input_ids"
+    elif isinstance(texts, Sequence) and texts and isinstance(texts[0], (Sequence, torch.Tensor)):
+        rows, kind = [list(row) for row in texts], "input_ids"
+    else:
+        raise TypeError(
+            "texts must be a non-empty string, list of strings, input_ids tensor, list of ids or list of id lists; "
+            f"got {type(texts).__name__}."
+        )
+    sequences, budget = [], max_tokens
+    for row in rows:
+        row = [int(t) for t in row[:budget]]
+        if row:
+            sequences.append(row)
+            budget -= len(row)
+        if budget <= 0:
+            break
+    return sequences, kind
+
+
+def _batches(pieces: list[list[int]], chunk_tokens: int, pad_id: int):
+    """Right-padded ``(input_ids, attention_mask)`` batches of at most ``chunk_tokens`` padded tokens each.
+
+    Right padding keeps real tokens at positions 0..n-1 and, under the causal mask, unaffected by padding.
+    """
+    order = sorted(pieces, key=len, reverse=True)  # similar lengths together: little padding
+    start = 0
+    while start < len(order):
+        width = len(order[start])
+        rows = max(1, chunk_tokens // width)
+        group = order[start : start + rows]
+        start += len(group)
+        input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(group), width), dtype=torch.long)
+        for i, piece in enumerate(group):
+            input_ids[i, : len(piece)] = torch.tensor(piece, dtype=torch.long)
+            attention_mask[i, : len(piece)] = 1
+        yield input_ids, attention_mask
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
+        return embeddings.weight.device
+    return next(model.parameters()).device
+
+
+# ---------------------------------------------------------------------- command line
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_ropekv.calibrate",
+        description="Calibrate hf_ropekv query statistics (per layer and query head) for one model.",
+    )
+    parser.add_argument("--model", required=True, help="model name or directory (or a .gguf file path)")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --model's directory")
+    parser.add_argument("--text", nargs="+", required=True, help="plain-text file(s) to calibrate on")
+    parser.add_argument("--out", required=True, help="output statistics file (.safetensors)")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    parser.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="model dtype (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = _parse_args(argv)
+    if not logger.handlers:
+        handler = pylogging.StreamHandler(sys.stderr)
+        handler.setFormatter(pylogging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(pylogging.INFO)
+
+    model_path, gguf_file = args.model, args.gguf_file
+    if gguf_file is None and model_path.endswith(".gguf") and os.path.isfile(model_path):
+        model_path, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+
+    texts = []
+    for name in args.text:
+        path = Path(name)
+        if not path.is_file():
+            raise SystemExit(f"--text: no file {path}")
+        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    if not args.out.endswith(".safetensors"):
+        logger.warning("--out %s: statistics are written in safetensors format; name it *.safetensors.", args.out)
+
+    logger.info("Loading %s%s", model_path, f" ({gguf_file})" if gguf_file else "")
+    tokenizer = AutoTokenizer.from_pretrained(model_path, **extra)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype_name), **extra)
+    model.to(args.device)
+    source = "text files: " + ", ".join(Path(n).name for n in args.text)
+    stats = calibrate(
+        model, tokenizer, texts,
+        max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, source=source, progress=not args.no_progress,
+    )
+    stats.save(args.out)
+    logger.info("Wrote %s: %d layers x %d query heads, %d tokens.", args.out, *stats.q_mean.shape[:2], stats.tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,469 @@
+"""Calibrated pre-RoPE query statistics (DESIGN.md §2): what the RoPE scorer needs about future queries.
+
+Per layer ``l``, query head ``h`` and rotary pair ``f`` (HF ``rotate_half`` layout: dim ``f`` pairs with
+``f + F``, ``F = rotary_dim / 2``), with ``q_f = q[f] + i q[f + F]`` the query as RoPE receives it:
+
+- ``q_mean[l, h, f] = E[q_f]`` (complex64)
+- ``q_abs_mean[l, h, f] = E|q_f|`` (float32)
+
+Files are safetensors (real and imaginary parts split, float32) with the metadata as JSON in the header: no
+pickle. The TriAttention reference repository's ``.pt`` files can be imported
+(:meth:`FrequencyStats.from_reference_pt`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.utils import logging
+
+from .capture import QUERY_NORM_NAMES
+from .model_info import ModelGeometry, describe
+
+logger = logging.get_logger(__name__)
+
+FORMAT_VERSION = 1
+_HEADER_KEY = "hf_ropekv"
+_REFERENCE_SUFFIXES = (".pt", ".pth", ".bin")
+_FIX = "recalibrate with hf_ropekv.calibrate / python -m hf_ropekv.calibrate for this model"
+# Models whose attention normalises queries before RoPE (the reference calibration skipped that norm).
+_QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "gemma3", "gemma3_text", "olmo2", "olmoe", "chameleon"}
+_IDENTITY_FIELDS = {
+    "model_type": "model type",
+    "num_layers": "layers",
+    "num_q_heads": "query heads",
+    "num_kv_heads": "KV heads",
+    "head_dim": "head dim",
+    "rotary_dim": "rotary dim",
+    "rope_type": "rope type",
+}
+
+
+@dataclass
+class FrequencyStats:
+    """Per-layer, per-query-head statistics of the pre-RoPE query.
+
+    Attributes:
+        q_mean: complex64 ``[L, H_q, F]``, mean of ``q[f] + i q[f+F]`` (L = every decoder layer).
+        q_abs_mean: float32 ``[L, H_q, F]``, mean modulus of the same pairs.
+        metadata: JSON-able dict: ``model_type, num_layers, num_q_heads, num_kv_heads, head_dim, rotary_dim,
+            rope_type, rope_theta, rope_parameters, inv_freq`` (list of floats), ``tokens`` (positions averaged;
+            0 when unknown, e.g. imported reference files), ``source`` (the calibration text) and
+            ``format_version``.
+    """
+
+    q_mean: torch.Tensor
+    q_abs_mean: torch.Tensor
+    metadata: dict
+
+    def __post_init__(self) -> None:
+        if self.q_mean.ndim != 3 or self.q_mean.shape != self.q_abs_mean.shape:
+            raise ValueError(
+                f"FrequencyStats needs q_mean and q_abs_mean of the same shape [layers, q_heads, rotary_dim/2]; "
+                f"got {tuple(self.q_mean.shape)} and {tuple(self.q_abs_mean.shape)}."
+            )
+        if not self.q_mean.is_complex():
+            raise TypeError(f"FrequencyStats.q_mean must be complex (complex64), got {self.q_mean.dtype}.")
+        self.q_mean = self.q_mean.to(torch.complex64)
+        self.q_abs_mean = self.q_abs_mean.to(torch.float32)
+
+    # ------------------------------------------------------------------ access
+    def for_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_mean [H_q, F] complex64, q_abs_mean [H_q, F] float32)`` of one decoder layer."""
+        if not 0 <= layer_idx < self.q_mean.shape[0]:
+            layers = self.q_mean.shape[0]
+            raise IndexError(f"Layer {layer_idx} is out of range: these statistics cover {layers} layers.")
+        return self.q_mean[layer_idx], self.q_abs_mean[layer_idx]
+
+    @property
+    def tokens(self) -> int:
+        """Positions averaged per layer (0 when unknown)."""
+        return int(self.metadata.get("tokens", 0))
+
+    def __repr__(self) -> str:
+        layers, heads, pairs = self.q_mean.shape
+        return (
+            f"FrequencyStats(model_type={self.metadata.get('model_type')!r}, layers={layers}, q_heads={heads}, "
+            f"pairs={pairs}, tokens={self.tokens}, source={self.metadata.get('source')!r})"
+        )
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a safetensors file (float32 real / imaginary / modulus tensors, metadata as header JSON)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "q_mean_real": self.q_mean.real.contiguous().cpu(),
+            "q_mean_imag": self.q_mean.imag.contiguous().cpu(),
+            "q_abs_mean": self.q_abs_mean.contiguous().cpu(),
+        }
+        metadata = {**self.metadata, "format_version": FORMAT_VERSION}
+        save_file(tensors, str(path), metadata={_HEADER_KEY: json.dumps(_jsonable(metadata))})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "FrequencyStats":
+        """Read a file written by :meth:`save`."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"No statistics file at {path}; create one with python -m hf_ropekv.calibrate.")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                header = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as err:  # safetensors raises its own error types for non-safetensors files
+            raise ValueError(
+                f"{path} is not a safetensors file ({err}). hf_ropekv statistics are written by "
+                "FrequencyStats.save / python -m hf_ropekv.calibrate; reference TriAttention files must end in .pt."
+            ) from err
+        if _HEADER_KEY not in header:
+            raise ValueError(
+                f"{path} is a safetensors file but holds no hf_ropekv statistics (no '{_HEADER_KEY}' header)."
+            )
+        metadata = json.loads(header[_HEADER_KEY])
+        version = int(metadata.get("format_version", 0))
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"{path} has statistics format {version}, newer than this hf_ropekv understands ({FORMAT_VERSION}); "
+                "upgrade hf_ropekv."
+            )
+        missing = {"q_mean_real", "q_mean_imag", "q_abs_mean"} - tensors.keys()
+        if missing:
+            raise ValueError(f"{path} lacks the tensors {sorted(missing)}; {_FIX}.")
+        q_mean = torch.complex(tensors["q_mean_real"].float(), tensors["q_mean_imag"].float())
+        return cls(q_mean=q_mean, q_abs_mean=tensors["q_abs_mean"].float(), metadata=metadata)
+
+    @classmethod
+    def from_reference_pt(
+        cls,
+        path: str | os.PathLike,
+        model_or_config: PreTrainedModel | PretrainedConfig | ModelGeometry,
+    ) -> "FrequencyStats":
+        """Import a statistics file of the TriAttention reference repository (github.com/WeianMao/triattention).
+
+        That format (``scripts/calibrate.py``, ``save_head_frequency_stats``) is a ``torch.save`` of
+        ``{"metadata": {..., "head_dim", "rope_style", "rope_type", "sampled_heads": [[layer, head], ...]},
+        "stats": {"layer{LL:02d}_head{HH:02d}": {"q_mean_real": [F], "q_mean_imag": [F], "q_abs_mean": [F]}}}``
+        with ``HH`` the query (attention) head and pairs in the ``rotate_half`` layout (``rope_style="half"``).
+        The file carries no model identity, so the geometry comes from ``model_or_config``; what the file does
+        record (head dim, rope type / theta, inv_freq, layer and head counts) is checked against it.
+
+        Note: the reference calibration captures ``q_proj`` outputs, skipping ``q_norm`` on QK-norm models
+        (Qwen3, Gemma3); a warning says so. It also multiplies by the RoPE ``attention_scaling`` (1 unless
+        YaRN-style scaling), which scales every score of a head alike and leaves the ranking unchanged.
+        """
+        path = Path(path)
+        geometry = model_or_config if isinstance(model_or_config, ModelGeometry) else describe(model_or_config)
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict):
+            raise ValueError(
+                f"{path} is not a TriAttention statistics file (expected a dict, got {type(payload).__name__})."
+            )
+        if "stats" not in payload and "layer_stats" in payload:
+            raise ValueError(
+                f"{path} is a TriAttention vLLM 'layer_stats' file, whose statistics are averaged over each GQA "
+                "group (per KV head); hf_ropekv needs per-query-head statistics. Use the per-head .pt file from "
+                f"the reference scripts/calibrate.py, or {_FIX}."
+            )
+        ref_meta = payload.get("metadata") or {}
+        entries = payload.get("stats")
+        if not isinstance(entries, dict) or not entries:
+            raise ValueError(
+                f"{path} has no 'stats' dict of 'layerLL_headHH' entries: not a TriAttention statistics file."
+            )
+        stats = _reference_tensors(path, entries, ref_meta, geometry)
+        _check_reference_metadata(path, ref_meta, geometry)
+        if _has_query_norm(model_or_config, geometry):
+            logger.warning(
+                "%s: the TriAttention reference calibration records queries before q_norm, but '%s' normalises "
+                "queries (q_norm) before RoPE, so these statistics are approximate. For exact ones, %s.",
+                path, geometry.model_type, _FIX,
+            )
+        metadata = {
+            **geometry_metadata(geometry),
+            "tokens": 0,  # the reference format does not record how many positions were averaged
+            "source": f"TriAttention reference statistics {path.name}",
+            "reference_metadata": {k: v for k, v in ref_meta.items() if k != "sampled_heads"},
+            "format_version": FORMAT_VERSION,
+        }
+        return cls(q_mean=stats[0], q_abs_mean=stats[1], metadata=_jsonable(metadata))
+
+    @classmethod
+    def resolve(cls, stats_or_path: "FrequencyStats | str | os.PathLike", geometry: ModelGeometry) -> "FrequencyStats":
+        """Statistics from an object or a file (``.safetensors`` from :meth:`save`, or a reference ``.pt``),
+        checked against the model's geometry."""
+        if isinstance(stats_or_path, FrequencyStats):
+            stats = stats_or_path
+        elif isinstance(stats_or_path, (str, os.PathLike)):
+            path = Path(stats_or_path)
+            if not path.is_file():
+                raise FileNotFoundError(f"No statistics file at {path}; create one with python -m hf_ropekv.calibrate.")
+            if path.suffix.lower() in _REFERENCE_SUFFIXES:
+                stats = cls.from_reference_pt(path, geometry)
+            else:
+                stats = cls.load(path)
+        else:
+            raise TypeError(
+                f"stats must be a FrequencyStats or the path of a statistics file, got {type(stats_or_path).__name__}."
+            )
+        stats.check_compatible(geometry)
+        return stats
+
+    # ------------------------------------------------------------------ checks
+    def check_compatible(self, geometry: ModelGeometry) -> None:
+        """Raise ``ValueError`` naming every difference between these statistics and the model."""
+        meta = self.metadata
+        problems: list[str] = []
+
+        def differ(name: str, ours: Any, model: Any) -> None:
+            problems.append(f"{name}: statistics have {ours!r}, the model has {model!r}")
+
+        for key, label in _IDENTITY_FIELDS.items():
+            model_value = getattr(geometry, key)
+            if meta.get(key) != model_value:
+                differ(label, meta.get(key), model_value)
+        expected_shape = (geometry.num_layers, geometry.num_q_heads, geometry.rotary_dim // 2)
+        if tuple(self.q_mean.shape) != expected_shape:
+            differ("tensor shape [layers, q_heads, rotary_dim/2]", tuple(self.q_mean.shape), expected_shape)
+        if not _same_number(meta.get("rope_theta"), geometry.rope_theta):
+            differ("rope theta", meta.get("rope_theta"), geometry.rope_theta)
+        ours_scaling = _rope_scaling(meta.get("rope_parameters") or {})
+        model_scaling = _rope_scaling(geometry.rope_parameters)
+        if not _same_params(ours_scaling, model_scaling):
+            differ("rope scaling", ours_scaling, model_scaling)
+        inv_freq = torch.tensor(meta.get("inv_freq") or [], dtype=torch.float32)
+        if not _same_frequencies(inv_freq, geometry.inv_freq):
+            problems.append("inv_freq (RoPE frequencies): the statistics were taken with other rotary frequencies")
+        if problems:
+            source = meta.get("source", "unknown source")
+            raise ValueError(
+                f"These query statistics ({source}) do not fit this model ('{geometry.model_type}'):\n  - "
+                + "\n  - ".join(problems)
+                + f"\nStatistics belong to one model: {_FIX}."
+            )
+
+
+class FrequencyAccumulator:
+    """Running sums of pre-RoPE query pairs, per layer and query head, in float64.
+
+    Sums stay on the device the queries come from (or ``device``), so adding never synchronises a GPU.
+    """
+
+    def __init__(self, geometry: ModelGeometry, device: torch.device | str | None = None) -> None:
+        self.geometry = geometry
+        self.device = torch.device(device) if device is not None else None
+        self._pairs = geometry.rotary_dim // 2
+        # Per layer: float64 [3, H_q, F] (sum of real parts, imaginary parts, moduli) and an int64 count.
+        self._sums: list[torch.Tensor | None] = [None] * geometry.num_layers
+        self._counts: list[torch.Tensor | None] = [None] * geometry.num_layers
+
+    def add(self, layer_idx: int, queries: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Add pre-RoPE queries ``[B, S, H_q, D]`` of one layer; ``mask`` (bool ``[B, S]``) is False at padding."""
+        g = self.geometry
+        if not 0 <= layer_idx < g.num_layers:
+            raise IndexError(f"layer_idx {layer_idx} is out of range for a model of {g.num_layers} layers.")
+        if queries.ndim != 4 or queries.shape[2] != g.num_q_heads or queries.shape[3] < g.rotary_dim:
+            raise ValueError(
+                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
+                f"got {tuple(queries.shape)}."
+            )
+        device = self.device or queries.device
+        if device.type == "mps":  # no float64 there
+            device = torch.device("cpu")
+        pairs = self._pairs
+        q = queries.detach()[..., : 2 * pairs].to(device=device, dtype=torch.float32)
+        real, imag = q[..., :pairs], q[..., pairs:]
+        modulus = torch.hypot(real, imag)
+        parts = torch.stack((real, imag, modulus))  # [3, B, S, H, F]
+        if mask is not None:
+            if mask.shape != queries.shape[:2]:
+                raise ValueError(f"mask must be [batch, seq] = {tuple(queries.shape[:2])}, got {tuple(mask.shape)}.")
+            keep = mask.to(device=device, dtype=torch.bool)
+            parts = torch.where(keep[None, :, :, None, None], parts, 0.0)  # where, not multiply: padding may be NaN
+            count = keep.sum(dtype=torch.int64)
+        else:
+            count = torch.tensor(queries.shape[0] * queries.shape[1], dtype=torch.int64, device=device)
+        sums = parts.sum(dim=(1, 2), dtype=torch.float64)
+        if self._sums[layer_idx] is None:
+            self._sums[layer_idx], self._counts[layer_idx] = sums, count
+        else:
+            self._sums[layer_idx] += sums.to(self._sums[layer_idx].device)
+            self._counts[layer_idx] += count.to(self._counts[layer_idx].device)
+
+    @property
+    def tokens(self) -> int:
+        """Positions counted in every layer (the smallest per-layer count; 0 until every layer saw some)."""
+        if any(c is None for c in self._counts):
+            return 0
+        return min(int(c) for c in self._counts)
+
+    def to_stats(self, source: str) -> FrequencyStats:
+        """The means so far, as float32 / complex64 CPU :class:`FrequencyStats`."""
+        counts = [0 if c is None else int(c) for c in self._counts]
+        empty = [i for i, n in enumerate(counts) if n == 0]
+        if empty:
+            raise ValueError(
+                f"No queries were recorded for layers {empty}: run the model forward over some text with "
+                "QueryCapture attached (hf_ropekv.calibrate does this) before building statistics."
+            )
+        if len(set(counts)) > 1:
+            logger.warning("hf_ropekv: layers saw different numbers of positions (%d to %d).", min(counts), max(counts))
+        sums = torch.stack([s.cpu() for s in self._sums])  # [L, 3, H, F] float64
+        means = sums / torch.tensor(counts, dtype=torch.float64).view(-1, 1, 1, 1)
+        q_mean = torch.complex(means[:, 0].float(), means[:, 1].float())
+        metadata = {
+            **geometry_metadata(self.geometry),
+            "tokens": min(counts),
+            "source": source,
+            "format_version": FORMAT_VERSION,
+        }
+        return FrequencyStats(q_mean=q_mean, q_abs_mean=means[:, 2].float(), metadata=metadata)
+
+
+def geometry_metadata(geometry: ModelGeometry) -> dict[str, Any]:
+    """The part of the statistics metadata that identifies the model (compared by ``check_compatible``)."""
+    return {
+        "model_type": geometry.model_type,
+        "num_layers": geometry.num_layers,
+        "num_q_heads": geometry.num_q_heads,
+        "num_kv_heads": geometry.num_kv_heads,
+        "head_dim": geometry.head_dim,
+        "rotary_dim": geometry.rotary_dim,
+        "rope_type": geometry.rope_type,
+        "rope_theta": geometry.rope_theta,
+        "rope_parameters": _jsonable(geometry.rope_parameters),
+        "inv_freq": [float(x) for x in geometry.inv_freq.tolist()],
+    }
+
+
+# ---------------------------------------------------------------------- reference import helpers
+_REFERENCE_KEY = re.compile(r"^layer(\d+)_head(\d+)$")
+
+
+def _reference_tensors(
+    path: Path, entries: dict, ref_meta: dict, geometry: ModelGeometry
+) -> tuple[torch.Tensor, torch.Tensor]:
+    layers, heads, pairs = geometry.num_layers, geometry.num_q_heads, geometry.rotary_dim // 2
+    real = torch.full((layers, heads, pairs), math.nan)
+    imag, modulus = real.clone(), real.clone()
+    problems: list[str] = []
+    for key, entry in entries.items():
+        match = _REFERENCE_KEY.match(str(key))
+        if match is None:
+            continue
+        layer, head = int(match.group(1)), int(match.group(2))
+        if layer >= layers or head >= heads:
+            problems.append(f"entry {key} is outside the model's {layers} layers x {heads} query heads")
+            continue
+        try:
+            parts = [entry[name].detach().float().flatten() for name in ("q_mean_real", "q_mean_imag", "q_abs_mean")]
+        except (KeyError, TypeError, AttributeError):
+            problems.append(f"entry {key} lacks q_mean_real / q_mean_imag / q_abs_mean tensors")
+            continue
+        if any(p.numel() != pairs for p in parts):
+            problems.append(
+                f"entry {key} has {parts[0].numel()} frequency pairs, the model rotates {pairs} "
+                f"(rotary_dim {geometry.rotary_dim}, head_dim {geometry.head_dim})"
+            )
+            continue
+        real[layer, head], imag[layer, head], modulus[layer, head] = parts
+    missing = torch.isnan(real[..., 0]).nonzero().tolist()
+    if missing:
+        shown = ", ".join(f"layer{l:02d}_head{h:02d}" for l, h in missing[:6])
+        problems.append(f"{len(missing)} of {layers * heads} (layer, query head) entries are missing ({shown}, ...)")
+    if problems:
+        raise ValueError(
+            f"The TriAttention statistics in {path} do not fit this model ('{geometry.model_type}'):\n  - "
+            + "\n  - ".join(problems[:20])
+            + f"\nStatistics belong to one model: {_FIX}."
+        )
+    return torch.complex(real, imag), modulus
+
+
+def _check_reference_metadata(path: Path, meta: dict, geometry: ModelGeometry) -> None:
+    problems: list[str] = []
+    style = meta.get("rope_style", "half")
+    if style != "half":
+        problems.append(f"rope_style {style!r}: HF models pair dim f with f + rotary_dim/2 ('half')")
+    if "head_dim" in meta and int(meta["head_dim"]) != geometry.head_dim:
+        problems.append(f"head_dim: file has {meta['head_dim']}, the model has {geometry.head_dim}")
+    if meta.get("rope_type") is not None and str(meta["rope_type"]) != geometry.rope_type:
+        problems.append(f"rope_type: file has {meta['rope_type']!r}, the model has {geometry.rope_type!r}")
+    if meta.get("rope_theta") is not None and not _same_number(float(meta["rope_theta"]), geometry.rope_theta):
+        problems.append(f"rope_theta: file has {meta['rope_theta']}, the model has {geometry.rope_theta}")
+    inv_freq = meta.get("inv_freq")
+    if inv_freq is not None:
+        inv_freq = torch.as_tensor(inv_freq, dtype=torch.float32).flatten()[: geometry.inv_freq.numel()]
+        if not _same_frequencies(inv_freq, geometry.inv_freq):
+            problems.append("inv_freq: the file was calibrated with other RoPE frequencies")
+    if problems:
+        raise ValueError(
+            f"The TriAttention statistics in {path} do not fit this model ('{geometry.model_type}'):\n  - "
+            + "\n  - ".join(problems)
+            + f"\nStatistics belong to one model: {_FIX}."
+        )
+
+
+def _has_query_norm(model_or_config: Any, geometry: ModelGeometry) -> bool:
+    if isinstance(model_or_config, nn.Module):
+        return any(
+            isinstance(getattr(m, name, None), nn.Module)
+            for m in model_or_config.modules()
+            for name in QUERY_NORM_NAMES
+        )
+    if isinstance(model_or_config, PretrainedConfig):
+        text = model_or_config.get_text_config(decoder=True)
+        if getattr(text, "qk_layernorm", False) or getattr(text, "use_qk_norm", False):
+            return True
+    return geometry.model_type in _QK_NORM_MODEL_TYPES
+
+
+# ---------------------------------------------------------------------- small helpers
+def _same_frequencies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=0)
+
+
+def _rope_scaling(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return math.isclose(float(a), float(b), rel_tol=1e-6)
+
+
+def _same_params(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        numbers = isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool)
+        if not (_same_number(x, y) if numbers else x == y):
+            return False
+    return True
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON types (tensors become lists, dtypes and other objects strings)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

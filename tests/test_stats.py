@@ -1,0 +1,211 @@
+"""FrequencyStats files, compatibility checks, reference import, and FrequencyAccumulator arithmetic."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config, StableLmConfig
+
+from hf_ropekv.model_info import describe
+from hf_ropekv.stats import FrequencyAccumulator, FrequencyStats
+
+
+def _qwen3_config(**overrides) -> Qwen3Config:
+    kwargs = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def _random_stats(geometry, seed: int = 0) -> FrequencyStats:
+    acc = FrequencyAccumulator(geometry)
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(geometry.num_layers):
+        acc.add(layer, torch.randn(2, 5, geometry.num_q_heads, geometry.head_dim, generator=gen) + 0.3)
+    return acc.to_stats(source="random test queries")
+
+
+def _hand_stats(queries: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Means over the token dim of ``queries [N, H, D]`` with q_f = q[f] + i q[f + pairs], in float64."""
+    q = queries.double()
+    z = torch.complex(q[..., :pairs], q[..., pairs : 2 * pairs])
+    return z.mean(0), z.abs().mean(0)
+
+
+# ---------------------------------------------------------------------- accumulator
+def test_accumulator_matches_hand_means_and_excludes_padding():
+    geometry = describe(_qwen3_config())
+    pairs = geometry.rotary_dim // 2
+    gen = torch.Generator().manual_seed(1)
+    acc = FrequencyAccumulator(geometry)
+    kept = {0: [], 1: []}
+    for step in range(2):
+        q = torch.randn(3, 7, 4, 32, generator=gen) * 2 + 1
+        mask = torch.rand(3, 7, generator=gen) > 0.3
+        mask[0, 0] = True
+        q[~mask] = float("nan")  # padding must not leak in, even as NaN
+        for layer in (0, 1):
+            acc.add(layer, q.to(torch.bfloat16 if step else torch.float32), mask)
+            kept[layer].append(q.to(torch.bfloat16 if step else torch.float32)[mask])
+    stats = acc.to_stats(source="unit test")
+    for layer in (0, 1):
+        mean, abs_mean = _hand_stats(torch.cat(kept[layer]), pairs)
+        q_mean, q_abs_mean = stats.for_layer(layer)
+        assert q_mean.dtype == torch.complex64 and q_abs_mean.dtype == torch.float32
+        torch.testing.assert_close(q_mean, mean.to(torch.complex64), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(q_abs_mean, abs_mean.float(), rtol=1e-5, atol=1e-6)
+    assert stats.tokens == acc.tokens == sum(len(k) for k in kept[0])
+    assert stats.metadata["source"] == "unit test"
+
+
+def test_accumulator_partial_rotary_pairs_f_with_f_plus_half_rotary_dim():
+    config = StableLmConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
+    )
+    geometry = describe(config)
+    assert (geometry.head_dim, geometry.rotary_dim) == (16, 8)
+    q = torch.randn(2, 6, 4, 16)
+    acc = FrequencyAccumulator(geometry)
+    acc.add(0, q)
+    stats = acc.to_stats(source="unit test")
+    mean, abs_mean = _hand_stats(q.flatten(0, 1), pairs=4)  # only dims 0..7, pair f with f + 4
+    assert stats.q_mean.shape == (1, 4, 4)
+    torch.testing.assert_close(stats.q_mean[0], mean.to(torch.complex64))
+    torch.testing.assert_close(stats.q_abs_mean[0], abs_mean.float())
+
+
+def test_accumulator_refuses_missing_layers_and_bad_shapes():
+    geometry = describe(_qwen3_config())
+    acc = FrequencyAccumulator(geometry)
+    acc.add(0, torch.randn(1, 3, 4, 32))
+    assert acc.tokens == 0  # layer 1 saw nothing yet
+    with pytest.raises(ValueError, match=r"layers \[1\]"):
+        acc.to_stats(source="x")
+    with pytest.raises(ValueError, match="4 heads"):
+        acc.add(1, torch.randn(1, 3, 2, 32))
+    with pytest.raises(ValueError, match="mask"):
+        acc.add(1, torch.randn(1, 3, 4, 32), torch.ones(1, 4, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------- files
+def test_save_load_round_trip_is_exact(tmp_path):
+    geometry = describe(_qwen3_config())
+    stats = _random_stats(geometry)
+    path = tmp_path / "stats.safetensors"
+    stats.save(path)
+    loaded = FrequencyStats.load(path)
+    assert torch.equal(loaded.q_mean, stats.q_mean) and torch.equal(loaded.q_abs_mean, stats.q_abs_mean)
+    assert loaded.q_mean.dtype == torch.complex64 and loaded.q_abs_mean.dtype == torch.float32
+    assert loaded.metadata == {**stats.metadata, "format_version": 1}
+    for key in ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_type",
+                "rope_theta", "rope_parameters", "inv_freq", "tokens", "source", "format_version"):
+        assert key in loaded.metadata
+    assert loaded.tokens == 10 and loaded.metadata["source"] == "random test queries"
+    assert torch.equal(torch.tensor(loaded.metadata["inv_freq"]), geometry.inv_freq)
+    resolved = FrequencyStats.resolve(str(path), geometry)
+    assert torch.equal(resolved.q_mean, stats.q_mean)
+    assert FrequencyStats.resolve(stats, geometry) is stats
+
+
+@pytest.mark.parametrize(
+    "other, expected",
+    [
+        (_qwen3_config(num_attention_heads=8), ["query heads", "tensor shape"]),
+        (_qwen3_config(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), ["rope theta", "inv_freq"]),
+        (
+            LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+            ["model type"],
+        ),
+    ],
+    ids=["heads", "rope_theta", "model_type"],
+)
+def test_mismatched_statistics_are_refused_with_the_mismatch_named(tmp_path, other, expected):
+    stats = _random_stats(describe(_qwen3_config()))
+    path = tmp_path / "stats.safetensors"
+    stats.save(path)
+    with pytest.raises(ValueError) as err:
+        FrequencyStats.resolve(path, describe(other))
+    message = str(err.value)
+    for name in expected:
+        assert name in message
+    assert "python -m hf_ropekv.calibrate" in message
+
+
+def test_load_refuses_files_that_are_not_statistics(tmp_path):
+    bad = tmp_path / "junk.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        FrequencyStats.load(bad)
+    with pytest.raises(FileNotFoundError, match="hf_ropekv.calibrate"):
+        FrequencyStats.resolve(tmp_path / "missing.safetensors", describe(_qwen3_config()))
+
+
+# ---------------------------------------------------------------------- reference .pt import
+def _reference_payload(layers: int, heads: int, pairs: int, head_dim: int, seed: int = 0) -> dict:
+    """A file as the TriAttention reference writes it (scripts/calibrate.py, save_head_frequency_stats)."""
+    gen = torch.Generator().manual_seed(seed)
+    stats = {
+        f"layer{l:02d}_head{h:02d}": {
+            "q_mean_real": torch.randn(pairs, generator=gen),
+            "q_mean_imag": torch.randn(pairs, generator=gen),
+            "q_abs_mean": torch.rand(pairs, generator=gen) + 1,
+        }
+        for l in range(layers)
+        for h in range(heads)
+    }
+    metadata = {
+        "num_traces": 1, "head_dim": head_dim, "dtype": "bfloat16", "use_chat_template": False,
+        "system_prompt": "", "prompt_template": "", "kv_budget": 0, "attn_implementation": "flash_attention_2",
+        "rope_style": "half", "rope_type": "default",
+        "sampled_heads": [[l, h] for l in range(layers) for h in range(heads)],
+    }
+    return {"metadata": metadata, "stats": stats}
+
+
+def test_reference_pt_import(tmp_path, caplog):
+    config = _qwen3_config()
+    geometry = describe(config)
+    payload = _reference_payload(2, 4, 16, 32)
+    path = tmp_path / "qwen3_stats.pt"
+    torch.save(payload, path)
+    with caplog.at_level(logging.WARNING, logger="hf_ropekv.stats"):
+        stats = FrequencyStats.from_reference_pt(path, config)
+    assert "q_norm" in caplog.text  # Qwen3 normalises queries; the reference calibration did not
+    entry = payload["stats"]["layer01_head03"]
+    assert torch.equal(stats.q_mean[1, 3], torch.complex(entry["q_mean_real"], entry["q_mean_imag"]))
+    assert torch.equal(stats.q_abs_mean[1, 3], entry["q_abs_mean"])
+    assert stats.tokens == 0 and "qwen3_stats.pt" in stats.metadata["source"]
+    stats.check_compatible(geometry)
+    resolved = FrequencyStats.resolve(path, geometry)  # .pt paths go through the importer
+    assert torch.equal(resolved.q_mean, stats.q_mean)
+    saved = tmp_path / "converted.safetensors"
+    resolved.save(saved)
+    assert FrequencyStats.load(saved).metadata["reference_metadata"]["rope_style"] == "half"
+
+
+def test_reference_pt_import_refuses_mismatches(tmp_path):
+    config = _qwen3_config()
+    payload = _reference_payload(2, 4, 16, 32)
+    del payload["stats"]["layer01_head02"]
+    payload["metadata"]["rope_type"] = "yarn"
+    path = tmp_path / "bad.pt"
+    torch.save(payload, path)
+    with pytest.raises(ValueError) as err:
+        FrequencyStats.from_reference_pt(path, config)
+    assert "layer01_head02" in str(err.value)
+    payload = _reference_payload(2, 4, 16, 32)
+    payload["metadata"]["rope_type"] = "yarn"
+    payload["metadata"]["head_dim"] = 64
+    torch.save(payload, path)
+    with pytest.raises(ValueError) as err:
+        FrequencyStats.from_reference_pt(path, config)
+    assert "rope_type" in str(err.value) and "head_dim" in str(err.value)
+    torch.save({"metadata": {}, "layer_stats": {0: {}}}, path)
+    with pytest.raises(ValueError, match="per KV head"):
+        FrequencyStats.from_reference_pt(path, config)
