@@ -191,7 +191,9 @@ def _rotary_class(config: PretrainedConfig) -> type[nn.Module] | None:
 
 
 def _full_attention_inv_freq(rotary: nn.Module, name: str) -> torch.Tensor:
-    for attr in ("inv_freq", f"{FULL}_inv_freq"):
+    # A model whose layers are all sliding windows (nothing to compress) still has frequencies: take those.
+    names = ["inv_freq", f"{FULL}_inv_freq"] + [n for n, _ in rotary.named_buffers() if n.endswith("_inv_freq")]
+    for attr in names:
         value = getattr(rotary, attr, None)
         if isinstance(value, torch.Tensor):
             return value

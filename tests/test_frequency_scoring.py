@@ -1,0 +1,142 @@
+"""The default policy: RoPE frequency scoring inside the cache, at the paper's operating point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
+from hf_ropekv.calibrate import calibrate
+from hf_ropekv.model_info import describe
+from hf_ropekv.scoring import query_weights, score_keys
+from hf_ropekv.stats import geometry_metadata
+from test_cache_exact import padded_batch
+
+PROMPT, BUDGET, EVERY = 40, 16, 8
+
+
+def random_stats(model_or_config, seed: int = 0, spread: float = 1.0) -> FrequencyStats:
+    """Random statistics; ``spread`` scales A - |q_mean| (0: the norm term vanishes, only trig is left)."""
+    geometry = describe(model_or_config)
+    g = torch.Generator().manual_seed(seed)
+    shape = (geometry.num_layers, geometry.num_q_heads, geometry.inv_freq.numel())
+    q_mean = torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    q_abs = q_mean.abs() * (1 + spread * torch.rand(shape, generator=g))
+    return FrequencyStats(q_mean, q_abs, {**geometry_metadata(geometry), "tokens": 1, "source": "random"})
+
+
+def fill(cache: RopeKVCache, keys_per_layer: list[torch.Tensor]) -> None:
+    """Prefill every layer with the given keys (values random), then one decoding token to trigger compaction."""
+    for layer, keys in enumerate(keys_per_layer):
+        cache.update(keys, torch.randn_like(keys), layer)
+    for layer, keys in enumerate(keys_per_layer):
+        step = torch.randn(keys.shape[0], keys.shape[1], 1, keys.shape[3])
+        cache.update(step, torch.randn_like(step), layer)
+
+
+def planted_keys(config, stats: FrequencyStats, slots: list[int], sign: float) -> list[torch.Tensor]:
+    """Random keys, except `slots`, which point along (sign x) the scoring direction of one query head."""
+    geometry = describe(config)
+    group = geometry.group_size
+    out = []
+    for layer in range(geometry.num_layers):
+        keys = torch.randn(1, geometry.num_kv_heads, PROMPT, geometry.head_dim)
+        q_mean, q_abs = stats.for_layer(layer)
+        w, _ = query_weights(q_mean, q_abs, geometry.inv_freq, PROMPT)  # [1, H_q, 2F]
+        for kv_head in range(geometry.num_kv_heads):
+            direction = w[0, kv_head * group, :]
+            direction = direction / direction.norm()
+            for slot in slots:
+                keys[0, kv_head, slot, : direction.numel()] = sign * 6.0 * direction
+        out.append(keys)
+    return out
+
+
+@pytest.mark.parametrize(
+    "sign, survive, kv_heads, spread",
+    [
+        (1.0, True, 2, 1.0),  # GQA: aligned with one head of the group, the group max keeps it
+        (-1.0, False, 4, 0.0),  # one query head per KV head, trig only: anti-aligned keys go first
+    ],
+)
+def test_eviction_follows_the_scores(sign: float, survive: bool, kv_heads: int, spread: float) -> None:
+    config = tiny_model("llama", num_key_value_heads=kv_heads).config
+    stats = random_stats(config, spread=spread)
+    slots = [3, 17, 29]
+    cache = RopeKVCache(config, budget=BUDGET, compress_every=EVERY, stats=stats, protect_prompt=False)
+    fill(cache, planted_keys(config, stats, slots, sign))
+    assert cache.num_compactions == 1 and cache.tokens_kept == BUDGET + 1
+    for layer in cache._full_layers:
+        kept = layer.storage.live_positions()[0]
+        for head in range(kept.shape[0]):
+            present = {slot in kept[head].tolist() for slot in slots}
+            assert present == {survive}, f"layer {layer.layer_idx} head {head}: {kept[head].tolist()}"
+
+
+def reference_selection(keys: list[torch.Tensor], stats: FrequencyStats, inv_freq, position: int, keep: int):
+    """DESIGN.md §2 selection written out: z-score per query head, max over the group, mean over layers, top-k."""
+    per_layer = []
+    for layer, k in enumerate(keys):
+        q_mean, q_abs = stats.for_layer(layer)
+        raw = score_keys(k, q_mean, q_abs, inv_freq, position)[0].double()  # [H_q, S]
+        z = (raw - raw.mean(-1, keepdim=True)) / raw.std(-1, unbiased=False, keepdim=True)
+        per_layer.append(z.view(k.shape[1], -1, k.shape[2]).amax(1))
+    ranking = torch.stack(per_layer).mean(0)
+    return ranking.topk(keep, dim=-1).indices.sort(-1).values
+
+
+def test_global_selection_matches_the_formula() -> None:
+    config = tiny_model("qwen3", num_hidden_layers=3).config
+    stats = random_stats(config, seed=1)
+    geometry = describe(config)
+    keys = [torch.randn(1, geometry.num_kv_heads, PROMPT, geometry.head_dim) for _ in range(geometry.num_layers)]
+    cache = RopeKVCache(config, budget=BUDGET, compress_every=EVERY, stats=stats, protect_prompt=False)
+    fill(cache, keys)
+    want = reference_selection(keys, stats, geometry.inv_freq, PROMPT, BUDGET)
+    got = cache._full_layers[0].storage.live_positions()[0, :, :BUDGET]
+    assert torch.equal(got, want)
+
+
+def test_mismatched_stats_are_refused() -> None:
+    other = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2).config
+    with pytest.raises(ValueError, match="query heads"):
+        RopeKVCache(tiny_model("llama"), budget=32, stats=random_stats(other))
+
+
+def test_stats_from_a_file_are_validated(tmp_path) -> None:
+    model = tiny_model("qwen3")
+    path = tmp_path / "stats.safetensors"
+    random_stats(model).save(path)
+    cache = RopeKVCache(model, budget=32, stats=str(path))
+    assert isinstance(cache.scorer, FrequencyScorer) and cache.scorer.stats.tokens == 1
+    with pytest.raises(ValueError, match="model type"):
+        RopeKVCache(tiny_model("llama"), budget=32, stats=path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_generate_with_calibrated_and_online_statistics(arch: str) -> None:
+    model = tiny_model(arch)
+    ids, mask = padded_batch(model.config.vocab_size)
+    stats = calibrate(model, None, torch.randint(3, model.config.vocab_size, (4, 64)), progress=False)
+    runs = {}
+    for name, options in {"calibrated": {"stats": stats}, "online": {}}.items():
+        cache = RopeKVCache(model, budget=20, compress_every=8, **options)
+        runs[name] = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                                    max_new_tokens=40, do_sample=False, pad_token_id=0)
+        assert cache.num_compactions >= 3 and cache.tokens_kept <= 28
+    assert runs["online"].shape == runs["calibrated"].shape == (3, ids.shape[1] + 40)
+
+
+def test_online_statistics_come_from_the_prompt() -> None:
+    """stats=None: the statistics the scorer uses are those of the prompt's real (unpadded) queries."""
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 7))
+    cache = RopeKVCache(model, budget=14, compress_every=4)
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, pad_token_id=0)
+    online = cache.scorer.stats
+    rows = [ids[0, :], ids[1, 5:]]  # the real tokens of each row, each calibrated on its own
+    offline = calibrate(model, None, [r.tolist() for r in rows], progress=False)
+    assert online.tokens == 12 + 7
+    torch.testing.assert_close(online.q_mean, offline.q_mean, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(online.q_abs_mean, offline.q_abs_mean, atol=1e-5, rtol=1e-4)
