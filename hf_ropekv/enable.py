@@ -1,0 +1,424 @@
+"""Turn RopeKVCache on for every ``generate()`` call of a model, in one line.
+
+    import hf_ropekv
+    hf_ropekv.enable(model, budget=2048, stats="model.ropekv.safetensors")
+    model.generate(**inputs, max_new_tokens=8192)    # a fresh RopeKVCache for this call
+    hf_ropekv.disable(model)                         # back to DynamicCache
+
+    with hf_ropekv.enabled(model, budget=1024):      # temporary; restores what was there before
+        trainer.evaluate()
+
+How it works. transformers has no registry for custom ``cache_implementation`` names, so ``enable`` wraps the
+one method through which every ``generate()`` call gets its cache: ``GenerationMixin._prepare_cache_for_generation``
+(same signature on 5.17 and 5.24; 5.17 keeps the cache under ``model_kwargs["past_key_values"]``, 5.24 under
+``model_kwargs["cache"]``). The wrapper is an *instance* attribute of the model: nothing in transformers or in
+other models changes, and ``disable`` deletes it again. It runs transformers' own preparation first, and only when
+transformers just made a plain ``DynamicCache`` for this call does it put a fresh ``RopeKVCache(model, ...)`` in
+its place. Therefore:
+
+- a cache passed by the user (``past_key_values=`` / ``cache=``) always wins;
+- ``use_cache=False``, and an explicit ``cache_implementation`` other than ``"dynamic"`` (``"static"``,
+  ``"offloaded"``, ``"quantized"``), keep their transformers meaning (with a warning);
+- every call gets its own cache (a cache belongs to one batch), whoever calls ``generate``: ``pipeline``,
+  ``Trainer``/``Seq2SeqTrainer`` evaluation, a ``compute_metrics`` loop; beam search and batches included, and
+  however ``model.generation_config`` is changed or replaced;
+- decoding modes that must roll the cache back (assisted/speculative decoding, DoLa, contrastive search) get
+  transformers' ``DynamicCache`` (with a warning when a budget is set): a compacted cache cannot be cropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.utils import logging
+
+from . import _compat
+from .cache import RopeKVCache, _check_options
+from .model_info import ModelGeometry, describe
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["enable", "disable", "enabled", "is_enabled"]
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+_STATE_ATTR = "_hf_ropekv_enablement"
+_HOOK_ATTR = "_prepare_cache_for_generation"
+_HOOK_MARK = "_hf_ropekv_enable_hook"
+_PREPARE_INPUTS_ATTR = "prepare_inputs_for_generation"  # wrapped by hf_ropekv.attach when a cache is built
+
+#: Options of ``RopeKVCache(model, ...)`` that ``enable`` forwards (``budget`` and ``stats`` are named arguments).
+_CACHE_OPTIONS = tuple(
+    name
+    for name, param in inspect.signature(RopeKVCache.__init__).parameters.items()
+    if name not in ("self", "model_or_config", "budget", "stats") and param.kind is param.KEYWORD_ONLY
+)
+#: ``cache_implementation`` values that mean "transformers' default dynamic cache": enable replaces those.
+_DYNAMIC_IMPLEMENTATIONS = (None, "dynamic")
+#: Generation modes that crop the cache (roll it back), impossible once tokens were evicted.
+_CROPPING_MODES = ("assisted_generation", "dola_generation", "contrastive_search")
+#: Batch rows (batch x beams / returned sequences) from which the per-row budget is worth a warning.
+_MANY_ROWS = 64
+#: Budgets below this are small for a prompt plus a useful answer (the prompt is pinned and counts).
+_SMALL_BUDGET = 256
+
+
+class _Enablement:
+    """What ``enable`` stored on a model: the cache options and what it replaced."""
+
+    def __init__(self, options: dict[str, Any], geometry: ModelGeometry, previous_hook: Any, had_prepare_inputs: bool):
+        self.options = options
+        self.geometry = geometry
+        self.previous_hook = previous_hook  # instance attribute that was there before enable, or None
+        self.had_prepare_inputs = had_prepare_inputs
+        self.caches_created = 0
+
+    def new_cache(self, model: nn.Module) -> RopeKVCache:
+        options = dict(self.options)
+        scorer = options.get("scorer")
+        if _is_scorer_factory(scorer):
+            options["scorer"] = scorer()  # one scorer per cache
+        self.caches_created += 1
+        return RopeKVCache(model, **options)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def enable(model: ModelT, budget: int | None = None, *, stats: Any = None, **options: Any) -> ModelT:
+    """Give every ``model.generate()`` call that passes no cache of its own a fresh :class:`RopeKVCache`.
+
+    Args:
+        model: a decoder-only RoPE ``PreTrainedModel`` with ``generate`` (any dtype, device or ``device_map``).
+        budget: tokens kept per row, KV head and layer (see :class:`RopeKVCache`); ``None`` never evicts.
+        stats: query statistics for the default RoPE scorer: a ``FrequencyStats`` or the path of a file from
+            ``hf_ropekv.calibrate``. Loaded and checked against the model once, here. ``None`` gathers them
+            online from each prompt.
+        **options: any other keyword of :class:`RopeKVCache`: ``compress_every``, ``page_size``, ``window``,
+            ``sink``, ``protect_prompt``, ``scorer``, ``selection``, ``seed``. ``scorer`` may be a scorer
+            (shared by all calls) or a zero-argument callable returning one (called once per cache).
+
+    Returns:
+        ``model`` itself, for chaining. Calling ``enable`` again replaces the options.
+
+    Raises:
+        TypeError: ``model`` cannot ``generate``, or an option is unknown.
+        ValueError: an option is invalid, the model is not supported, or ``stats`` do not fit the model.
+    """
+    config = _validated_options(model, budget, stats, options)
+    _warn_risky(model, config)
+    _install(model, config)
+    return model
+
+
+def disable(model: ModelT) -> ModelT:
+    """Undo :func:`enable`: ``generate()`` makes transformers' own caches again. A no-op when not enabled.
+
+    The model's attributes are restored exactly (the wrapper is deleted, or the attribute that was there before
+    is put back). Caches already handed out keep working.
+    """
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return model
+    current = model.__dict__.get(_HOOK_ATTR)
+    if _is_our_hook(current, model):
+        if state.previous_hook is None:
+            delattr(model, _HOOK_ATTR)
+        else:
+            setattr(model, _HOOK_ATTR, state.previous_hook)
+    else:
+        # Someone wrapped `_prepare_cache_for_generation` after us: our hook stays in their chain but, with the
+        # state gone, only passes through.
+        logger.warning(
+            "hf_ropekv.disable: `%s` was wrapped again after hf_ropekv.enable(); the hf_ropekv hook stays inside "
+            "that wrapper as a pass-through.",
+            _HOOK_ATTR,
+        )
+    wrapped_inputs = model.__dict__.get(_PREPARE_INPUTS_ATTR)
+    if not state.had_prepare_inputs and wrapped_inputs is not None and _is_attach_wrapper(wrapped_inputs):
+        delattr(model, _PREPARE_INPUTS_ATTR)
+    delattr(model, _STATE_ATTR)
+    logger.info("hf_ropekv disabled on %s (%d caches were created).", type(model).__name__, state.caches_created)
+    return model
+
+
+@contextlib.contextmanager
+def enabled(model: ModelT, budget: int | None = None, *, stats: Any = None, **options: Any) -> Iterator[ModelT]:
+    """Context-manager form of :func:`enable`: on exit (exception or not) the model is as it was on entry.
+
+    Nesting is safe: an inner block with other options restores the outer block's options when it ends.
+
+        with hf_ropekv.enabled(model, budget=1024) as m:
+            m.generate(...)
+    """
+    previous = model.__dict__.get(_STATE_ATTR)
+    previous_options = None if previous is None else dict(previous.options)
+    enable(model, budget, stats=stats, **options)
+    try:
+        yield model
+    finally:
+        if previous_options is None:
+            disable(model)
+        else:
+            state = model.__dict__.get(_STATE_ATTR)
+            if state is None:  # disabled inside the block: enable again with the outer options
+                _install(model, _Config(previous_options, previous.geometry))
+            else:
+                state.options = previous_options
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether :func:`enable` is in effect on ``model``."""
+    return _STATE_ATTR in model.__dict__ and _is_our_hook(_find_hook(model), model)
+
+
+# --------------------------------------------------------------------------- validation and warnings
+
+
+class _Config:
+    def __init__(self, options: dict[str, Any], geometry: ModelGeometry):
+        self.options = options
+        self.geometry = geometry
+
+
+def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[str, Any]) -> _Config:
+    """Check everything ``RopeKVCache(model, ...)`` would check, once, without building a cache."""
+    if not isinstance(model, nn.Module) or not callable(getattr(model, _HOOK_ATTR, None)):
+        raise TypeError(
+            f"hf_ropekv.enable needs a transformers model with generate() (a GenerationMixin); got "
+            f"{type(model).__name__}. For a PEFT or other wrapper, enable the underlying model "
+            "(e.g. peft_model.get_base_model())."
+        )
+    unknown = sorted(set(options) - set(_CACHE_OPTIONS))
+    if unknown:
+        raise TypeError(f"hf_ropekv.enable got unknown option(s) {unknown}; RopeKVCache accepts {list(_CACHE_OPTIONS)}.")
+    defaults = {
+        name: param.default
+        for name, param in inspect.signature(RopeKVCache.__init__).parameters.items()
+        if name in _CACHE_OPTIONS
+    }
+    merged = {**defaults, **options}
+    _check_options(
+        budget, merged["compress_every"], merged["page_size"], merged["window"], merged["sink"], merged["selection"]
+    )
+    geometry = describe(model)  # raises ValueError for models the cache cannot hold
+    scorer = options.get("scorer")
+    if scorer is not None:
+        probe = scorer() if _is_scorer_factory(scorer) else scorer
+        if not callable(getattr(probe, "score", None)):
+            raise TypeError(
+                "scorer must have a `score(keys, ctx)` method (see hf_ropekv.scorers), or be a zero-argument callable "
+                f"returning such a scorer; got {type(scorer).__name__}."
+            )
+        if stats is not None:
+            raise ValueError("Pass `stats` to the FrequencyScorer you build, or omit `scorer`; not both.")
+    if stats is not None:
+        from .stats import FrequencyStats
+
+        stats = FrequencyStats.resolve(stats, geometry)  # loaded once; every cache shares the object
+    return _Config({"budget": budget, "stats": stats, **options}, geometry)
+
+
+def _warn_risky(model: nn.Module, config: _Config) -> None:
+    options = config.options
+    budget = options["budget"]
+    name = type(model).__name__
+    if budget is None:
+        logger.info("hf_ropekv.enable(%s, budget=None): nothing is evicted; outputs equal DynamicCache's.", name)
+    else:
+        if budget < _SMALL_BUDGET:
+            logger.warning_once(
+                f"hf_ropekv.enable: budget={budget} is small. The prompt is pinned and counts toward the budget "
+                "(a longer prompt raises), and little room is left for the answer: expect degraded outputs. "
+                f"Budgets of 1024-4096 tokens are typical."
+            )
+        compress_every = options.get("compress_every", 128)
+        if compress_every > budget:
+            logger.warning_once(
+                f"hf_ropekv.enable: compress_every={compress_every} exceeds budget={budget}; the cache grows to "
+                f"{budget + compress_every} tokens before each compaction, more than twice the budget."
+            )
+        if options.get("stats") is None and options.get("scorer") is None:
+            logger.info(
+                "hf_ropekv.enable: no calibrated statistics; query statistics are gathered from each prompt. "
+                "Short prompts give noisy statistics: see hf_ropekv.calibrate."
+            )
+        mode = _cropping_mode(getattr(model, "generation_config", None))
+        if mode is not None:
+            logger.warning_once(
+                f"hf_ropekv.enable: {name}.generation_config asks for {mode}, which rolls the cache back; a cache "
+                "that evicted tokens cannot. Such calls get transformers' DynamicCache instead of RopeKVCache."
+            )
+    implementation = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+    if implementation not in (*_DYNAMIC_IMPLEMENTATIONS, "hybrid"):
+        logger.warning_once(
+            f"hf_ropekv.enable: {name}.generation_config.cache_implementation={implementation!r} is set; while it "
+            "is, generate() builds that cache and not RopeKVCache. Set it to None to use RopeKVCache."
+        )
+
+
+def _cropping_mode(generation_config: Any) -> str | None:
+    """Name of a cache-cropping decoding mode a generation config asks for, if any."""
+    if generation_config is None:
+        return None
+    if getattr(generation_config, "prompt_lookup_num_tokens", None) or getattr(
+        generation_config, "assistant_early_exit", None
+    ):
+        return "assisted decoding"
+    if getattr(generation_config, "dola_layers", None) is not None:
+        return "DoLa decoding"
+    penalty_alpha, top_k = getattr(generation_config, "penalty_alpha", None), getattr(generation_config, "top_k", None)
+    if penalty_alpha is not None and penalty_alpha > 0 and top_k is not None and top_k > 1:
+        return "contrastive search"
+    return None
+
+
+# --------------------------------------------------------------------------- the hook
+
+
+def _install(model: nn.Module, config: _Config) -> None:
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is not None and _is_our_hook(model.__dict__.get(_HOOK_ATTR), model):
+        state.options = config.options
+        logger.info("hf_ropekv.enable: options of %s replaced.", type(model).__name__)
+        return
+    previous = model.__dict__.get(_HOOK_ATTR)
+    state = _Enablement(
+        config.options,
+        config.geometry,
+        previous_hook=previous,
+        had_prepare_inputs=_PREPARE_INPUTS_ATTR in model.__dict__,
+    )
+    hook = types.MethodType(_make_hook(previous), model)
+    # nn.Module.__setattr__ stores plain callables in the instance __dict__, where attribute lookup finds them
+    # before the class's method.
+    object.__setattr__(model, _STATE_ATTR, state)
+    setattr(model, _HOOK_ATTR, hook)
+    logger.info("hf_ropekv enabled on %s: %s", type(model).__name__, _describe_options(config.options))
+
+
+def _make_hook(previous: Any) -> Callable[..., Any]:
+    """The replacement of ``_prepare_cache_for_generation``; ``previous`` is an instance attribute it replaced."""
+
+    def _prepare_cache_for_generation(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        original = previous if previous is not None else getattr(type(self), _HOOK_ATTR).__get__(self)
+        state = self.__dict__.get(_STATE_ATTR)
+        if state is None:
+            return original(*args, **kwargs)
+        call = _prepare_cache_call(original, args, kwargs)
+        if call is None:
+            return original(*args, **kwargs)
+        generation_config, model_kwargs, mode, batch_size = call
+        reason = _keep_transformers_cache(state, generation_config, model_kwargs, mode)
+        result = original(*args, **kwargs)
+        if reason is not None:
+            logger.debug("hf_ropekv: generate() keeps transformers' cache (%s).", reason)
+            return result
+        for name in _compat.CACHE_KWARGS:
+            if type(model_kwargs.get(name)) is DynamicCache:
+                model_kwargs[name] = state.new_cache(self)
+                _warn_many_rows(state, generation_config, batch_size)
+                break
+        return result
+
+    setattr(_prepare_cache_for_generation, _HOOK_MARK, True)
+    return _prepare_cache_for_generation
+
+
+def _prepare_cache_call(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple | None:
+    """``(generation_config, model_kwargs, generation_mode, batch_size)`` of a ``_prepare_cache_for_generation`` call.
+
+    [_compat candidate] transformers 5.17 and 5.24 both call it as ``(generation_config, model_kwargs,
+    generation_mode, batch_size, max_cache_length)``; the arguments are bound by name so that a reordering in a
+    later version is harmless, and an unrecognisable call leaves generation untouched (with a warning).
+    """
+    try:
+        bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    except TypeError:
+        bound = {}
+    generation_config, model_kwargs = bound.get("generation_config"), bound.get("model_kwargs")
+    if generation_config is None or not isinstance(model_kwargs, dict):
+        logger.warning_once(
+            "hf_ropekv.enable: this transformers version calls `_prepare_cache_for_generation` in an unknown way; "
+            "generate() uses transformers' own cache. Pass past_key_values=RopeKVCache(model, ...) explicitly."
+        )
+        return None
+    mode = bound.get("generation_mode")
+    return generation_config, model_kwargs, getattr(mode, "value", mode), bound.get("batch_size")
+
+
+def _keep_transformers_cache(state: _Enablement, generation_config: Any, model_kwargs: dict, mode: Any) -> str | None:
+    """Why this call must keep the cache transformers prepares, or ``None`` to use a RopeKVCache."""
+    if any(model_kwargs.get(name) is not None for name in _compat.CACHE_KWARGS):
+        return "the caller passed a cache"
+    if getattr(generation_config, "use_cache", True) is False:
+        return "use_cache=False"
+    implementation = getattr(generation_config, "cache_implementation", None)
+    if implementation not in _DYNAMIC_IMPLEMENTATIONS:
+        logger.warning_once(
+            f"hf_ropekv: generate() was asked for cache_implementation={implementation!r}; that cache is used "
+            "instead of RopeKVCache for these calls."
+        )
+        return f"cache_implementation={implementation!r}"
+    if getattr(generation_config, "is_assistant", False):
+        return "assistant model (its cache is rolled back)"
+    if mode in _CROPPING_MODES:
+        # Without a budget RopeKVCache would only equal DynamicCache, so nothing is lost by keeping it.
+        if state.options.get("budget") is not None:
+            logger.warning_once(
+                f"hf_ropekv: {mode} rolls the cache back, which a cache that evicted tokens cannot do; these calls "
+                "use transformers' DynamicCache (no memory bound). Use greedy/sampling/beam search for a bounded cache."
+            )
+        return mode
+    return None
+
+
+def _warn_many_rows(state: _Enablement, generation_config: Any, batch_size: Any) -> None:
+    budget = state.options.get("budget")
+    if budget is None or not isinstance(batch_size, int):
+        return
+    expand = max(getattr(generation_config, "num_beams", 1) or 1, getattr(generation_config, "num_return_sequences", 1) or 1)
+    rows = batch_size * expand
+    if rows >= _MANY_ROWS:
+        compress_every = state.options.get("compress_every", 128)
+        per_token = state.geometry.kv_bytes_per_token(torch.bfloat16)
+        estimate = rows * (budget + compress_every) * per_token / 2**30
+        logger.warning_once(
+            f"hf_ropekv: {rows} rows (batch {batch_size} x {expand} beams/sequences) each keep up to "
+            f"budget + compress_every = {budget + compress_every} tokens: about {estimate:.1f} GiB of KV in 16-bit. "
+            "The budget is per row: lower it, or the batch / num_beams, if memory is tight."
+        )
+
+
+def _describe_options(options: dict[str, Any]) -> str:
+    shown = {k: (type(v).__name__ if k in ("stats", "scorer") and v is not None else v) for k, v in options.items()}
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _is_scorer_factory(scorer: Any) -> bool:
+    """A scorer class, or a zero-argument callable that is not itself a scorer."""
+    return isinstance(scorer, type) or (callable(scorer) and not hasattr(scorer, "score"))
+
+
+def _find_hook(model: nn.Module) -> Any:
+    return model.__dict__.get(_HOOK_ATTR)
+
+
+def _is_our_hook(hook: Any, model: nn.Module) -> bool:
+    return (
+        isinstance(hook, types.MethodType)
+        and getattr(hook.__func__, _HOOK_MARK, False)
+        and hook.__self__ is model
+    )
+
+
+def _is_attach_wrapper(function: Any) -> bool:
+    from .attach import _WRAPPED_MARK
+
+    return bool(getattr(function, _WRAPPED_MARK, False))
