@@ -25,23 +25,27 @@ def kept_positions(cache: RopeKVCache) -> torch.Tensor:
     return first
 
 
-def reference_mask(kept: torch.Tensor, mask2d: torch.Tensor, new: int, group: int) -> torch.Tensor:
+def reference_mask(
+    kept: torch.Tensor, mask2d: torch.Tensor, new: int, group: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Additive 4-D mask [B, H_q, new, total]: each query sees the kept tokens of its KV head, causally."""
     batch, kv_heads, _ = kept.shape
-    total = mask2d.shape[1]
-    allowed = torch.zeros(batch, kv_heads, total, dtype=torch.bool)
+    total, device = mask2d.shape[1], kept.device
+    allowed = torch.zeros(batch, kv_heads, total, dtype=torch.bool, device=device)
     allowed.scatter_(2, kept, True)
-    query_pos = torch.arange(total - new, total).view(1, 1, new, 1)
-    allowed = allowed[:, :, None, :] & (torch.arange(total).view(1, 1, 1, total) <= query_pos)
-    allowed &= mask2d.bool()[:, None, None, :]
+    query_pos = torch.arange(total - new, total, device=device).view(1, 1, new, 1)
+    columns = torch.arange(total, device=device).view(1, 1, 1, total)
+    allowed = allowed[:, :, None, :] & (columns <= query_pos)
+    allowed &= mask2d.bool().to(device)[:, None, None, :]
     # Padding queries see nothing; let them see themselves so no NaN enters the reference (never compared).
-    diagonal = torch.arange(total).view(1, 1, 1, total) == query_pos
-    allowed |= diagonal & ~allowed.any(-1, keepdim=True)
+    allowed |= (columns == query_pos) & ~allowed.any(-1, keepdim=True)
     allowed = allowed.repeat_interleave(group, dim=1)
-    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def run_and_compare(model, cache: RopeKVCache, chunks: list[torch.Tensor], mask: torch.Tensor, decode_steps: int):
+def run_and_compare(
+    model, cache: RopeKVCache, chunks: list[torch.Tensor], mask: torch.Tensor, decode_steps: int, atol: float = 1e-5
+):
     """Feed `chunks` (then greedy decode) to both caches; compare logits of every real new position."""
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     reference = DynamicCache(config=model.config)
@@ -53,18 +57,18 @@ def run_and_compare(model, cache: RopeKVCache, chunks: list[torch.Tensor], mask:
     for chunk in steps:
         if chunk is None:
             chunk = next_token
-            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         new = chunk.shape[1]
         mask2d = mask[:, : seen + new]
         positions = positions_from_mask(mask2d)[:, -new:]
         with torch.no_grad():
             got = model(input_ids=chunk, attention_mask=mask2d, position_ids=positions, past_key_values=cache).logits
-            ref_mask = reference_mask(kept_positions(cache), mask2d, new, group)
+            ref_mask = reference_mask(kept_positions(cache), mask2d, new, group, model.dtype)
             want = model(
                 input_ids=chunk, attention_mask=ref_mask, position_ids=positions, past_key_values=reference
             ).logits
         real = mask2d[:, -new:].bool()
-        torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[real], want[real], atol=atol, rtol=0)
         seen += new
         max_kept = max(max_kept, cache.tokens_kept)
         next_token = got[:, -1:].argmax(-1)
