@@ -31,6 +31,10 @@ class PagedKV:
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # int64 [B, H, capacity]: token index of each slot
         self.length = 0
+        # Appends are consecutive tokens, so positions are written lazily (only scorers and compaction read
+        # them): slots from `_positions_valid` on hold tokens `_pending_position`, `_pending_position + 1`, ...
+        self._positions_valid = 0
+        self._pending_position = 0
         self.num_compactions = 0
 
     # -- introspection -------------------------------------------------------------------------
@@ -62,25 +66,27 @@ class PagedKV:
         end = self.length + q
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
-        new_positions = torch.arange(first_position, first_position + q, device=self.positions.device)
-        self.positions[:, :, self.length : end] = new_positions
+        if self._positions_valid == self.length:
+            self._pending_position = first_position
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep slots ``keep`` ([B, H, K'] ascending per row and head), moved in order to ``[0, K')``."""
         keep = keep.to(self.keys.device)
+        self._write_positions()
         compact_((self.keys, self.values), keep)
         kept = keep.shape[-1]
         # Positions are 8 bytes a slot: a small gather is cheaper than another kernel launch path.
         self.positions[:, :, :kept] = self.positions.gather(2, keep)
-        self.length = kept
+        self.length = self._positions_valid = kept
         self.num_compactions += 1
         self._shrink_to_hint()
 
     def truncate(self, length: int) -> None:
         """Forget the live slots from ``length`` on (a crop before anything was evicted)."""
         self.length = max(0, min(self.length, length))
+        self._positions_valid = min(self._positions_valid, self.length)
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder or select batch rows (beam search, contrastive search)."""
@@ -101,7 +107,7 @@ class PagedKV:
     def clear(self) -> None:
         """Drop everything, memory included."""
         self.keys = self.values = self.positions = None
-        self.length = 0
+        self.length = self._positions_valid = self._pending_position = 0
         self.num_compactions = 0
 
     # -- views ---------------------------------------------------------------------------------
@@ -109,7 +115,16 @@ class PagedKV:
         return self.keys[:, :, : self.length]
 
     def live_positions(self) -> torch.Tensor:
+        """int64 ``[B, H, length]``: the token index (padding included) held by each live slot."""
+        self._write_positions()
         return self.positions[:, :, : self.length]
+
+    def _write_positions(self) -> None:
+        start, end = self._positions_valid, self.length
+        if end > start:
+            first = self._pending_position
+            self.positions[:, :, start:end] = torch.arange(first, first + end - start, device=self.positions.device)
+            self._positions_valid = end
 
     # -- allocation ----------------------------------------------------------------------------
     def _shrink_to_hint(self) -> None:
