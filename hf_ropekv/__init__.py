@@ -6,6 +6,8 @@
 """
 
 from .cache import RopeKVCache
+from .calibrate import calibrate
+from .enable import disable, enable, enabled, is_enabled
 from .scorers import FrequencyScorer, KeyNormScorer, RandomScorer, RecencyScorer, ScoreContext, Scorer
 from .scoring import score_keys
 from .stats import FrequencyStats
@@ -13,6 +15,11 @@ from .stats import FrequencyStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "calibrate",
+    "disable",
+    "enable",
+    "enabled",
+    "is_enabled",
     "FrequencyScorer",
     "FrequencyStats",
     "KeyNormScorer",
