@@ -1,0 +1,162 @@
+"""TriAttention key scores (DESIGN.md §2): the single source of truth for the math.
+
+    q_eff[h, f] = q_mean[h, f] * mean_{d in offsets} exp(i * omega_f * (t + d))
+    trig        = Re sum_f q_eff[h, f] * conj(k_f)          with k_f = k[f] + i k[f+F]
+    norm        = sum_f max(A[h, f] - |q_mean[h, f]|, 0) * |k_f|
+    score       = trig + norm
+
+The offset mean collapses into one weight vector per (batch row, query head),
+so scoring the cache is a GEMV plus a weighted pair-norm per head:
+:func:`query_weights` builds the weights (tiny, float64 phases) and
+:func:`score_keys_weighted` streams the keys (Triton on CUDA).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from .kernels.score import HAS_TRITON, check_score_args, score_keys_reference, score_keys_triton
+
+__all__ = ["DEFAULT_OFFSETS", "query_weights", "score_keys", "score_keys_weighted"]
+
+#: Future-query offsets averaged over: 1, 2, 4, ..., 65536 (17 offsets).
+DEFAULT_OFFSETS: Tuple[int, ...] = tuple(2**i for i in range(17))
+
+Position = Union[int, torch.Tensor]
+
+
+def _check_stats(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    if not torch.is_tensor(q_mean) or not q_mean.is_complex():
+        raise ValueError(f"q_mean must be a complex tensor [H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}")
+    if q_mean.dim() != 2 or q_mean.shape[1] == 0:
+        raise ValueError(f"q_mean must be [H_q, F] with F > 0, got shape {tuple(q_mean.shape)}")
+    if q_abs_mean.is_complex() or not q_abs_mean.is_floating_point():
+        raise ValueError(f"q_abs_mean must be a real floating tensor, got {q_abs_mean.dtype}")
+    if q_abs_mean.shape != q_mean.shape:
+        raise ValueError(f"q_abs_mean shape {tuple(q_abs_mean.shape)} must equal q_mean shape {tuple(q_mean.shape)}")
+    if inv_freq.dim() != 1 or inv_freq.shape[0] != q_mean.shape[1]:
+        raise ValueError(
+            f"inv_freq must be [F] = [{q_mean.shape[1]}] (one frequency per rotary pair), got {tuple(inv_freq.shape)}"
+        )
+
+
+def _positions(position: Position, device: torch.device) -> torch.Tensor:
+    """Absolute next-query positions as float64 [B] (exact for integers below 2**53)."""
+    if isinstance(position, bool):
+        raise ValueError("position must be an int or an integer tensor [B], got a bool")
+    if isinstance(position, int):
+        return torch.tensor([position], dtype=torch.float64, device=device)
+    if torch.is_tensor(position):
+        if position.is_floating_point() or position.is_complex() or position.dtype == torch.bool:
+            raise ValueError(f"position tensor must hold integers, got {position.dtype}")
+        if position.dim() > 1:
+            raise ValueError(f"position must be an int or a tensor [B], got shape {tuple(position.shape)}")
+        return position.reshape(-1).to(device=device, dtype=torch.float64)
+    raise ValueError(f"position must be an int or an integer tensor [B], got {type(position).__name__}")
+
+
+def query_weights(
+    q_mean: torch.Tensor,
+    q_abs_mean: torch.Tensor,
+    inv_freq: torch.Tensor,
+    position: Position,
+    offsets: Optional[Sequence[int]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Collapse the calibration statistics into per-head scoring weights.
+
+    Args:
+        q_mean: complex [H_q, F], mean pre-RoPE query per rotary pair.
+        q_abs_mean: real [H_q, F], mean query magnitude per pair (``A``).
+        inv_freq: [F], the model's rotary frequencies ``omega``.
+        position: next-query absolute position ``t``: an int (B = 1) or an
+            integer tensor [B] (rows with left padding have different positions).
+        offsets: future offsets ``delta`` averaged over (default ``DEFAULT_OFFSETS``).
+
+    Returns:
+        ``(w, c)``: ``w`` float32 [B, H_q, 2F] = ``[Re q_eff, Im q_eff]`` and
+        ``c`` float32 [H_q, F] = ``clamp(A - |q_mean|, 0)``, on ``q_mean``'s device.
+    """
+    _check_stats(q_mean, q_abs_mean, inv_freq)
+    offs = DEFAULT_OFFSETS if offsets is None else tuple(offsets)
+    if len(offs) == 0:
+        raise ValueError("offsets must not be empty")
+    # float64 phases: t reaches 1e6 and float32 phases would be off by ~0.1 rad.
+    # MPS has no float64, so the (tiny) phase table is then built on the CPU.
+    dev = q_mean.device if q_mean.device.type != "mps" else torch.device("cpu")
+    t = _positions(position, dev)
+    delta = torch.tensor(offs, dtype=torch.float64, device=dev)
+    omega = inv_freq.to(device=dev, dtype=torch.float64)
+    phase = omega[None, None, :] * (t[:, None, None] + delta[None, :, None])  # [B, n_offsets, F]
+    rot = torch.polar(torch.ones_like(phase), phase).mean(dim=1)  # complex128 [B, F]
+    q_eff = q_mean.to(device=dev, dtype=torch.complex128)[None] * rot[:, None, :]  # [B, H_q, F]
+    w = torch.cat([q_eff.real, q_eff.imag], dim=-1).to(device=q_mean.device, dtype=torch.float32)
+    c = (q_abs_mean.double() - q_mean.to(torch.complex128).abs()).clamp_min(0).float()
+    return w, c
+
+
+def score_keys_weighted(
+    keys: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    backend: Optional[str] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Score keys from precomputed weights: the kernel-level entry point.
+
+    ``keys`` [B, H_kv, S, D] any strides, fp16/bf16/fp32; ``w`` float32
+    [B or 1, H_q, 2F]; ``c`` float32 [H_q, F]. Returns float32 [B, H_q, S].
+    ``backend``: ``"triton"``, ``"torch"`` or ``None`` (Triton on CUDA when
+    installed, the PyTorch reference elsewhere).
+    """
+    if backend is None:
+        backend = "triton" if HAS_TRITON and keys.is_cuda else "torch"
+    if backend == "triton":
+        return score_keys_triton(keys, w, c, out=out)
+    if backend == "torch":
+        return score_keys_reference(keys, w, c, out=out)
+    raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+
+
+def score_keys(
+    keys: torch.Tensor,
+    q_mean: torch.Tensor,
+    q_abs_mean: torch.Tensor,
+    inv_freq: torch.Tensor,
+    position: Position,
+    offsets: Optional[Sequence[int]] = None,
+    *,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """Raw TriAttention scores (trig + norm) of post-RoPE cached keys.
+
+    Args:
+        keys: [B, H_kv, S, D], any strides (e.g. ``storage[:, :, :S]``),
+            fp16/bf16/fp32, HF ``rotate_half`` layout: pair f is (f, f + F);
+            dims ``>= 2F`` (non-rotary part of partial-rotary heads) are ignored.
+        q_mean: complex64 [H_q, F]; query head h reads KV head ``h // (H_q // H_kv)``.
+        q_abs_mean: float32 [H_q, F].
+        inv_freq: [F] rotary frequencies.
+        position: next-query position, int or integer tensor [B].
+        offsets: future offsets (default ``DEFAULT_OFFSETS``).
+        backend: see :func:`score_keys_weighted`.
+
+    Returns:
+        float32 [B, H_q, S].
+    """
+    if not torch.is_tensor(keys) or keys.dim() != 4:
+        raise ValueError(f"keys must be a 4-D tensor [B, H_kv, S, D], got {getattr(keys, 'shape', type(keys))}")
+    _check_stats(q_mean, q_abs_mean, inv_freq)
+    B, H_kv, _, D = keys.shape
+    H_q, F = q_mean.shape
+    if H_q % H_kv != 0:
+        raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
+    if 2 * F > D:
+        raise ValueError(f"2F = {2 * F} rotary dims exceed head_dim {D}")
+    if torch.is_tensor(position) and position.numel() not in (1, B):
+        raise ValueError(f"position tensor has {position.numel()} entries, keys have batch {B}")
+    w, c = query_weights(q_mean, q_abs_mean, inv_freq, position, offsets)
+    w, c = w.to(keys.device), c.to(keys.device)
+    check_score_args(keys, w, c)
+    return score_keys_weighted(keys, w, c, backend=backend)

@@ -1,0 +1,165 @@
+"""In-place compaction: Triton (interpreter, CPU) == PyTorch reference == naive out-of-place gather."""
+from __future__ import annotations
+
+import os
+import sys
+
+# Triton chooses interpreter or compiler once, when it is first imported, so
+# the variable must be set before that. Importing hf_ropekv or transformers
+# models imports Triton (torch._dynamo does): if an earlier test module did so
+# in compiled mode, these tests skip; set TRITON_INTERPRET=1 for the whole
+# session then (environment, or tests/conftest.py when CUDA is absent).
+os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _triton_compiled_mode() -> bool:
+    """True when Triton was already imported without the interpreter."""
+    lang = sys.modules.get("triton.language")
+    return lang is not None and type(lang.sum).__name__ != "InterpretedFunction"
+
+
+_TRITON_TOO_EARLY = _triton_compiled_mode()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hf_ropekv.kernels.compact import compact_, compact_reference_  # noqa: E402
+
+from hf_ropekv.kernels.compact import compact_triton_  # noqa: E402
+from hf_ropekv.kernels.score import HAS_TRITON  # noqa: E402
+
+if not HAS_TRITON:
+    _SKIP_TRITON = "Triton is not installed"
+elif _TRITON_TOO_EARLY:
+    _SKIP_TRITON = "Triton was imported before TRITON_INTERPRET=1 was set: set it for the whole session"
+else:
+    _SKIP_TRITON = None
+
+BACKENDS = [
+    pytest.param("triton", marks=pytest.mark.skipif(_SKIP_TRITON is not None, reason=str(_SKIP_TRITON))),
+    "torch",
+]
+
+
+def _gen() -> torch.Generator:
+    gen = torch.Generator()
+    gen.seed()  # fresh random inputs on every run
+    return gen
+
+
+def _keep_sets(B: int, H: int, C: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Random strictly ascending keep sets, a different one per (b, h)."""
+    rows = []
+    for _ in range(B * H):
+        if kind == "sparse":
+            idx = torch.randperm(C, generator=gen)[: C // 5]
+        elif kind == "dense":  # drop one slot near the front: nearly everything shifts by one
+            drop = int(torch.randint(0, 4, (1,), generator=gen))
+            idx = torch.cat([torch.arange(drop), torch.arange(drop + 1, C)])
+        elif kind == "evict_block":  # the usual round: drop a scattered 1/8
+            idx = torch.randperm(C, generator=gen)[: C - C // 8]
+        else:
+            raise AssertionError(kind)
+        rows.append(torch.sort(idx).values)
+    K = len(rows[0])
+    assert all(len(r) == K for r in rows)
+    return torch.stack(rows).view(B, H, K)
+
+
+def _run(backend: str, tensors, keep) -> None:
+    if backend == "triton":
+        compact_triton_(tensors, keep, block_k=16)  # several blocks per row
+    else:
+        compact_reference_(tensors, keep, chunk=16)
+
+
+def _expected(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.gather(t, 2, keep.long().unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "dtype,D,kind",
+    [
+        (torch.float16, 64, "sparse"),
+        (torch.bfloat16, 128, "dense"),
+        (torch.float32, 64, "evict_block"),
+        (torch.bfloat16, 256, "sparse"),
+        (torch.float16, 128, "evict_block"),
+        (torch.float32, 128, "dense"),
+    ],
+)
+def test_compact_matches_gather(backend, dtype, D, kind):
+    gen = _gen()
+    B, H, C = 2, 3, 70
+    keep = _keep_sets(B, H, C, kind, gen)
+    ts = [torch.randn(B, H, C, D, generator=gen).to(dtype) for _ in range(2)]
+    want = [_expected(t, keep) for t in ts]
+    _run(backend, ts, keep)
+    K = keep.shape[2]
+    for t, w in zip(ts, want):
+        assert torch.equal(t[:, :, :K], w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_tensors_int32_keep_and_strided_storage(backend):
+    """K and V of several layers at once: mixed dtypes and head dims, [B, C, H, D] storage, int32 keep."""
+    gen = _gen()
+    B, H, C = 2, 2, 50
+    keep = _keep_sets(B, H, C, "evict_block", gen).to(torch.int32)
+    slot_major = torch.randn(B, C, H, 64, generator=gen).to(torch.bfloat16).transpose(1, 2)  # stride(-1) == 1
+    ts = [
+        torch.randn(B, H, C, 64, generator=gen).to(torch.bfloat16),
+        torch.randn(B, H, C, 64, generator=gen).to(torch.bfloat16),
+        torch.randn(B, H, C, 128, generator=gen).to(torch.float16),
+        slot_major,
+    ]
+    want = [_expected(t, keep) for t in ts]
+    _run(backend, ts, keep)
+    K = keep.shape[2]
+    for t, w in zip(ts, want):
+        assert torch.equal(t[:, :, :K], w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reference_and_triton_agree_and_empty_keep(backend):
+    gen = _gen()
+    B, H, C, D = 1, 2, 40, 64
+    t = torch.randn(B, H, C, D, generator=gen).to(torch.float16)
+    before = t.clone()
+    _run(backend, [t], torch.empty(B, H, 0, dtype=torch.int64))  # K = 0: no-op
+    assert torch.equal(t, before)
+    keep = _keep_sets(B, H, C, "sparse", gen)
+    other = t.clone()
+    _run(backend, [t], keep)
+    compact_reference_([other], keep)  # default chunk size
+    K = keep.shape[2]
+    assert torch.equal(t[:, :, :K], other[:, :, :K])
+    # Keeping the whole prefix moves nothing.
+    t2 = before.clone()
+    _run(backend, [t2], torch.arange(C).expand(B, H, C))
+    assert torch.equal(t2, before)
+
+
+def test_dispatch_on_cpu_and_errors():
+    gen = _gen()
+    B, H, C, D = 1, 2, 30, 64
+    t = torch.randn(B, H, C, D, generator=gen)
+    keep = _keep_sets(B, H, C, "sparse", gen)
+    want = _expected(t, keep)
+    compact_([t], keep)  # CPU: PyTorch reference
+    assert torch.equal(t[:, :, : keep.shape[2]], want)
+    with pytest.raises(ValueError, match="ascending"):
+        compact_([t], keep.flip(-1), validate_keep=True)
+    with pytest.raises(ValueError, match="outside"):
+        compact_([t], keep + C, validate_keep=True)
+    with pytest.raises(ValueError, match="twice"):
+        compact_([t, t], keep)
+    with pytest.raises(ValueError, match="does not match"):
+        compact_([t[:, :1]], keep)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        compact_([t], keep.float())
+    with pytest.raises(ValueError, match="slots"):
+        compact_([t[:, :, :2]], keep)
+    with pytest.raises(ValueError, match="backend"):
+        compact_([t], keep, backend="cuda")

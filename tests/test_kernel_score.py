@@ -1,0 +1,117 @@
+"""Triton scoring kernel == PyTorch reference, run by Triton's interpreter on CPU."""
+from __future__ import annotations
+
+import os
+import sys
+
+# Triton chooses interpreter or compiler once, when it is first imported, so
+# the variable must be set before that. Importing hf_ropekv or transformers
+# models imports Triton (torch._dynamo does): if an earlier test module did so
+# in compiled mode, these tests skip; set TRITON_INTERPRET=1 for the whole
+# session then (environment, or tests/conftest.py when CUDA is absent).
+os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _triton_compiled_mode() -> bool:
+    """True when Triton was already imported without the interpreter."""
+    lang = sys.modules.get("triton.language")
+    return lang is not None and type(lang.sum).__name__ != "InterpretedFunction"
+
+
+_TRITON_TOO_EARLY = _triton_compiled_mode()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="Triton is not installed: the scoring kernel cannot be tested")
+if _TRITON_TOO_EARLY:
+    pytest.skip(
+        "Triton was imported before TRITON_INTERPRET=1 was set: set it for the whole session",
+        allow_module_level=True,
+    )
+
+from hf_ropekv.kernels import score as kscore  # noqa: E402
+from hf_ropekv.scoring import query_weights, score_keys, score_keys_weighted  # noqa: E402
+
+
+def _gen() -> torch.Generator:
+    gen = torch.Generator()
+    gen.seed()  # fresh random inputs on every run
+    return gen
+
+
+def _weights(B_w: int, H_q: int, F: int, gen: torch.Generator):
+    w = torch.randn(B_w, H_q, 2 * F, generator=gen)
+    c = torch.rand(H_q, F, generator=gen)
+    c[:, ::3] = 0.0  # clamped pairs, as real statistics have
+    return w, c
+
+
+def _check(keys, w, c, **kw):
+    out = torch.full((keys.shape[0], c.shape[0], keys.shape[2]), float("nan"))  # poison
+    got = kscore.score_keys_triton(keys, w, c, out=out, **kw)
+    assert got is out
+    assert torch.isfinite(out).all(), "kernel left elements unwritten"
+    ref = kscore.score_keys_reference(keys, w, c)
+    scale = kscore.score_keys_reference(keys.abs(), w.abs(), c)  # size of the summed terms
+    err = ((out - ref).abs() / scale.clamp_min(1e-20)).max().item()
+    assert err < 1e-5, f"max relative error {err:.3g}"
+
+
+CASES = [
+    # H_q, H_kv, D, rotary_dim, dtype
+    (4, 2, 64, 64, torch.float16),
+    (4, 2, 64, 64, torch.bfloat16),
+    (4, 2, 64, 64, torch.float32),
+    (8, 2, 128, 128, torch.float16),
+    (8, 2, 128, 128, torch.bfloat16),
+    (6, 2, 128, 128, torch.float32),  # GQA 3
+    (2, 2, 128, 64, torch.bfloat16),  # partial rotary: dims >= 2F not scored
+    (2, 1, 256, 256, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("H_q,H_kv,D,rotary_dim,dtype", CASES)
+def test_kernel_matches_reference(H_q, H_kv, D, rotary_dim, dtype):
+    gen = _gen()
+    B, S = 2, 45  # S not a multiple of the slot block
+    keys = torch.randn(B, H_kv, S, D, generator=gen).to(dtype)
+    w, c = _weights(B, H_q, rotary_dim // 2, gen)
+    _check(keys, w, c, block_s=16)
+    _check(keys, w, c, block_s=16, blocks_per_program=2)  # a loop per program, last block out of range
+
+
+def test_strided_views_and_shared_weights():
+    gen = _gen()
+    B, H_kv, H_q, D, C, S = 2, 2, 4, 64, 80, 50
+    # [B, C, H, D] storage viewed as [B, H, S, D]; one weight row shared by the batch.
+    storage = torch.randn(B, C, H_kv, D, generator=gen).to(torch.bfloat16)
+    keys = storage.transpose(1, 2)[:, :, :S]
+    w, c = _weights(1, H_q, D // 2, gen)
+    _check(keys, w, c, block_s=32)
+    # Non-unit last stride as well (every other element of a wider head).
+    wide = torch.randn(B, H_kv, S, 2 * D, generator=gen).to(torch.float16)
+    _check(wide[..., ::2], w, c, block_s=32)
+
+
+def test_default_launch_parameters_and_dispatch():
+    gen = _gen()
+    keys = torch.randn(1, 2, 70, 128, generator=gen).to(torch.bfloat16)
+    q_mean = torch.complex(torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen))
+    q_abs = q_mean.abs() * 1.2
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, 128, 2) / 128)
+    w, c = query_weights(q_mean, q_abs, inv_freq, 123_456)
+    _check(keys, w, c)
+    fast = score_keys(keys, q_mean, q_abs, inv_freq, 123_456, backend="triton")
+    slow = score_keys(keys, q_mean, q_abs, inv_freq, 123_456, backend="torch")
+    assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-4)
+    assert torch.equal(score_keys_weighted(keys, w, c, backend="triton"), fast)
+
+
+def test_empty_and_bad_out():
+    gen = _gen()
+    w, c = _weights(1, 2, 32, gen)
+    empty = kscore.score_keys_triton(torch.randn(1, 1, 0, 64), w, c)
+    assert empty.shape == (1, 2, 0)
+    with pytest.raises(ValueError, match="out must be"):
+        kscore.score_keys_triton(torch.randn(1, 1, 5, 64), w, c, out=torch.empty(1, 2, 4))

@@ -1,0 +1,208 @@
+"""score_keys against a direct float64 evaluation of DESIGN.md §2 (explicit loop over offsets)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_ropekv.scoring import DEFAULT_OFFSETS, query_weights, score_keys, score_keys_weighted
+
+# Relative to the magnitude of the terms summed. Float32 accumulation lands near
+# 2e-7; float32 phases at t = 1e6 land near 1e-3 (see test_float32_phases_would_fail).
+TOL = 1e-5
+
+
+def _fresh_gen() -> torch.Generator:
+    gen = torch.Generator()
+    gen.seed()  # fresh random inputs on every run
+    return gen
+
+
+def _stats(H_q: int, F: int, gen: torch.Generator):
+    q_mean = torch.complex(torch.randn(H_q, F, generator=gen), torch.randn(H_q, F, generator=gen))
+    # Some pairs with A < |q_mean| so the clamp matters.
+    q_abs = q_mean.abs() * (0.5 + torch.rand(H_q, F, generator=gen))
+    return q_mean, q_abs.float()
+
+
+def _inv_freq(F: int, theta: float = 10000.0, rotary_dim: int | None = None) -> torch.Tensor:
+    rotary_dim = rotary_dim or 2 * F
+    return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+
+
+def direct_scores(keys, q_mean, q_abs, inv_freq, positions, offsets):
+    """float64 evaluation straight from the definition; returns (score, scale) [B, H_q, S]."""
+    B, H_kv, S, _ = keys.shape
+    H_q, F = q_mean.shape
+    G = H_q // H_kv
+    k = keys.double()
+    kc = torch.complex(k[..., :F], k[..., F:2 * F])  # k_f = k[f] + i k[f+F]
+    q = q_mean.to(torch.complex128)
+    A = q_abs.double()
+    omega = inv_freq.double()
+    score = torch.zeros(B, H_q, S, dtype=torch.float64)
+    scale = torch.zeros(B, H_q, S, dtype=torch.float64)
+    for b in range(B):
+        t = int(positions[b])
+        for h in range(H_q):
+            kh = kc[b, h // G]  # [S, F]
+            trig = torch.zeros(S, dtype=torch.float64)
+            rot_mean = torch.zeros(F, dtype=torch.complex128)
+            for d in offsets:
+                phase = omega * float(t + d)
+                rot = torch.complex(torch.cos(phase), torch.sin(phase))
+                trig += (q[h] * rot * kh.conj()).real.sum(-1)
+                rot_mean += rot / len(offsets)
+            trig /= len(offsets)
+            norm = ((A[h] - q[h].abs()).clamp_min(0) * kh.abs()).sum(-1)
+            score[b, h] = trig + norm
+            # Size of the terms summed: the error yardstick (scores can be ~0).
+            scale[b, h] = ((q[h] * rot_mean).abs() * kh.abs()).sum(-1) + norm
+    return score, scale
+
+
+def _assert_matches(got, keys, q_mean, q_abs, inv_freq, positions, offsets):
+    assert got.dtype == torch.float32
+    ref, scale = direct_scores(keys, q_mean, q_abs, inv_freq, positions, offsets)
+    assert got.shape == ref.shape
+    assert torch.isfinite(got).all()
+    rel = ((got.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
+    assert rel < TOL, f"max relative error {rel:.3g}"
+
+
+CASES = [
+    # H_q, H_kv, D, rotary_dim, dtype, position
+    (4, 4, 64, 64, torch.float32, 0),  # MHA
+    (8, 4, 128, 128, torch.float32, 137),  # GQA 2
+    (8, 2, 128, 128, torch.float32, 10**5),  # GQA 4
+    (9, 3, 64, 64, torch.float32, 10**6),  # SmolLM2: GQA 3
+    (4, 1, 256, 256, torch.float32, 10**6),  # head_dim 256
+    (4, 2, 128, 64, torch.float32, 137),  # partial rotary: 2F = 64 < D = 128
+    (6, 2, 256, 64, torch.float32, 10**5),  # partial rotary, quarter of the head
+    (8, 2, 128, 128, torch.bfloat16, 10**6),
+    (4, 2, 64, 64, torch.float16, 137),
+]
+
+
+@pytest.mark.parametrize("H_q,H_kv,D,rotary_dim,dtype,position", CASES)
+def test_score_keys_matches_formula(H_q, H_kv, D, rotary_dim, dtype, position):
+    gen = _fresh_gen()
+    F = rotary_dim // 2
+    B, S = 2, 37
+    keys = torch.randn(B, H_kv, S, D, generator=gen).to(dtype)
+    q_mean, q_abs = _stats(H_q, F, gen)
+    inv_freq = _inv_freq(F, theta=1e6 if D >= 128 else 1e4, rotary_dim=rotary_dim)
+    got = score_keys(keys, q_mean, q_abs, inv_freq, position)
+    _assert_matches(got, keys, q_mean, q_abs, inv_freq, [position] * B, DEFAULT_OFFSETS)
+
+
+def test_per_row_positions_custom_offsets_strided_view():
+    gen = _fresh_gen()
+    B, H_kv, H_q, D, F, S, C = 3, 2, 6, 128, 64, 41, 64
+    # Storage laid out [B, C, H, D] (slot-major) and sliced: keys have odd strides.
+    storage = torch.randn(B, C, H_kv, D, generator=gen)
+    keys = storage.transpose(1, 2)[:, :, :S]
+    assert not keys.is_contiguous()
+    q_mean, q_abs = _stats(H_q, F, gen)
+    inv_freq = _inv_freq(F, theta=1e6)
+    positions = torch.tensor([5, 70_000, 999_983])
+    offsets = (1, 3, 10, 1000, 40_000)
+    got = score_keys(keys, q_mean, q_abs, inv_freq, positions, offsets=offsets)
+    _assert_matches(got, keys, q_mean, q_abs, inv_freq, positions.tolist(), offsets)
+    # Rows really use their own position: the same keys at another position score differently.
+    other = score_keys(keys, q_mean, q_abs, inv_freq, 5, offsets=offsets)
+    assert torch.allclose(got[0], other[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[2], other[2], rtol=1e-3, atol=1e-3)
+
+
+def test_float32_phases_would_fail():
+    """The test is sharp enough to see float32 phases at t = 1e6 (the bug §2 warns of)."""
+    gen = _fresh_gen()
+    H_q, F, t = 8, 64, 10**6
+    keys = torch.randn(1, 2, 64, 2 * F, generator=gen)
+    q_mean, _ = _stats(H_q, F, gen)
+    q_abs = torch.zeros(H_q, F)  # no norm term: compare trig alone
+    inv_freq = _inv_freq(F)
+    phase32 = inv_freq[None, :] * (torch.tensor(DEFAULT_OFFSETS, dtype=torch.float32)[:, None] + t)
+    rot = torch.complex(torch.cos(phase32), torch.sin(phase32)).mean(0)
+    q_eff = q_mean * rot
+    w = torch.cat([q_eff.real, q_eff.imag], -1)[None]
+    c = (q_abs - q_mean.abs()).clamp_min(0)
+    bad = score_keys_weighted(keys, w, c)
+    ref, scale = direct_scores(keys, q_mean, q_abs, inv_freq, [t], DEFAULT_OFFSETS)
+    assert ((bad.double() - ref).abs() / scale).max() > 10 * TOL
+    good = score_keys(keys, q_mean, q_abs, inv_freq, t)
+    assert ((good.double() - ref).abs() / scale).max() < TOL
+
+
+def test_query_weights_shapes_and_dtypes():
+    gen = _fresh_gen()
+    q_mean, q_abs = _stats(6, 32, gen)
+    inv_freq = _inv_freq(32)
+    w, c = query_weights(q_mean, q_abs, inv_freq, 12)
+    assert w.shape == (1, 6, 64) and w.dtype == torch.float32
+    assert c.shape == (6, 32) and c.dtype == torch.float32 and (c >= 0).all()
+    w3, _ = query_weights(q_mean, q_abs, inv_freq, torch.tensor([12, 13, 14]))
+    assert w3.shape == (3, 6, 64)
+    assert torch.equal(w3[0], w[0])
+    # Position 0 with the single offset 0: q_eff is q_mean itself.
+    w0, _ = query_weights(q_mean, q_abs, inv_freq, 0, offsets=[0])
+    assert torch.allclose(w0[0], torch.cat([q_mean.real, q_mean.imag], -1))
+
+
+def test_reference_writes_every_element():
+    gen = _fresh_gen()
+    keys = torch.randn(2, 2, 50, 64, generator=gen)
+    q_mean, q_abs = _stats(4, 32, gen)
+    w, c = query_weights(q_mean, q_abs, _inv_freq(32), 77)
+    from hf_ropekv.kernels.score import score_keys_reference
+
+    out = torch.full((2, 4, 50), float("nan"))
+    score_keys_reference(keys, w, c, out=out, chunk=16)  # several chunks, last one partial
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, score_keys_weighted(keys, w, c, backend="torch"), rtol=1e-5, atol=1e-5)
+
+
+def _good():
+    gen = torch.Generator().manual_seed(0)
+    q_mean, q_abs = _stats(8, 32, gen)
+    return torch.randn(1, 4, 10, 64), q_mean, q_abs, _inv_freq(32)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda k, q, a, f, p: (k, q[:6], a[:6], f, p), "multiple of KV heads"),
+        (lambda k, q, a, f, p: (k[..., :48], q, a, f, p), "exceed head_dim"),
+        (lambda k, q, a, f, p: (k, q.real, a, f, p), "complex"),
+        (lambda k, q, a, f, p: (k, q, a[:, :16], f, p), "q_abs_mean shape"),
+        (lambda k, q, a, f, p: (k, q, a, f[:16], p), "inv_freq"),
+        (lambda k, q, a, f, p: (k[0], q, a, f, p), "4-D"),
+        (lambda k, q, a, f, p: (k.to(torch.int32), q, a, f, p), "dtype"),
+        (lambda k, q, a, f, p: (k, q, a, f, torch.tensor([1.5])), "integers"),
+        (lambda k, q, a, f, p: (k, q, a, f, torch.tensor([1, 2, 3])), "batch"),
+        (lambda k, q, a, f, p: (k, q, a, f, "7"), "position"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(mutate, match):
+    args = mutate(*_good(), 5)
+    with pytest.raises(ValueError, match=match):
+        score_keys(*args)
+
+
+def test_bad_offsets_and_backend():
+    keys, q_mean, q_abs, inv_freq = _good()
+    with pytest.raises(ValueError, match="offsets"):
+        score_keys(keys, q_mean, q_abs, inv_freq, 3, offsets=[])
+    w, c = query_weights(q_mean, q_abs, inv_freq, 3)
+    with pytest.raises(ValueError, match="backend"):
+        score_keys_weighted(keys, w, c, backend="cuda")
+    with pytest.raises(ValueError, match="w batch"):
+        score_keys_weighted(keys, w.expand(2, -1, -1), c)
+
+
+def test_default_offsets():
+    assert DEFAULT_OFFSETS == tuple(2**i for i in range(17))
+    assert DEFAULT_OFFSETS[-1] == 65536 and len(DEFAULT_OFFSETS) == 17
+    assert math.isclose(sum(DEFAULT_OFFSETS), 2**17 - 1)
