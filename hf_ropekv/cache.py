@@ -15,7 +15,7 @@ from .layers import BudgetedLayer
 from .model_info import FULL, ModelGeometry, describe
 from .scorers.base import ScoreContext, Scorer
 from .selection import Guards, select_keep, slot_masks
-from .storage import PagedKV
+from .storage import PagedKV, compact_arenas
 
 logger = logging.get_logger(__name__)
 
@@ -97,7 +97,6 @@ class RopeKVCache(Cache):
         self._pads: torch.Tensor | None = None  # left padding per row among the tokens seen + new
         self._pads_total = -1  # token count the current `_pads` describes
         self._prompt_tokens: int | None = None  # pinned prompt length once decoding started
-        self._step_keep: tuple[tuple[int, int], torch.Tensor] | None = None
         self._generator: torch.Generator | None = None
 
     # ------------------------------------------------------------------ public introspection
@@ -179,7 +178,6 @@ class RopeKVCache(Cache):
         self._batch_size = None
         self._pads, self._pads_total = None, -1
         self._prompt_tokens = None
-        self._step_keep = None
         if self._online is not None:
             self._online.reset()
         if self._attachment is not None:
@@ -213,9 +211,15 @@ class RopeKVCache(Cache):
         if layer is self._full_layers[0]:
             self._begin_step(seen, q, key_states, args, kwargs)
         target = self.planned_kept(kept, q)
-        if target < kept:
-            keep = self._keep_for(layer, seen, q, target)
-            layer.storage.compact(keep)
+        if target >= kept:
+            return
+        if self.selection == "per_layer":
+            layer.storage.compact(self._select([layer], seen, target))
+        else:
+            # One ranking for all layers: compact them all now, in one launch per device. Safe here: this is
+            # the first layer of the forward, so no tensor returned in this forward aliases any arena yet.
+            keep = self._select(self._full_layers, seen, target)
+            compact_arenas([full.storage for full in self._full_layers], keep)
 
     def _check_batch(self, batch: int) -> None:
         if self._batch_size is None:
@@ -256,14 +260,6 @@ class RopeKVCache(Cache):
                 )
             self._pads = torch.zeros(self._batch_size, dtype=torch.long, device=device)
         self._pads_total = total
-
-    def _keep_for(self, layer: BudgetedLayer, seen: int, q: int, target: int) -> torch.Tensor:
-        if self.selection == "per_layer":
-            return self._select([layer], seen, target)
-        step = (seen, q)
-        if self._step_keep is None or self._step_keep[0] != step:
-            self._step_keep = (step, self._select(self._full_layers, seen, target))
-        return self._step_keep[1]
 
     def _select(self, layers: list[BudgetedLayer], seen: int, target: int) -> torch.Tensor:
         """Score ``layers`` (all holding the same tokens), average their scores, keep the best ``target``."""

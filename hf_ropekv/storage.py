@@ -73,9 +73,9 @@ class PagedKV:
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep slots ``keep`` ([B, H, K'] ascending per row and head), moved in order to ``[0, K')``."""
-        keep = keep.to(self.keys.device)
-        self._write_positions()
-        compact_((self.keys, self.values), keep)
+        compact_arenas([self], keep)
+
+    def _after_compaction(self, keep: torch.Tensor) -> None:
         kept = keep.shape[-1]
         # Positions are 8 bytes a slot: a small gather is cheaper than another kernel launch path.
         self.positions[:, :, :kept] = self.positions.gather(2, keep)
@@ -155,3 +155,20 @@ class PagedKV:
             values[:, :, : self.length] = self.values[:, :, : self.length]
             positions[:, :, : self.length] = self.positions[:, :, : self.length]
         self.keys, self.values, self.positions = keys, values, positions
+
+
+def compact_arenas(arenas: list[PagedKV], keep: torch.Tensor) -> None:
+    """Compact several arenas that keep the same slots, one kernel launch per device.
+
+    At batch 1 a single layer gives the kernel only ``kv_heads`` programs; all layers together fill the GPU.
+    """
+    by_device: dict[torch.device, list[PagedKV]] = {}
+    for arena in arenas:
+        by_device.setdefault(arena.keys.device, []).append(arena)
+    for device, group in by_device.items():
+        keep_here = keep.to(device)
+        for arena in group:
+            arena._write_positions()
+        compact_([t for arena in group for t in (arena.keys, arena.values)], keep_here)
+        for arena in group:
+            arena._after_compaction(keep_here)
