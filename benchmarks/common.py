@@ -1,0 +1,277 @@
+"""Shared plumbing of the benchmark suite: importing hf_ropekv from a checkout, run metadata, timing, memory.
+
+Nothing here knows about a particular measurement; ``suite.py`` composes these pieces.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import importlib
+import importlib.metadata
+import inspect
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------- import
+def import_hf_ropekv():
+    """Import ``hf_ropekv``: the installed package if there is one, else this checkout.
+
+    A checkout keeps the Triton kernels in the top-level ``kernels/`` folder, installed as ``hf_ropekv.kernels``.
+    Without ``pip install -e .`` (e.g. on a machine that only has a copy of the work tree) this builds a symlink
+    farm in a temporary folder, ``hf_ropekv/*`` plus ``hf_ropekv/kernels -> kernels/``, and imports from it.
+    """
+    try:
+        import hf_ropekv  # noqa: F401
+        import hf_ropekv.kernels.compact  # noqa: F401
+        import hf_ropekv.cache  # noqa: F401
+
+        return sys.modules["hf_ropekv"]
+    except ImportError:
+        for name in [m for m in sys.modules if m == "hf_ropekv" or m.startswith("hf_ropekv.")]:
+            del sys.modules[name]
+    farm = Path(tempfile.mkdtemp(prefix="hf_ropekv_farm_"))
+    pkg = farm / "hf_ropekv"
+    pkg.mkdir()
+    for entry in (REPO / "hf_ropekv").iterdir():
+        if entry.name != "__pycache__":
+            (pkg / entry.name).symlink_to(entry)
+    (pkg / "kernels").symlink_to(REPO / "kernels")
+    sys.path.insert(0, str(farm))
+    importlib.invalidate_caches()
+    return importlib.import_module("hf_ropekv")
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no .git here: pass --commit)"
+
+
+def run_metadata(device: torch.device, commit: str | None, argv: list[str]) -> dict[str, Any]:
+    import transformers
+
+    meta: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(commit),
+        "argv": argv,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "triton": _version("triton"),
+        "optimum_quanto": _version("optimum-quanto"),
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        meta.update(
+            device=torch.cuda.get_device_name(device),
+            device_total_memory_gib=round(props.total_memory / 2**30, 2),
+            device_capability=".".join(map(str, torch.cuda.get_device_capability(device))),
+            multiprocessors=props.multi_processor_count,
+        )
+    else:
+        meta.update(device=f"CPU ({meta['cpu']}, {os.cpu_count()} cores)", device_total_memory_gib=None)
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------- progress
+class Progress:
+    """Timestamped, flushed progress lines, and the ``--max-minutes`` guard."""
+
+    def __init__(self, max_minutes: float | None) -> None:
+        self.start = time.perf_counter()
+        self.max_seconds = None if not max_minutes else 60.0 * max_minutes
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def __call__(self, message: str) -> None:
+        print(f"[{self.elapsed():7.1f}s] {message}", flush=True)
+
+    def out_of_time(self) -> bool:
+        return self.max_seconds is not None and self.elapsed() > self.max_seconds
+
+
+# ---------------------------------------------------------------------------------------------- timing
+class StepTimer:
+    """Wall time of one call: CUDA events around it on a GPU (the stream is drained first), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            end.synchronize()
+            return result, float(start.elapsed_time(end))
+        t0 = time.perf_counter()
+        result = fn()
+        return result, 1e3 * (time.perf_counter() - t0)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+# ---------------------------------------------------------------------------------------------- memory
+MIB = 2**20
+GIB = 2**30
+
+
+class Memory:
+    """Allocator readings (CUDA) with a simulated cap on CPU dry runs.
+
+    On CPU there is no allocator to read, so ``allocated`` is ``None`` and the "cap" of a dry run is enforced
+    on the bytes the caller reports (``check_cpu_cap``) by raising ``torch.OutOfMemoryError``: that exercises
+    the same search and fallback code paths as a real out-of-memory on the GPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.cpu_cap_bytes: int | None = None
+
+    def clean(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def allocated(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else None
+
+    def reserved(self) -> int | None:
+        return torch.cuda.memory_reserved(self.device) if self.cuda else None
+
+    def peak_allocated(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+
+    def peak_reserved(self) -> int | None:
+        return torch.cuda.max_memory_reserved(self.device) if self.cuda else None
+
+    def total(self) -> int | None:
+        return torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
+
+    def set_cap(self, cap_bytes: int | None) -> float | None:
+        """Cap this process's allocator at ``cap_bytes`` (``None``: lift the cap). Returns the fraction set."""
+        if not self.cuda:
+            self.cpu_cap_bytes = cap_bytes
+            return None
+        self.clean()
+        fraction = 1.0 if cap_bytes is None else min(1.0, cap_bytes / self.total())
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        return fraction
+
+    def check_cpu_cap(self, used_bytes: int) -> None:
+        if not self.cuda and self.cpu_cap_bytes is not None and used_bytes > self.cpu_cap_bytes:
+            raise torch.OutOfMemoryError(
+                f"dry run: {used_bytes} bytes exceed the simulated cap of {self.cpu_cap_bytes} bytes"
+            )
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def tensor_bytes(obj: Any, seen: set) -> int:
+    """Bytes of the storages behind ``obj`` (a tensor, a tensor subclass such as quanto's, or a container)."""
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(obj, "__tensor_flatten__", None)
+        if type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter and flatten is not None:
+            names, _ = flatten()
+            return sum(tensor_bytes(getattr(obj, name), seen) for name in names)
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), str(obj.device))
+        if key in seen or storage.data_ptr() == 0:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(item, seen) for item in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(item, seen) for item in obj.values())
+    return 0
+
+
+def cache_tensor_bytes(cache: Any) -> int:
+    """Bytes held by every tensor attribute of a cache's layers (and their storage objects), counted once each."""
+    seen: set = set()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor) or isinstance(value, (list, tuple, dict)):
+                total += tensor_bytes(value, seen)
+            elif hasattr(value, "__dict__") and not callable(value) and value is not cache:
+                # e.g. hf_ropekv's PagedKV storage object
+                for inner in vars(value).values():
+                    if isinstance(inner, torch.Tensor):
+                        total += tensor_bytes(inner, seen)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- model calls
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """``cache`` on transformers >= 5.24 (the renamed argument), ``past_key_values`` before."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any, kwarg: str) -> torch.Tensor:
+    """One forward over ``input_ids`` with ``cache``; returns the next greedy token of every row, ``[B, 1]``."""
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+    return out.logits[:, -1:].argmax(-1)
+
+
+def fmt_bytes(value: int | None) -> str:
+    if value is None:
+        return "n/a"
+    if abs(value) >= GIB:
+        return f"{value / GIB:.2f} GiB"
+    return f"{value / MIB:.1f} MiB"
