@@ -279,7 +279,7 @@ def render_markdown(results: dict) -> str:
             )
             out.append("")
             out.append(
-                _table(["cache", "completed 32K", "tokens reached", "cache MiB", "peak GiB", "decode step ms", "s"], rows)
+                _table(["cache", f"completed {settings.get('c_target', 32768):,} tokens", "tokens reached", "cache MiB", "peak GiB", "decode step ms", "s"], rows)
             )
         out += _part_footer(c)
 
