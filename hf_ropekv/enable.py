@@ -111,9 +111,10 @@ def enable(model: ModelT, budget: int | None = None, *, stats: Any = None, **opt
         TypeError: ``model`` cannot ``generate``, or an option is unknown.
         ValueError: an option is invalid, the model is not supported, or ``stats`` do not fit the model.
     """
-    config = _validated_options(model, budget, stats, options)
-    _warn_risky(model, config)
-    _install(model, config)
+    target = _generating_model(model)
+    config = _validated_options(target, budget, stats, options)
+    _warn_risky(target, config)
+    _install(target, config)
     return model
 
 
@@ -123,9 +124,10 @@ def disable(model: ModelT) -> ModelT:
     The model's attributes are restored exactly (the wrapper is deleted, or the attribute that was there before
     is put back). Caches already handed out keep working.
     """
+    wrapper, model = model, _generating_model(model)
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
-        return model
+        return wrapper
     current = model.__dict__.get(_HOOK_ATTR)
     if _is_our_hook(current, model):
         if state.previous_hook is None:
@@ -145,7 +147,7 @@ def disable(model: ModelT) -> ModelT:
         delattr(model, _PREPARE_INPUTS_ATTR)
     delattr(model, _STATE_ATTR)
     logger.info("hf_ropekv disabled on %s (%d caches were created).", type(model).__name__, state.caches_created)
-    return model
+    return wrapper
 
 
 @contextlib.contextmanager
@@ -157,24 +159,26 @@ def enabled(model: ModelT, budget: int | None = None, *, stats: Any = None, **op
         with hf_ropekv.enabled(model, budget=1024) as m:
             m.generate(...)
     """
-    previous = model.__dict__.get(_STATE_ATTR)
+    target = _generating_model(model)
+    previous = target.__dict__.get(_STATE_ATTR)
     previous_options = None if previous is None else dict(previous.options)
     enable(model, budget, stats=stats, **options)
     try:
         yield model
     finally:
         if previous_options is None:
-            disable(model)
+            disable(target)
         else:
-            state = model.__dict__.get(_STATE_ATTR)
+            state = target.__dict__.get(_STATE_ATTR)
             if state is None:  # disabled inside the block: enable again with the outer options
-                _install(model, _Config(previous_options, previous.geometry))
+                _install(target, _Config(previous_options, previous.geometry))
             else:
                 state.options = previous_options
 
 
 def is_enabled(model: nn.Module) -> bool:
     """Whether :func:`enable` is in effect on ``model``."""
+    model = _generating_model(model)
     return _STATE_ATTR in model.__dict__ and _is_our_hook(_find_hook(model), model)
 
 
@@ -192,8 +196,7 @@ def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[
     if not isinstance(model, nn.Module) or not callable(getattr(model, _HOOK_ATTR, None)):
         raise TypeError(
             f"hf_ropekv.enable needs a transformers model with generate() (a GenerationMixin); got "
-            f"{type(model).__name__}. For a PEFT or other wrapper, enable the underlying model "
-            "(e.g. peft_model.get_base_model())."
+            f"{type(model).__name__}."
         )
     unknown = sorted(set(options) - set(_CACHE_OPTIONS))
     if unknown:
@@ -399,6 +402,21 @@ def _warn_many_rows(state: _Enablement, generation_config: Any, batch_size: Any)
 def _describe_options(options: dict[str, Any]) -> str:
     shown = {k: (type(v).__name__ if k in ("stats", "scorer") and v is not None else v) for k, v in options.items()}
     return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _generating_model(model: Any) -> Any:
+    """The model whose ``generate`` does the work: wrappers such as PEFT's ``PeftModel`` delegate ``generate`` to
+    ``get_base_model()``, so the hook must sit on that model, not on the wrapper."""
+    from transformers import GenerationMixin
+
+    if isinstance(model, GenerationMixin) or not isinstance(model, nn.Module):
+        return model
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        base = get_base()
+        if isinstance(base, nn.Module) and base is not model:
+            return base
+    return model
 
 
 def _is_scorer_factory(scorer: Any) -> bool:

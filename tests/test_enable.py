@@ -6,6 +6,7 @@ enabling must change nothing but who builds the cache.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -28,9 +29,7 @@ NEW = 24
 
 def cache_kwarg(cache) -> dict:
     """The generate() keyword for a cache object on this transformers version (5.24 renamed it)."""
-    from packaging.version import Version
-
-    return {"cache" if TRANSFORMERS_VERSION >= Version("5.24.0.dev0") else "past_key_values": cache}
+    return {"cache" if TRANSFORMERS_VERSION.release >= (5, 24) else "past_key_values": cache}
 
 
 def padded_batch(lengths=(12, 9, 6), seed: int = 0, vocab: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,17 +175,14 @@ def test_user_passed_cache_wins(model) -> None:
 
 @pytest.mark.parametrize("name", ["past_key_values", "cache"])
 def test_user_cache_under_either_keyword(model, name: str) -> None:
-    from packaging.version import Version
-
-    if name == "cache" and TRANSFORMERS_VERSION < Version("5.24.0.dev0"):
+    new_name = TRANSFORMERS_VERSION.release >= (5, 24)
+    if name == "cache" and not new_name:
         pytest.skip("generate(cache=...) exists from transformers 5.24")
     ids, mask = padded_batch(lengths=(5, 8))
     enable(model, **OPTIONS)
     spy = CacheSpy(model)
     mine = DynamicCache(config=model.config)
-    with pytest.warns(FutureWarning) if name == "past_key_values" and TRANSFORMERS_VERSION >= Version(
-        "5.24.0.dev0"
-    ) else _nullcontext():
+    with pytest.warns(FutureWarning) if name == "past_key_values" and new_name else contextlib.nullcontext():
         model.generate(input_ids=ids, attention_mask=mask, pad_token_id=0, max_new_tokens=5, **{name: mine})
     spy.remove()
     assert spy.caches == [mine]
@@ -438,9 +434,43 @@ def test_returned_cache_continues(model) -> None:
     assert cont.shape[1] == more.shape[1] + 5 and cache.tokens_seen == more.shape[1] + 4
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
+def test_wrapper_delegating_generate(model) -> None:
+    """Wrappers such as PEFT's PeftModel delegate generate() to get_base_model(): the hook goes there."""
 
-    def __exit__(self, *exc):
-        return False
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def get_base_model(self):
+            return self.inner
+
+        def generate(self, **kwargs):
+            return self.inner.generate(**kwargs)
+
+    wrapper = Wrapper(model)
+    assert enable(wrapper, **OPTIONS) is wrapper
+    assert is_enabled(wrapper) and is_enabled(model)
+    spy = CacheSpy(model)
+    ids, mask = padded_batch(lengths=(5,))
+    wrapper.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0)
+    spy.remove()
+    assert type(spy.caches[-1]) is RopeKVCache
+    disable(wrapper)
+    assert not is_enabled(model)
+
+
+def test_pickled_enabled_model_generates_and_can_be_enabled_again(model) -> None:
+    """Pickling keeps a working model; the enablement itself does not survive it (enable the copy again)."""
+    import pickle
+
+    ids, mask = padded_batch(lengths=(6,))
+    enable(model, **OPTIONS)
+    clone = pickle.loads(pickle.dumps(model))
+    assert not is_enabled(clone)
+    assert gen(clone, ids, mask, max_new_tokens=6).shape[1] == ids.shape[1] + 6
+    enable(clone, **OPTIONS)
+    spy = CacheSpy(clone)
+    assert torch.equal(gen(clone, ids, mask), gen(model, ids, mask))
+    spy.remove()
+    assert type(spy.caches[-1]) is RopeKVCache
