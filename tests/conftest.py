@@ -91,9 +91,7 @@ def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, **ov
     config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, dtype=torch.float32
-        )
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()
 
 
