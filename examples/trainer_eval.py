@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
-from hf_ropekv.enable import enabled
+import hf_ropekv
 
 DEFAULT_PROMPTS = [
     "Explain step by step how a hash table handles collisions.",
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     watcher = CacheWatcher(model)
     t0 = time.perf_counter()
     options = dict(budget=budget, compress_every=compress_every, page_size=page_size, stats=args.stats)
-    with enabled(model, **options):
+    with hf_ropekv.enabled(model, **options):
         budgeted = trainer.predict(data, **gen_kwargs)
     t_budgeted = time.perf_counter() - t0
     caches = list(watcher.entries)

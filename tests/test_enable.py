@@ -474,3 +474,14 @@ def test_pickled_enabled_model_generates_and_can_be_enabled_again(model) -> None
     assert torch.equal(gen(clone, ids, mask), gen(model, ids, mask))
     spy.remove()
     assert type(spy.caches[-1]) is RopeKVCache
+
+
+def test_top_level_exports() -> None:
+    import hf_ropekv
+
+    assert (hf_ropekv.enable, hf_ropekv.disable, hf_ropekv.enabled, hf_ropekv.is_enabled) == (
+        enable,
+        disable,
+        enabled,
+        is_enabled,
+    )
