@@ -134,6 +134,9 @@ def disable(model: ModelT) -> ModelT:
             delattr(model, _HOOK_ATTR)
         else:
             setattr(model, _HOOK_ATTR, state.previous_hook)
+    elif _is_class_method_copy(current, model):
+        # An unpickled copy: pickle rebuilt our bound hook as the class's own method. Nothing to undo but that.
+        delattr(model, _HOOK_ATTR)
     else:
         # Someone wrapped `_prepare_cache_for_generation` after us: our hook stays in their chain but, with the
         # state gone, only passes through.
@@ -292,6 +295,8 @@ def _install(model: nn.Module, config: _Config) -> None:
         logger.info("hf_ropekv.enable: options of %s replaced.", type(model).__name__)
         return
     previous = model.__dict__.get(_HOOK_ATTR)
+    if _is_class_method_copy(previous, model):
+        previous = None  # an unpickled copy's leftover (see disable): the class's own method
     state = _Enablement(
         config.options,
         config.geometry,
@@ -433,6 +438,16 @@ def _is_our_hook(hook: Any, model: nn.Module) -> bool:
         isinstance(hook, types.MethodType)
         and getattr(hook.__func__, _HOOK_MARK, False)
         and hook.__self__ is model
+    )
+
+
+def _is_class_method_copy(hook: Any, model: nn.Module) -> bool:
+    """The class's own ``_prepare_cache_for_generation`` bound to ``model`` and stored on the instance: what
+    pickle makes of our hook (it re-binds a method by name, before the instance state is restored)."""
+    return (
+        isinstance(hook, types.MethodType)
+        and hook.__self__ is model
+        and hook.__func__ is getattr(type(model), _HOOK_ATTR, None)
     )
 
 

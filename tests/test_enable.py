@@ -474,6 +474,8 @@ def test_pickled_enabled_model_generates_and_can_be_enabled_again(model) -> None
     assert torch.equal(gen(clone, ids, mask), gen(model, ids, mask))
     spy.remove()
     assert type(spy.caches[-1]) is RopeKVCache
+    disable(clone)
+    assert not is_enabled(clone) and "_prepare_cache_for_generation" not in clone.__dict__
 
 
 def test_top_level_exports() -> None:
