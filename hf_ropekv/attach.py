@@ -115,6 +115,10 @@ class ModelAttachment:
                 "generate() call (or use hf_ropekv.enable(model, ...), which does it for you)."
             )
 
+    def truncate(self, length: int) -> None:
+        """Forget logged tokens past ``length`` (the cache was cropped)."""
+        self._num_tokens = min(self._num_tokens, length)
+
     def select_batch(self, index: torch.Tensor) -> None:
         if self._tokens is not None:
             self._tokens = self._tokens.index_select(0, index.to(self._tokens.device))

@@ -183,6 +183,12 @@ class RopeKVCache(Cache):
         if self._attachment is not None:
             self._attachment.reset()
 
+    def crop(self, max_length: int) -> None:
+        """Roll back to fewer tokens; only possible until the first eviction (then it raises)."""
+        super().crop(max_length)
+        if self._attachment is not None:
+            self._attachment.truncate(self.tokens_seen)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         if self._pads is not None:

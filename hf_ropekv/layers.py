@@ -6,6 +6,7 @@ already bounded and stay transformers' own ``DynamicSlidingWindowLayer``.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +32,9 @@ class BudgetedLayer(CacheLayerMixin):
 
     def __init__(self, cache: "RopeKVCache", layer_idx: int, storage: PagedKV) -> None:
         super().__init__()
-        self._cache = cache
+        # A proxy, not a reference: a cache and its layers must not form a cycle, or the arenas (and the
+        # model hooks) would wait for the cyclic garbage collector instead of going when the cache does.
+        self._cache = weakref.proxy(cache)
         self.layer_idx = layer_idx
         self.storage = storage
         self.tokens_seen = 0

@@ -135,3 +135,40 @@ def test_no_to_method_and_not_compileable() -> None:
     assert not hasattr(cache, "to")  # accelerate's send_to_device would call it
     assert cache.get_max_length() == -1
     assert "budget=32" in repr(cache)
+
+
+def test_cache_is_freed_without_the_cyclic_collector() -> None:
+    """No reference cycle: arenas and model hooks go as soon as the last reference to the cache does."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(8, 5))
+    hooks_before = len(model._forward_pre_hooks)
+    gc.disable()
+    try:
+        cache = RopeKVCache(model, budget=12, compress_every=4)
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20, pad_token_id=0)
+        assert len(model._forward_pre_hooks) == hooks_before + 1
+        ref = weakref.ref(cache)
+        del cache
+        assert ref() is None
+        assert len(model._forward_pre_hooks) == hooks_before
+    finally:
+        gc.enable()
+
+
+def test_generate_continues_after_a_crop() -> None:
+    """A crop before any eviction (as assisted decoding does) leaves a cache that generate() accepts."""
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(8, 8))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cache, reference = RopeKVCache(model, budget=None), DynamicCache(config=model.config)
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=reference, **kw)
+    cache.crop(-3)
+    reference.crop(-3)
+    again = dict(input_ids=out[:, :-3], attention_mask=torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1))
+    got = model.generate(past_key_values=cache, **again, **kw)
+    want = model.generate(past_key_values=reference, **again, **kw)
+    assert torch.equal(got, want)
