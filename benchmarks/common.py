@@ -203,7 +203,9 @@ class Memory:
             return None
         self.clean()
         fraction = 1.0 if cap_bytes is None else min(1.0, cap_bytes / self.total())
-        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        # The allocator cap wants an indexed device ("cuda" alone is refused).
+        index = torch.device(self.device).index
+        torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device() if index is None else index)
         return fraction
 
     def check_cpu_cap(self, used_bytes: int) -> None:
