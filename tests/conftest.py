@@ -18,8 +18,9 @@ arch                shape
 The configs have no BOS/EOS token, so ``generate`` always runs ``max_new_tokens`` steps; pass
 ``pad_token_id=0`` to ``generate`` for padded batches. Markers (declared in ``setup.cfg``):
 ``slow`` (real weights or long runs), ``gpu`` (skipped here when CUDA is absent), ``notebook``.
-This file deliberately leaves ``TRITON_INTERPRET`` alone: tests that need Triton's CPU interpreter
-set it themselves.
+Without CUDA this file sets ``TRITON_INTERPRET=1`` for the whole session: Triton picks interpreter or
+compiler once, at its first import (which importing transformers can trigger), so the kernel tests can
+only run their kernels on the CPU if it is set before anything imports Triton.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # see the module docstring
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests never reach the hub: fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
