@@ -12,13 +12,13 @@ the model saw, the KV bytes it holds against what a full cache would hold, and t
 from __future__ import annotations
 
 import argparse
-import inspect
 import time
 
 import torch
 from transformers import TextStreamer
 
 from hf_ropekv import RopeKVCache
+from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.offline import load_smollm2
 
 DEFAULT_PROMPT = (
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every)
     # transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name still works, with a warning).
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_arg = cache_kwarg(model)
     if args.greedy:
         sampling = dict(do_sample=False)
     else:

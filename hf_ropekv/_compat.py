@@ -39,3 +39,13 @@ def position_ids_from_update(args: tuple, kwargs: dict[str, Any]) -> torch.Tenso
         if isinstance(arg, dict) and isinstance(arg.get("position_ids"), torch.Tensor):
             return arg["position_ids"]
     return None
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword ``model.forward`` / ``generate`` takes the cache under: ``cache`` from 5.24, else ``past_key_values``.
+
+    Passing the new name avoids 5.24's deprecation warning; the old one still works there.
+    """
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

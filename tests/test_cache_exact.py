@@ -103,10 +103,10 @@ def test_mixed_sliding_layers_identical() -> None:
 
 def test_new_cache_keyword_on_newer_transformers() -> None:
     """transformers 5.24 renamed `past_key_values` to `cache`; both must reach the same cache."""
-    import inspect
+    from hf_ropekv._compat import cache_kwarg
 
     model = tiny_model("llama")
-    if "cache" not in inspect.signature(model.forward).parameters:
+    if cache_kwarg(model) != "cache":
         pytest.skip("this transformers version has no `cache=` keyword")
     ids, mask = padded_batch(model.config.vocab_size)
     cache = RopeKVCache(model)
