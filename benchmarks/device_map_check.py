@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
 import sys
 import tempfile
@@ -67,27 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, tiny if dry else full)
     return args
-
-
-def import_hf_ropekv():
-    """The installed hf_ropekv, else this checkout (kernels/ mapped to hf_ropekv.kernels through a symlink farm)."""
-    try:
-        import hf_ropekv.cache  # noqa: F401
-        import hf_ropekv.kernels.compact  # noqa: F401
-
-        return sys.modules["hf_ropekv"]
-    except ImportError:
-        for name in [m for m in sys.modules if m == "hf_ropekv" or m.startswith("hf_ropekv.")]:
-            del sys.modules[name]
-    farm = Path(tempfile.mkdtemp(prefix="hf_ropekv_farm_"))
-    (farm / "hf_ropekv").mkdir()
-    for entry in (REPO / "hf_ropekv").iterdir():
-        if entry.name != "__pycache__":
-            (farm / "hf_ropekv" / entry.name).symlink_to(entry)
-    (farm / "hf_ropekv" / "kernels").symlink_to(REPO / "kernels")
-    sys.path.insert(0, str(farm))
-    importlib.invalidate_caches()
-    return importlib.import_module("hf_ropekv")
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -183,6 +161,9 @@ class PeakMemory:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import import_hf_ropekv
+
     hf_ropekv = import_hf_ropekv()
     from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config
 

@@ -22,16 +22,10 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-try:  # Triton is optional: CPU-only installs use the reference.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from ._triton import HAS_TRITON, tl, triton
 
 __all__ = ["compact_", "compact_triton_", "compact_reference_", "check_compact_args"]
 
-HAS_TRITON = triton is not None
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

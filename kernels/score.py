@@ -19,16 +19,10 @@ from typing import Optional
 
 import torch
 
-try:  # Triton is optional: CPU-only installs use the references.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from ._triton import HAS_TRITON, tl, triton
 
 __all__ = ["score_keys_triton", "score_keys_reference", "check_score_args", "HAS_TRITON"]
 
-HAS_TRITON = triton is not None
 KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

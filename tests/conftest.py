@@ -103,6 +103,18 @@ def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, **ov
     return model.eval()
 
 
+def padded_batch(vocab: int = 128, lengths=(12, 9, 6), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of random token ids of different ``lengths``, left-padded with 0 (as generate expects), and the mask."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+        ids[row, : width - length] = 0
+    return ids, mask
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct, float32 on CPU, loaded once per session.

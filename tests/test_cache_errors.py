@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache, GPT2Config, LlamaConfig, T5Config
 
-from conftest import tiny_model
+from conftest import padded_batch, tiny_model
 from hf_ropekv import RecencyScorer, RopeKVCache
-from test_cache_exact import padded_batch
 
 
 @pytest.mark.parametrize("budget", [0, -5, 2.5, True])

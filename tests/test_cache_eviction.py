@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from conftest import padded_batch, tiny_model
 from hf_ropekv import KeyNormScorer, RandomScorer, RecencyScorer, RopeKVCache
-from test_cache_exact import padded_batch
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:

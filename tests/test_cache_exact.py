@@ -6,22 +6,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
-
-
-def padded_batch(vocab: int, lengths=(12, 9, 6), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three rows of different lengths, left-padded (as generate expects)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), width), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        mask[row, width - length :] = 1
-        ids[row, : width - length] = 0
-    return ids, mask
 
 
 def generate(model, cache, ids, mask, **kwargs):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from conftest import tiny_model
+from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import TRANSFORMERS_VERSION
 from hf_ropekv.enable import disable, enable
@@ -28,17 +28,6 @@ accelerate = pytest.importorskip("accelerate")
 
 CACHE_KWARG = "cache" if TRANSFORMERS_VERSION.release >= (5, 24) else "past_key_values"
 EVICTING = dict(budget=16, compress_every=4)
-
-
-def padded_batch(lengths=(11, 7, 4), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(2, 128, (len(lengths), width), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        mask[row, width - length :] = 1
-        ids[row, : width - length] = 0
-    return ids, mask
 
 
 def gen(model, cache, ids, mask, **kwargs) -> torch.Tensor:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig, StaticCache, TextStreamer, pipeline
 
-from conftest import tiny_model
+from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import TRANSFORMERS_VERSION
 from hf_ropekv.enable import disable, enable, enabled, is_enabled
@@ -30,17 +30,6 @@ NEW = 24
 def cache_kwarg(cache) -> dict:
     """The generate() keyword for a cache object on this transformers version (5.24 renamed it)."""
     return {"cache" if TRANSFORMERS_VERSION.release >= (5, 24) else "past_key_values": cache}
-
-
-def padded_batch(lengths=(12, 9, 6), seed: int = 0, vocab: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(2, vocab, (len(lengths), width), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        mask[row, width - length :] = 1
-        ids[row, : width - length] = 0
-    return ids, mask
 
 
 def gen(model, ids, mask, cache=None, **kwargs) -> torch.Tensor:

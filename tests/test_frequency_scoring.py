@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import padded_batch, tiny_model
 from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
 from hf_ropekv.calibrate import calibrate
 from hf_ropekv.model_info import describe
 from hf_ropekv.scoring import query_weights, score_keys
 from hf_ropekv.stats import geometry_metadata
-from test_cache_exact import padded_batch
 
 PROMPT, BUDGET, EVERY = 40, 16, 8
 

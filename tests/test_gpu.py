@@ -9,12 +9,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv.kernels.compact import compact_reference_, compact_triton_
 from hf_ropekv.scoring import query_weights, score_keys_weighted
 from test_cache_eviction import run_and_compare
-from test_cache_exact import padded_batch
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 
 ARCHS = ["llama", "qwen3"]
@@ -55,18 +55,6 @@ def quanto():
             if ext is not None and getattr(ext, "_lib", None) is None:
                 ext._lib = types.SimpleNamespace(unpack=_unpack_uint8)
     return module
-
-
-def padded_batch(vocab: int, lengths=(12, 9, 6), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded rows of different lengths (as generate expects)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), width), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        mask[row, width - length :] = 1
-        ids[row, : width - length] = 0
-    return ids, mask
 
 
 def generate(model, cache, ids, mask, max_new_tokens: int = 20):
