@@ -20,8 +20,8 @@ class PagedKV:
 
     Args:
         page_size: slots per page; capacity is always a whole number of pages.
-        capacity_hint: slots the arena should hold in steady state (``budget + compress_every``);
-            the first allocation reserves this much so decoding never reallocates.
+        capacity_hint: slots the arena holds in steady state (``budget + compress_every``); growth stops
+            there, so once the cache is full, decoding never reallocates.
     """
 
     def __init__(self, page_size: int, capacity_hint: int | None = None) -> None:
@@ -141,9 +141,10 @@ class PagedKV:
         if self.keys is not None and needed <= self.capacity:
             return
         batch, heads, _, head_dim = key_states.shape
-        target = max(needed, self.capacity_hint or 0) if self.keys is None else max(needed, 2 * self.capacity)
-        if self.capacity_hint is not None and self.keys is not None:
-            # Past the fill-up phase the arena needs at most the steady-state size (or what was asked).
+        # Grow geometrically (amortised O(1) appends) but never past the steady-state size unless asked: a
+        # short generation then holds about what it uses, and a long one stops reallocating at the budget.
+        target = needed if self.keys is None else max(needed, 2 * self.capacity)
+        if self.capacity_hint is not None:
             target = max(needed, min(target, self.capacity_hint))
         capacity = -(-target // self.page_size) * self.page_size
         device = key_states.device

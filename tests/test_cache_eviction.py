@@ -137,16 +137,15 @@ def test_per_layer_selection_keeps_layer_specific_tokens() -> None:
 
 
 def test_storage_stays_in_place_and_bounded() -> None:
-    """After the prompt, decoding neither reallocates nor grows: compaction moves survivors in place."""
+    """The arena grows only up to budget + compress_every; from then on compaction works in place."""
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size)
     cache = RopeKVCache(model, budget=32, compress_every=16, page_size=16)
     model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
     storage = cache._full_layers[0].storage
-    pointer, capacity = storage.keys.data_ptr(), storage.capacity
-    assert capacity == 48 and cache.pages_allocated == 3 * len(cache._full_layers)
+    assert storage.capacity == 16  # 13 tokens: one page, not the whole steady-state arena
     ids2 = torch.cat([ids, torch.randint(3, 100, (3, 1))], dim=1)
-    steps = 0
+    pointer = None
     for _ in range(100):  # decode by hand so we can look at the arena after every step
         seen = cache.tokens_seen
         mask2 = torch.ones(3, seen + 1, dtype=mask.dtype)
@@ -154,8 +153,10 @@ def test_storage_stays_in_place_and_bounded() -> None:
         with torch.no_grad():
             model(input_ids=ids2[:, -1:], attention_mask=mask2, past_key_values=cache,
                   position_ids=positions_from_mask(mask2)[:, -1:])
-        steps += 1
-        assert storage.keys.data_ptr() == pointer and storage.capacity == capacity
-        assert cache.tokens_kept <= 48
+        assert storage.capacity <= 48 and cache.tokens_kept <= 48
+        if storage.capacity == 48:
+            pointer = pointer or storage.keys.data_ptr()
+            assert storage.keys.data_ptr() == pointer  # no reallocation once full
+    assert cache.pages_allocated == 3 * len(cache._full_layers)
     assert cache.num_compactions >= 5
     assert cache.bytes_held < cache.full_cache_bytes
