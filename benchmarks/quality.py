@@ -622,8 +622,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     records = []
     for i, sample in enumerate(samples):
-        if sample.name in done:
-            records.append(done[sample.name])
+        previous_record = done.get(sample.name)
+        if previous_record and (previous_record["passkey"], previous_record["tokens"]) == (sample.passkey, len(sample.ids)):
+            records.append(previous_record)
             continue
         log(f"sample {i + 1}/{len(samples)}: {sample.name}, {len(sample.ids)} tokens, passkey {sample.passkey}")
         last = {"t": 0.0}

@@ -35,6 +35,8 @@ ANSWER = " {key}."
 
 #: Fraction of letters and whitespace a file needs to count as prose (drops register maps, tables of numbers).
 PROSE_MIN_LETTERS = 0.80
+#: linux-doc folders holding translations (Italian, Chinese, Japanese, Korean, Spanish): not English.
+NON_ENGLISH = ("translations/",)
 
 
 @dataclass
@@ -74,13 +76,17 @@ def _letters_fraction(text: str) -> float:
 
 
 def prose_documents(min_chars: int, count: int | None = None) -> list[tuple[str, str]]:
-    """``(name, text)`` of linux-doc files with at least ``min_chars`` characters that read as prose.
+    """``(name, text)`` of English linux-doc files with at least ``min_chars`` characters that read as prose.
 
     ``count`` files are picked evenly spaced over the sorted list (different subsystems), deterministically.
     """
     from hf_ropekv.offline import linux_doc_texts
 
-    docs = [(n, t) for n, t in linux_doc_texts(min_chars=min_chars) if _letters_fraction(t) >= PROSE_MIN_LETTERS]
+    docs = [
+        (n, t)
+        for n, t in linux_doc_texts(min_chars=min_chars)
+        if not n.startswith(NON_ENGLISH) and _letters_fraction(t) >= PROSE_MIN_LETTERS
+    ]
     if count is None or count >= len(docs):
         return docs
     step = len(docs) / count
