@@ -1165,24 +1165,16 @@ def main(argv: list[str] | None = None) -> int:
                     save()
                 bench = model = None
                 mem.clean()
-            if "c" in parts:
-                entry = new_part("c", method=report.METHOD_C, scorer=s.scorer)
+            # Parts c and e build their own models; each failure is recorded and the next part still runs.
+            for name, run_part, method in (("c", part_c, report.METHOD_C), ("e", part_e, report.METHOD_E)):
+                if name not in parts:
+                    continue
+                entry = new_part(name, method=method, scorer=s.scorer)
                 if log.out_of_time():
                     entry["skipped"].append("--max-minutes reached")
                 else:
                     try:
-                        part_c(s, device, log, mem, entry)
-                    except Exception as err:  # noqa: BLE001
-                        entry["errors"].append(f"{type(err).__name__}: {err}")
-                        traceback.print_exc()
-                save()
-            if "e" in parts:
-                entry = new_part("e", method=report.METHOD_E, scorer=s.scorer)
-                if log.out_of_time():
-                    entry["skipped"].append("--max-minutes reached")
-                else:
-                    try:
-                        part_e(s, device, log, mem, entry)
+                        run_part(s, device, log, mem, entry)
                     except Exception as err:  # noqa: BLE001
                         entry["errors"].append(f"{type(err).__name__}: {err}")
                         traceback.print_exc()
