@@ -122,23 +122,36 @@ class Progress:
 
 # ---------------------------------------------------------------------------------------------- timing
 class StepTimer:
-    """Wall time of one call: CUDA events around it on a GPU (the stream is drained first), perf_counter on CPU."""
+    """Wall time of one call: CUDA events around it on a GPU (the stream is drained first), perf_counter on CPU.
+
+    Two diagnostics of the last call are kept beside it, to say where a slow step went: ``last_host_ms``, the
+    time until the call returned on the host (close to the wall time when launching kernels is the bottleneck),
+    and ``last_device_allocs``, how many times the CUDA caching allocator had to call ``cudaMalloc`` (each one
+    synchronises; a cache whose tensors change size every step pays it).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.last_host_ms: float | None = None
+        self.last_device_allocs: int | None = None
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
         if self.cuda:
             torch.cuda.synchronize()
+            allocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             start.record()
             result = fn()
             end.record()
+            self.last_host_ms = 1e3 * (time.perf_counter() - t0)
             end.synchronize()
+            self.last_device_allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs
             return result, float(start.elapsed_time(end))
         t0 = time.perf_counter()
         result = fn()
-        return result, 1e3 * (time.perf_counter() - t0)
+        self.last_host_ms = 1e3 * (time.perf_counter() - t0)
+        return result, self.last_host_ms
 
     def sync(self) -> None:
         if self.cuda:

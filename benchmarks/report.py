@@ -38,7 +38,9 @@ METHOD_B = (
     "Capacity: under `torch.cuda.set_per_process_memory_fraction(cap / total)`, the largest batch whose fill "
     "and decode (with a compaction for budgeted caches) raise no out-of-memory error; DynamicCache is probed at "
     "the full context, budgeted caches with a short fill (prompt + budget + 3 x 128: their footprint no longer "
-    "grows) and the batch found is then filled to the full context and timed (fewer rows if it does not fit)."
+    "grows) and the batch found is then filled to the full context and timed (fewer rows if it does not fit). "
+    "Host ms: median time until the forward returned on the host, close to the step time when launching "
+    "kernels is the bottleneck; cudaMalloc / step: the caching allocator's device allocations per timed step."
 )
 METHOD_C = (
     "Qwen3-32B shape, random bf16 weights quantized to int4 with optimum-quanto (quantize + freeze, layer by "
@@ -237,11 +239,11 @@ def render_markdown(results: dict) -> str:
         out.append(
             _table(
                 ["batch", "context", "cache", "plain step ms", "compaction step ms", "amortised ms", "tok/s",
-                 "x DynamicCache", "peak growth MiB"],
+                 "x DynamicCache", "peak growth MiB", "host ms", "cudaMalloc / step"],
                 [
                     [r["batch"], f"{r['seen']:,}", r["cache"], _f(r["plain_step_ms"]), _f(r["compaction_step_ms"]),
                      _f(r["amortized_step_ms"]), _f(r["tokens_per_s"], 1), _f(r.get("ratio_to_dynamic")),
-                     _mib(r["peak_growth_bytes"])]
+                     _mib(r["peak_growth_bytes"]), _f(r.get("plain_host_ms")), _f(r.get("device_allocs_per_step"), 1)]
                     for r in b.get("rows", [])
                 ],
             )

@@ -477,13 +477,15 @@ def decode_point(
         nxt = bench.decode(cache, nxt, s.warmup)
         seen_at_start, kept_at_start = bench.seen(cache), bench.kept(cache)
         bench.mem.reset_peak()
-        plain = []
+        plain, host, allocs = [], [], []
         for _ in range(s.timed_steps):
             before = bench.compactions(cache)
             nxt, ms = bench.timed_step(cache, nxt)
             if bench.compactions(cache) != before:
                 raise RuntimeError("a timed plain step compacted: raise budget or lower --timed-steps")
             plain.append(ms)
+            host.append(bench.timer.last_host_ms)
+            allocs.append(bench.timer.last_device_allocs)
         compact: list[float] = []
         breakdown = None
         if budgeted:
@@ -523,6 +525,8 @@ def decode_point(
             kept=kept_at_start,
             plain_step_ms=t_plain,
             plain_steps_ms=plain,
+            plain_host_ms=median(host),
+            device_allocs_per_step=None if None in allocs else sum(allocs) / len(allocs),
             compaction_step_ms=t_compact,
             amortized_step_ms=amortized,
             tokens_per_s=1e3 * batch / amortized,
@@ -653,6 +657,8 @@ def part_b(bench: Bench, out: dict, with_d: bool) -> None:
                     f"[b] {label:34} batch {batch:>3} T={row['seen']:>6}: plain {row['plain_step_ms']:.2f} ms"
                     + (f", compaction step {row['compaction_step_ms']:.2f} ms" if row["compaction_step_ms"] else "")
                     + f", {row['tokens_per_s']:.1f} tok/s, peak+ {_mib(row['peak_growth_bytes'])}"
+                    + f" (host {row['plain_host_ms']:.2f} ms"
+                    + (f", cudaMalloc/step {row['device_allocs_per_step']:.1f})" if row["device_allocs_per_step"] is not None else ")")
                 )
     for row in rows:
         ref = next(
