@@ -4,9 +4,12 @@
 Builds a Qwen3-1.7B-shaped model with random bf16 weights on cuda:0, saves it to a temporary folder and reloads
 it with ``device_map="auto"`` (accelerate balances the layers over cuda:0 and cuda:1). Then:
 
-1. **Exactness, nothing evicted.** Greedy generation of a left-padded batch on the split model, with
-   ``RopeKVCache(budget=None)``, with ``hf_ropekv.enable(model, budget=None)`` and with ``DynamicCache``, must give
-   exactly the tokens of the same model on a single GPU.
+1. **Exactness, nothing evicted.** Greedy generation of a left-padded batch with ``RopeKVCache(budget=None)``,
+   with ``hf_ropekv.enable(model, budget=None)`` and with ``DynamicCache`` on the split model, and with
+   ``RopeKVCache(budget=None)`` on one GPU, against ``DynamicCache`` on one GPU (loaded the same way). In float32
+   every run must give exactly the reference's tokens; in bf16 the split ``DynamicCache`` must, and any other
+   divergence is reported with the reference's top-2 logit margin where it happens (random weights give
+   near-ties that bf16 rounding in a different attention kernel can flip).
 2. **Bounded memory, with eviction.** A long greedy generation with ``DynamicCache`` and with
    ``RopeKVCache(budget)`` on the split model: per GPU, the peak of ``torch.cuda.max_memory_allocated`` above the
    weights, and the bytes each cache holds on that GPU. Every layer's pages must sit on that layer's GPU, the
@@ -97,13 +100,41 @@ def cache_kwarg() -> str:
     return "cache" if TRANSFORMERS_VERSION.release >= (5, 24) else "past_key_values"
 
 
-def generate(model, ids, mask, new_tokens: int, cache=None) -> torch.Tensor:
+def generate(model, ids, mask, new_tokens: int, cache=None, logits: bool = False):
+    """Greedy tokens; with ``logits``, a dict of ``sequences`` and stacked float ``logits`` (on the CPU)."""
     extra = {cache_kwarg(): cache} if cache is not None else {}
     with torch.inference_mode():
-        return model.generate(
+        out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=0, **extra,
+            do_sample=False, pad_token_id=0, return_dict_in_generate=logits, output_logits=logits, **extra,
         )
+    if logits:
+        return dict(sequences=out.sequences.cpu(), logits=torch.stack([x.float().cpu() for x in out.logits], 1))
+    return out
+
+
+def compare(reference: dict, run: dict) -> dict:
+    """Identical greedy tokens? If not: where they first part, and how close the reference's top two were there.
+
+    ``max_logit_diff`` is taken over the steps up to the first divergence (after it the inputs differ).
+    """
+    ref_seq, seq = reference["sequences"], run["sequences"]
+    new = ref_seq.shape[1] - reference["logits"].shape[1]
+    differs = (ref_seq != seq)[:, new:]
+    if not differs.any():
+        diff = (reference["logits"] - run["logits"]).abs().max().item()
+        return dict(identical=True, max_logit_diff=diff, summary=f"identical (max |dlogit| {diff:.2e})")
+    step = int(differs.any(0).nonzero()[0])
+    row = int(differs[:, step].nonzero()[0])
+    top2 = reference["logits"][row, step].topk(2).values
+    margin = (top2[0] - top2[1]).item()
+    diff = (reference["logits"][:, : step + 1] - run["logits"][:, : step + 1]).abs().max().item()
+    rows = int(differs.any(-1).sum())
+    return dict(
+        identical=False, rows_differing=rows, first_step=step, row=row, top2_margin=margin, max_logit_diff=diff,
+        summary=f"DIFFERENT in {rows} rows from step {step} (row {row}: reference top-2 margin {margin:.3g}, "
+                f"max |dlogit| up to there {diff:.3g})",
+    )
 
 
 def cache_bytes_by_device(cache) -> dict[str, int]:
@@ -208,82 +239,78 @@ def main(argv: list[str] | None = None) -> int:
         f"({time.perf_counter() - t0:.0f} s)")
 
     vocab = config.vocab_size
-    ids, mask = padded_prompts(args.batch, args.prompt_len, vocab, devices[0])
-
-    # ---- reference: single device
-    t0 = time.perf_counter()
-    ref_dynamic = generate(single, ids, mask, args.exact_new_tokens, DynamicCache(config=single.config))
-    ref_rope = generate(single, ids, mask, args.exact_new_tokens, RopeKVCache(single, budget=None))
-    if not torch.equal(ref_rope, ref_dynamic):
-        failures.append("single device: RopeKVCache(budget=None) differs from DynamicCache")
-    log(f"single-device reference: {args.batch} rows x {args.exact_new_tokens} tokens "
-        f"({time.perf_counter() - t0:.0f} s)")
     del single
     gc.collect()
     if not args.dry_run:
         torch.cuda.empty_cache()
 
-    # ---- the split model
-    t0 = time.perf_counter()
+    def load(device_map: Any, load_dtype: torch.dtype):
+        # The single-device reference is loaded by the same path as the split model: a model initialised on the
+        # GPU computes RoPE's inv_freq there, and one ulp of difference flips near-tied tokens of random weights.
+        return AutoModelForCausalLM.from_pretrained(
+            workdir / "model", device_map=device_map, dtype=load_dtype, attn_implementation="sdpa"
+        ).eval()
+
     if args.dry_run:
         device_map: Any = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
         device_map.update({f"model.layers.{i}": "cpu" for i in range(config.num_hidden_layers)})
     else:
         device_map = "auto"
-    model = AutoModelForCausalLM.from_pretrained(
-        workdir / "model", device_map=device_map, dtype=dtype, attn_implementation="sdpa"
-    ).eval()
-    per_layer = layer_devices(model)
-    split = {str(d): sum(1 for x in per_layer if x == d) for d in dict.fromkeys(per_layer)}
-    log(f"loaded with device_map={device_map if isinstance(device_map, str) else 'explicit'}: layers per device "
-        f"{split} ({time.perf_counter() - t0:.0f} s)")
-    if not args.dry_run and len(split) < 2:
-        failures.append(f"device_map='auto' did not split the layers: {split}; continuing with an explicit half split")
-        half = config.num_hidden_layers // 2
-        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
-        device_map.update({f"model.layers.{i}": int(i >= half) for i in range(config.num_hidden_layers)})
-        del model
+
+    # ---- check 1: exact tokens, nothing evicted, in float32 (must be identical) and in the model's dtype
+    results["exact"] = {}
+    for check_dtype in dict.fromkeys([torch.float32, dtype]):
+        name_dtype = str(check_dtype).removeprefix("torch.")
+        t0 = time.perf_counter()
+        single = load({"": devices[0]}, check_dtype)
+        ids, mask = padded_prompts(args.batch, args.prompt_len, vocab, devices[0])
+        reference = generate(single, ids, mask, args.exact_new_tokens, DynamicCache(config=single.config), logits=True)
+        runs = {"single device, RopeKVCache(budget=None)": generate(
+            single, ids, mask, args.exact_new_tokens, RopeKVCache(single, budget=None), logits=True)}
+        del single
         gc.collect()
-        torch.cuda.empty_cache()
-        model = AutoModelForCausalLM.from_pretrained(
-            workdir / "model", device_map=device_map, dtype=dtype, attn_implementation="sdpa"
-        ).eval()
+        if not args.dry_run:
+            torch.cuda.empty_cache()
+        model = load(device_map, check_dtype)
         per_layer = layer_devices(model)
         split = {str(d): sum(1 for x in per_layer if x == d) for d in dict.fromkeys(per_layer)}
-        log(f"reloaded with an explicit device_map: layers per device {split}")
+        if not args.dry_run and len(split) < 2:
+            failures.append(f"device_map='auto' did not split the layers: {split}")
+        input_device = model.get_input_embeddings().weight.device
+        ids, mask = ids.to(input_device), mask.to(input_device)
+        runs["split, DynamicCache"] = generate(
+            model, ids, mask, args.exact_new_tokens, DynamicCache(config=model.config), logits=True)
+        rope_cache = RopeKVCache(model, budget=None)
+        runs["split, RopeKVCache(budget=None)"] = generate(model, ids, mask, args.exact_new_tokens, rope_cache, logits=True)
+        enable(model, budget=None)
+        try:
+            runs["split, enable(budget=None)"] = generate(model, ids, mask, args.exact_new_tokens, logits=True)
+        finally:
+            disable(model)
+        wrong = [
+            i for i, layer in enumerate(rope_cache.layers)
+            if getattr(layer, "storage", None) is not None and layer.storage.keys.device != per_layer[i]
+        ]
+        if wrong:
+            failures.append(f"pages of layers {wrong} are not on their layer's device")
+        verdicts = {name: compare(reference, run) for name, run in runs.items()}
+        results["exact"][name_dtype] = verdicts
+        for name, verdict in verdicts.items():
+            # float32 must be identical everywhere. In the model's dtype the split DynamicCache must still match
+            # (same kernels, same inputs); a RopeKVCache divergence there is reported with its logit gap.
+            if not verdict["identical"] and (check_dtype == torch.float32 or name == "split, DynamicCache"):
+                failures.append(f"{name_dtype}, {name}: {verdict['summary']}")
+        log(f"check 1 ({name_dtype}, nothing evicted, layers per device {split}):\n    "
+            + "\n    ".join(f"{k}: {v['summary']}" for k, v in verdicts.items())
+            + f"\n    pages on their layer's device: {'yes' if not wrong else 'NO'} ({time.perf_counter() - t0:.0f} s)")
+        del rope_cache, runs, reference
+        gc.collect()
+        if check_dtype != dtype:
+            del model
+            gc.collect()
+            if not args.dry_run:
+                torch.cuda.empty_cache()
     results["layers_per_device"] = split
-    input_device = model.get_input_embeddings().weight.device
-    ids, mask = ids.to(input_device), mask.to(input_device)
-
-    # ---- check 1: exact tokens, nothing evicted
-    t0 = time.perf_counter()
-    exact = {}
-    exact["DynamicCache"] = generate(model, ids, mask, args.exact_new_tokens, DynamicCache(config=model.config))
-    rope_cache = RopeKVCache(model, budget=None)
-    exact["RopeKVCache(budget=None)"] = generate(model, ids, mask, args.exact_new_tokens, rope_cache)
-    enable(model, budget=None)
-    try:
-        exact["enable(budget=None)"] = generate(model, ids, mask, args.exact_new_tokens)
-    finally:
-        disable(model)
-    results["exact"] = {}
-    for name, tokens in exact.items():
-        same = torch.equal(tokens.cpu(), ref_dynamic.cpu())
-        results["exact"][name] = same
-        if not same:
-            differing = (tokens.cpu() != ref_dynamic.cpu()).any(-1).sum().item()
-            failures.append(f"split model, {name}: tokens differ from the single-device run in {differing} rows")
-    wrong = [
-        i for i, layer in enumerate(rope_cache.layers)
-        if getattr(layer, "storage", None) is not None and layer.storage.keys.device != per_layer[i]
-    ]
-    if wrong:
-        failures.append(f"pages of layers {wrong} are not on their layer's device")
-    log(f"check 1 (exact, nothing evicted): " + ", ".join(f"{k}: {'identical' if v else 'DIFFERENT'}"
-                                                           for k, v in results["exact"].items())
-        + f"; pages on their layer's device: {'yes' if not wrong else 'NO'} ({time.perf_counter() - t0:.0f} s)")
-    del rope_cache, exact
-    gc.collect()
 
     # ---- check 2: long generation, per-device memory
     runs: dict[str, dict] = {}
