@@ -7,9 +7,9 @@ it with ``device_map="auto"`` (accelerate balances the layers over cuda:0 and cu
 1. **Exactness, nothing evicted.** Greedy generation of a left-padded batch with ``RopeKVCache(budget=None)``,
    with ``hf_ropekv.enable(model, budget=None)`` and with ``DynamicCache`` on the split model, and with
    ``RopeKVCache(budget=None)`` on one GPU, against ``DynamicCache`` on one GPU (loaded the same way). In float32
-   every run must give exactly the reference's tokens; in bf16 the split ``DynamicCache`` must, and any other
-   divergence is reported with the reference's top-2 logit margin where it happens (random weights give
-   near-ties that bf16 rounding in a different attention kernel can flip).
+   every run must give exactly the reference's tokens. In bf16 a divergence is reported with the reference's
+   top-2 logit margin where it happens, not failed: random weights give exact bf16 ties, which flip even
+   between two ``DynamicCache`` runs (split and single GPU).
 2. **Bounded memory, with eviction.** A long greedy generation with ``DynamicCache`` and with
    ``RopeKVCache(budget)`` on the split model: per GPU, the peak of ``torch.cuda.max_memory_allocated`` above the
    weights, and the bytes each cache holds on that GPU. Every layer's pages must sit on that layer's GPU, the
@@ -296,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         verdicts = {name: compare(reference, run) for name, run in runs.items()}
         results["exact"][name_dtype] = verdicts
         for name, verdict in verdicts.items():
-            # float32 must be identical everywhere. In the model's dtype the split DynamicCache must still match
-            # (same kernels, same inputs); a RopeKVCache divergence there is reported with its logit gap.
-            if not verdict["identical"] and (check_dtype == torch.float32 or name == "split, DynamicCache"):
+            # float32 must be identical everywhere. In bf16 it cannot be required: on 2xH200 (2026-11-29) even
+            # DynamicCache on the split model parted from the one-GPU run, at a step where the reference's top
+            # two logits were tied exactly; those runs are reported with their logit gaps, not failed.
+            if not verdict["identical"] and check_dtype == torch.float32:
                 failures.append(f"{name_dtype}, {name}: {verdict['summary']}")
         log(f"check 1 ({name_dtype}, nothing evicted, layers per device {split}):\n    "
             + "\n    ".join(f"{k}: {v['summary']}" for k, v in verdicts.items())
