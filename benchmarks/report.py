@@ -47,8 +47,9 @@ METHOD_C = (
     "layer as the model is built; embeddings and lm_head stay bf16). The process's allocator is capped at 24 GiB "
     "before the model is built. DynamicCache: after the pinned prompt, random tokens go through the model in "
     "chunks of 512 until a forward runs out of memory; the cache is cut back to the last good length and the "
-    "search continues with chunks of 64, then with real single-token decode steps: the reported count is the "
-    "last length that fit. RopeKVCache(budget=2048): chunks of 128 through the model up to 32K tokens (one "
+    "search continues with chunks of 64: the reported count is the last length that fit (a 64-token chunk "
+    "needs a few MiB of activations more than a decode step, so decoding would fail within about 64 tokens of "
+    "it; single-token steps past that point are too slow on quanto's int4 path to run here). RopeKVCache(budget=2048): chunks of 128 through the model up to 32K tokens (one "
     "compaction per chunk, as in decoding), then real decode steps; peak is `max_memory_allocated`."
 )
 METHOD_D = (

@@ -33,6 +33,7 @@ import os
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -425,7 +426,7 @@ def instrument_compaction(cache, timer: StepTimer):
     """Time the cache's selection (scoring all layers + top-k) and in-place compaction calls, synchronising
     around each (benchmark-only instrumentation of RopeKVCache internals)."""
     record: dict[str, list[float]] = {"select_ms": [], "compact_ms": []}
-    patched: list[tuple[Any, str]] = []
+    restore: list[Callable[[], None]] = []
 
     def wrap(owner, name: str, key: str) -> None:
         original = getattr(owner, name)
@@ -439,19 +440,27 @@ def instrument_compaction(cache, timer: StepTimer):
             return result
 
         setattr(owner, name, timed)
-        patched.append((owner, name))
+        if isinstance(owner, types.ModuleType):
+            restore.append(lambda: setattr(owner, name, original))
+        else:  # an instance attribute shadowing the class's method: drop it
+            restore.append(lambda: delattr(owner, name))
 
     available = hasattr(cache, "_select") and hasattr(cache, "_full_layers")
     if available:
+        import hf_ropekv.cache as cache_module
+
         wrap(cache, "_select", "select_ms")
+        # Global selection compacts every layer in one call of cache.py's compact_arenas; per-layer selection
+        # calls each storage's compact instead (which reaches the kernel through storage.py's own name).
+        wrap(cache_module, "compact_arenas", "compact_ms")
         for layer in cache._full_layers:
             wrap(layer.storage, "compact", "compact_ms")
     try:
         yield record if available else None
     finally:
-        for owner, name in patched:
+        for undo in reversed(restore):
             with contextlib.suppress(AttributeError):
-                delattr(owner, name)
+                undo()
 
 
 def decode_point(
