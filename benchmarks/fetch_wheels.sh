@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/fetch_wheels.sh            # optimum-quanto (parts a: QuantizedCache, c: int4 weights)
 #   bash benchmarks/fetch_wheels.sh NAME==VER  # ...plus more wheels, same platform tags
+#   bash benchmarks/fetch_wheels.sh bitsandbytes==0.50.2   # for the NF4 test in tests/test_quantized.py (43 MB:
+#                                                          # fits the 64 MiB the device tool carries)
 #
 # optimum-quanto 0.2.7 is pure Python (py3-none-any). Its requirements are torch, ninja, numpy, safetensors and
 # huggingface_hub: the GPU image already has all of them, so nothing else is fetched. (ninja is only used when
@@ -19,7 +21,8 @@ mkdir -p .whl
 PY=${PYTHON:-python3}
 WHEELS=("optimum-quanto==0.2.7" "$@")
 "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
     -d .whl "${WHEELS[@]}" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
