@@ -9,7 +9,6 @@ import datetime as _dt
 import gc
 import importlib
 import importlib.metadata
-import inspect
 import os
 import platform
 import subprocess
@@ -269,15 +268,6 @@ def cache_tensor_bytes(cache: Any) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- model calls
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """``cache`` on transformers >= 5.24 (the renamed argument), ``past_key_values`` before."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any, kwarg: str) -> torch.Tensor:
     """One forward over ``input_ids`` with ``cache``; returns the next greedy token of every row, ``[B, 1]``."""
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})

@@ -94,15 +94,11 @@ def padded_prompts(batch: int, longest: int, vocab: int, device: torch.device) -
     return ids.to(device), mask.to(device)
 
 
-def cache_kwarg() -> str:
-    from hf_ropekv._compat import TRANSFORMERS_VERSION
-
-    return "cache" if TRANSFORMERS_VERSION.release >= (5, 24) else "past_key_values"
-
-
 def generate(model, ids, mask, new_tokens: int, cache=None, logits: bool = False):
     """Greedy tokens; with ``logits``, a dict of ``sequences`` and stacked float ``logits`` (on the CPU)."""
-    extra = {cache_kwarg(): cache} if cache is not None else {}
+    from hf_ropekv._compat import cache_kwarg
+
+    extra = {cache_kwarg(model): cache} if cache is not None else {}
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -162,6 +158,14 @@ def layer_devices(model) -> list[torch.device]:
             execution = next(layer.parameters()).device
         devices.append(torch.device(execution) if not isinstance(execution, torch.device) else execution)
     return devices
+
+
+def misplaced_layers(cache, per_layer: list[torch.device]) -> list[int]:
+    """Indices of RopeKVCache layers whose pages are not on the device their decoder layer computes on."""
+    return [
+        i for i, layer in enumerate(cache.layers)
+        if getattr(layer, "storage", None) is not None and layer.storage.keys.device != per_layer[i]
+    ]
 
 
 class PeakMemory:
@@ -287,10 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             runs["split, enable(budget=None)"] = generate(model, ids, mask, args.exact_new_tokens, logits=True)
         finally:
             disable(model)
-        wrong = [
-            i for i, layer in enumerate(rope_cache.layers)
-            if getattr(layer, "storage", None) is not None and layer.storage.keys.device != per_layer[i]
-        ]
+        wrong = misplaced_layers(rope_cache, per_layer)
         if wrong:
             failures.append(f"pages of layers {wrong} are not on their layer's device")
         verdicts = {name: compare(reference, run) for name, run in runs.items()}
@@ -333,10 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if name == "RopeKVCache":
             runs[name].update(kept=cache.tokens_kept, compactions=cache.num_compactions)
-            wrong = [
-                i for i, layer in enumerate(cache.layers)
-                if getattr(layer, "storage", None) is not None and layer.storage.keys.device != per_layer[i]
-            ]
+            wrong = misplaced_layers(cache, per_layer)
             if wrong:
                 failures.append(f"check 2: pages of layers {wrong} are not on their layer's device")
         log(f"check 2, {name}: {args.batch} rows, prompt {args.prompt_len} + {args.new_tokens} new tokens "

@@ -72,7 +72,6 @@ import argparse
 import copy
 import datetime as _dt
 import gc
-import inspect
 import json
 import logging
 import math
@@ -93,6 +92,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from hf_ropekv import FrequencyStats, KeyNormScorer, RandomScorer, RecencyScorer, RopeKVCache  # noqa: E402
+from hf_ropekv._compat import cache_kwarg  # noqa: E402
 
 from quality_tasks import CALIBRATION_SOURCES, Sample, passkey_samples  # noqa: E402
 
@@ -225,12 +225,6 @@ def future_queries(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)  # HF rotate_half
         out.append(torch.cat((rot * cos + rotated * sin, rest), dim=-1) * scale)
     return out
-
-
-def _cache_keyword(model: nn.Module) -> str:
-    """transformers 5.24 renamed the forward argument ``past_key_values`` to ``cache``."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _copy_prefix(source: RopeKVCache, target: RopeKVCache, online_sums: Any | None) -> None:
@@ -371,7 +365,7 @@ def evaluate_sample(
     targets = _Targets(sample, first_target, device)
     length = len(sample.ids)
     ids = targets.ids.unsqueeze(0)
-    cache_kw = _cache_keyword(model)
+    cache_kw = cache_kwarg(model)
     runs = [(p, b) for b in budgets for p in policies if p != "full"]
     segments = segment_bounds(length, budgets, compress_every)
     start_of = {run: (run[1] + compress_every if share_prefix else 0) for run in runs}

@@ -50,7 +50,6 @@ from common import (  # noqa: E402
     Memory,
     Progress,
     StepTimer,
-    cache_kwarg,
     cache_tensor_bytes,
     forward,
     import_hf_ropekv,
@@ -61,6 +60,7 @@ from common import (  # noqa: E402
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RecencyScorer, RopeKVCache  # noqa: E402
+from hf_ropekv._compat import cache_kwarg  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import baselines  # noqa: E402

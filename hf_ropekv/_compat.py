@@ -44,8 +44,13 @@ def position_ids_from_update(args: tuple, kwargs: dict[str, Any]) -> torch.Tenso
 def cache_kwarg(model: Any) -> str:
     """The keyword ``model.forward`` / ``generate`` takes the cache under: ``cache`` from 5.24, else ``past_key_values``.
 
-    Passing the new name avoids 5.24's deprecation warning; the old one still works there.
+    Passing the new name avoids 5.24's deprecation warning; the old one still works there, so it is also the
+    answer when the signature cannot be read.
     """
     import inspect
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"

@@ -24,6 +24,7 @@ import quality  # noqa: E402
 from quality import compaction_points, evaluate_sample, make_cache, segment_bounds  # noqa: E402
 from quality_tasks import Sample, build_sample  # noqa: E402
 
+from hf_ropekv._compat import cache_kwarg  # noqa: E402
 from hf_ropekv.calibrate import calibrate  # noqa: E402
 
 ALL = ("full", "rope-offline", "rope-code", "rope-online", "streaming", "keynorm", "random")
@@ -61,7 +62,7 @@ def make_sample(length: int, seed: int = 0) -> Sample:
 
 def step(model, cache, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
     pos = torch.arange(start, end).unsqueeze(0)
-    kw = {quality._cache_keyword(model): cache}
+    kw = {cache_kwarg(model): cache}
     with torch.no_grad():
         return model(input_ids=ids[:, start:end], position_ids=pos, use_cache=True, **kw).logits[0]
 
