@@ -72,6 +72,18 @@ def git_commit(explicit: str | None) -> str:
         return "unknown (no .git here: pass --commit)"
 
 
+def sdpa_backends() -> list[str]:
+    """The torch sdpa backends enabled in this process. On Hopper, torch 2.11 runs bf16 decode attention through
+    cuDNN, which builds a plan on the host for every K/V length it has not seen (~1 ms per layer on the H200)."""
+    flags = {
+        "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
+        "flash": torch.backends.cuda.flash_sdp_enabled,
+        "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
+        "math": torch.backends.cuda.math_sdp_enabled,
+    }
+    return [name for name, enabled in flags.items() if enabled()]
+
+
 def run_metadata(device: torch.device, commit: str | None, argv: list[str]) -> dict[str, Any]:
     import transformers
 
@@ -87,6 +99,7 @@ def run_metadata(device: torch.device, commit: str | None, argv: list[str]) -> d
         "optimum_quanto": _version("optimum-quanto"),
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
+        "sdpa_backends": sdpa_backends(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

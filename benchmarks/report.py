@@ -205,7 +205,8 @@ def render_markdown(results: dict) -> str:
         + (f" ({meta.get('device_total_memory_gib')} GiB)" if meta.get("device_total_memory_gib") else "")
         + f"\n- torch {meta.get('torch')} (CUDA {meta.get('cuda')}), transformers {meta.get('transformers')}, "
         f"triton {meta.get('triton')}, optimum-quanto {meta.get('optimum_quanto')}, Python {meta.get('python')}\n"
-        f"- weights {settings.get('dtype')} (part e: float16), random; attention sdpa; RopeKVCache "
+        f"- weights {settings.get('dtype')} (part e: float16), random; attention sdpa "
+        f"(backends enabled: {', '.join(meta.get('sdpa_backends') or ['not recorded'])}); RopeKVCache "
         f"compress_every={settings.get('compress_every')}, page_size={settings.get('page_size')}, "
         f"pinned prompt {settings.get('prompt')} tokens; scorer: {_scorer_text(settings.get('scorer'))}"
     )

@@ -1074,6 +1074,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--c-int4", choices=("auto", "per-channel"), default=None,
                    help="part c int4 grouping (default auto: quanto's groups of 128, tinygemm; falls back to "
                    "per-channel if that fails)")
+    p.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="disable torch's cuDNN sdpa backend (flash runs instead): cuDNN plans every new K/V length "
+                   "on the host, which dominates eager decode steps of a growing cache (benchmarks/README.md)")
     return p.parse_args(argv)
 
 
@@ -1102,6 +1105,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(parts) - set(PARTS)
     if unknown:
