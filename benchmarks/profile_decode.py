@@ -137,6 +137,41 @@ def run_point(bench: suite.Bench, kind: str, budget: int | None, batch: int, con
         bench.mem.clean()
 
 
+def run_pair(bench: suite.Bench, batch: int, context: int, steps: int) -> dict:
+    """DynamicCache and RopeKVCache filled side by side, then timed in alternating steps.
+
+    The host speed of the GPU machine drifts (the same step took 35 ms in one process and 55 ms in another), and an
+    eager step is host-bound, so two caches timed a minute apart can differ by the drift alone. Alternating steps
+    see the same host; the ratio of each adjacent pair is the speed-up, and its median is reported.
+    """
+    budget = bench.s.budget
+    dyn, dyn_next = fill(bench, DYNAMIC, None, batch, context)
+    rope, rope_next = fill(bench, ROPE, budget, batch, context)
+    try:
+        dyn_ms, rope_ms = [], []
+        for _ in range(steps):
+            dyn_next, ms = bench.timed_step(dyn, dyn_next)
+            dyn_ms.append(ms)
+            before = bench.compactions(rope)
+            rope_next, ms = bench.timed_step(rope, rope_next)
+            if bench.compactions(rope) != before:
+                raise RuntimeError("a paired step compacted: lower --paired-steps below compress_every")
+            rope_ms.append(ms)
+        return dict(
+            batch=batch,
+            context=context,
+            kept=bench.kept(rope),
+            dynamic_ms=median(dyn_ms),
+            ropekv_ms=median(rope_ms),
+            paired_ratio=median([d / r for d, r in zip(dyn_ms, rope_ms)]),
+            dynamic_steps_ms=dyn_ms,
+            ropekv_steps_ms=rope_ms,
+        )
+    finally:
+        dyn = rope = dyn_next = rope_next = None
+        bench.mem.clean()
+
+
 def render(result: dict) -> str:
     lines = [
         "# Where a decode step's time goes",
@@ -168,6 +203,20 @@ def render(result: dict) -> str:
             + (", ".join(f"{k} {v}" for k, v in r["syncs"].items()) or "none")
             + " |"
         )
+    if result["pairs"]:
+        lines += [
+            "",
+            f"Alternating plain decode steps, DynamicCache then RopeKVCache(budget={result['budget']}) "
+            "(compaction steps not included; the suite amortises them):",
+            "",
+            "| batch | context | RopeKVCache kept | DynamicCache ms | RopeKVCache ms | speed-up (median of pairs) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in result["pairs"]:
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {r['kept']} | {r['dynamic_ms']:.2f} | {r['ropekv_ms']:.2f} | "
+                f"{r['paired_ratio']:.2f}x |"
+            )
     lines += ["", "Top host operators by self time, per point (one profiled step; profiler overhead included):", ""]
     for i, r in enumerate(result["points"]):
         ops = ", ".join(f"{o['name']} {o['self_cpu_ms']:.1f} ms/{o['calls']}" for o in r["host_ops"][:6])
@@ -183,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--contexts", default=None, help="default: the suite's (2176, 8192, 32768)")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--paired-steps", type=int, default=24, help="alternating steps per pair (0: no pairs)")
+    p.add_argument("--no-profile", action="store_true", help="only the alternating pairs")
     p.add_argument("--no-cudnn-sdpa", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     args = p.parse_args(argv)
     if args.no_cudnn_sdpa:
@@ -199,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     result: dict[str, Any] = dict(
         meta=run_metadata(device, args.commit, sys.argv[1:] if argv is None else argv),
-        shape=s.shape, dtype=s.dtype, launch_cost=[], points=[],
+        shape=s.shape, dtype=s.dtype, budget=s.budget, launch_cost=[], points=[], pairs=[],
     )
     result["launch_cost"].append(dict(when="before the model", **launch_cost(device)))
     log(f"launch cost before: {result['launch_cost'][-1]}")
@@ -209,12 +260,21 @@ def main(argv: list[str] | None = None) -> int:
         plan = [(kind, s.budget if kind == ROPE else None, b, c) for b in batches for c in s.contexts
                 for kind in (DYNAMIC, ROPE)]
         plan.append(plan[0])  # the first point again: warm-up or a property of the point?
+        if args.no_profile:
+            plan = []
         for kind, budget, batch, context in plan:
             row = run_point(bench, kind, budget, batch, context, args.top)
             result["points"].append(row)
             log(f"{row['cache']:26} b{batch:<3} T{context:<6}: step {row['step_ms']:.2f} ms, host {row['host_ms']:.2f}"
                 f" ms, {row['kernels']} kernels, GPU {row['gpu_kernel_ms']} ms")
             (out / "profile.json").write_text(json.dumps(result, indent=1, default=str))
+        for batch in batches if args.paired_steps else ():
+            for context in s.contexts:
+                row = run_pair(bench, batch, context, min(args.paired_steps, s.compress_every - 8))
+                result["pairs"].append(row)
+                log(f"pair b{batch:<3} T{context:<6}: DynamicCache {row['dynamic_ms']:.2f} ms, RopeKVCache "
+                    f"{row['ropekv_ms']:.2f} ms, speed-up {row['paired_ratio']:.2f}x")
+                (out / "profile.json").write_text(json.dumps(result, indent=1, default=str))
     result["launch_cost"].append(dict(when="after the points", **launch_cost(device)))
     (out / "profile.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "profile.md").write_text(render(result))
