@@ -1,0 +1,62 @@
+"""The GPU benchmark scripts still run: their ``--dry-run`` paths on the CPU, tiny shapes, in a subprocess each.
+
+They are run on the H200 only a few times a session, so a broken import or a renamed cache attribute would
+otherwise surface there, costing device time. The checks read what the scripts wrote, not just their exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_script(name: str, *args: str, timeout: int = 600) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / name), "--dry-run", *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+def test_suite_dry_run_measures_every_part(tmp_path: Path) -> None:
+    run_script("suite.py", "--out", str(tmp_path), "--no-cudnn-sdpa")
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert "cudnn" not in result["meta"]["sdpa_backends"] and "math" in result["meta"]["sdpa_backends"]
+    parts = result["parts"]
+    assert sorted(parts) == ["a", "b", "c", "d", "e"]
+    assert all(not p["errors"] and not p["skipped"] for p in parts.values()), {k: p["errors"] for k, p in parts.items()}
+    settings = result["settings"]
+    for row in parts["b"]["rows"]:
+        assert row["plain_step_ms"] > 0 and row["tokens_per_s"] > 0
+        if row["kind"] == "ropekv":  # the budgeted cache kept its bound while the context grew past it
+            assert row["kept"] <= row["budget"] + settings["compress_every"] < row["seen"]
+    assert (tmp_path / "results.md").read_text().startswith("# hf_ropekv benchmark results")
+
+
+def test_profile_decode_dry_run_profiles_and_pairs(tmp_path: Path) -> None:
+    run_script("profile_decode.py", "--out", str(tmp_path), "--paired-steps", "4")
+    result = json.loads((tmp_path / "profile.json").read_text())
+    budget = result["budget"]
+    points, pairs = result["points"], result["pairs"]
+    # 2 batches x 2 contexts x (DynamicCache, RopeKVCache), plus the first point again
+    assert len(points) == 9 and points[-1]["cache"] == points[0]["cache"] == "DynamicCache"
+    for row in points:
+        assert row["step_ms"] > 0 and row["aten_self_cpu_ms"] > 0 and row["host_ops"]
+        if row["cache"].startswith("RopeKVCache"):
+            assert budget <= row["kept"] < row["context"]
+        else:
+            assert row["kept"] > row["context"]  # the prompt's decode steps come on top
+    assert len(pairs) == 4
+    for row in pairs:
+        assert len(row["dynamic_steps_ms"]) == len(row["ropekv_steps_ms"]) == 4
+        assert row["paired_ratio"] > 0 and budget <= row["kept"]
+    assert "Alternating plain decode steps" in (tmp_path / "profile.md").read_text()
