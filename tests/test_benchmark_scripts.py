@@ -60,3 +60,15 @@ def test_profile_decode_dry_run_profiles_and_pairs(tmp_path: Path) -> None:
         assert len(row["dynamic_steps_ms"]) == len(row["ropekv_steps_ms"]) == 4
         assert row["paired_ratio"] > 0 and budget <= row["kept"]
     assert "Alternating plain decode steps" in (tmp_path / "profile.md").read_text()
+
+
+def test_generate_speed_dry_run_times_both_caches(tmp_path: Path) -> None:
+    run_script("generate_speed.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "generate_speed.json").read_text())
+    dynamic, rope = result["runs"]
+    assert dynamic["cache"] == "DynamicCache" and rope["cache"].startswith("RopeKVCache")
+    for run in result["runs"]:
+        assert run["new_tokens"] == result["new_tokens"]
+        assert len(run["steps_ms"]) == result["new_tokens"] - 1 and min(run["steps_ms"]) > 0
+    assert dynamic["kept"] == result["prompt"] + result["new_tokens"] - 1
+    assert rope["kept"] <= result["budget"] + result["compress_every"]

@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Decode speed inside ``model.generate``, the way users call it: DynamicCache against RopeKVCache.
+
+The suite (``suite.py``) times single forwards on a cache filled in steady state. This script runs greedy
+``generate()`` from a random prompt, with an attention mask, for each cache, and records when each decode step's
+logits reach the logits processors (a host timestamp; ``generate`` synchronises once per step on its stopping
+check, so the gaps are the steps). A RopeKVCache meets each of its ``compress_every + 1`` K/V lengths for the first
+time during its first compression cycle and reuses them after; the steps are reported for the first cycle and for
+the rest separately, because sdpa's cuDNN backend plans every new length on the host (benchmarks/README.md).
+
+    python benchmarks/generate_speed.py --out gen --commit SHA                 # qwen3-8b bf16 on CUDA
+    python benchmarks/generate_speed.py --out gen --no-cudnn-sdpa             # flash attention instead
+    python benchmarks/generate_speed.py --dry-run --out /tmp/gen_dry           # tiny shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList  # noqa: E402
+
+import models  # noqa: E402
+from common import Memory, Progress, import_hf_ropekv, median, run_metadata  # noqa: E402
+
+hf_ropekv = import_hf_ropekv()
+from hf_ropekv import RopeKVCache  # noqa: E402
+from hf_ropekv._compat import cache_kwarg  # noqa: E402
+
+
+class StepClock(LogitsProcessor):
+    """Records the host time at which each step's logits arrive; changes nothing."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def run_generate(model, cache, prompt: torch.Tensor, new_tokens: int, kwarg: str) -> dict[str, Any]:
+    clock = StepClock()
+    if prompt.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        logits_processor=LogitsProcessorList([clock]),
+        **{kwarg: cache},
+    )
+    if prompt.device.type == "cuda":
+        torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    steps_ms = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]  # decode steps only
+    return dict(
+        new_tokens=out.shape[1] - prompt.shape[1],
+        total_s=total,
+        prefill_and_first_ms=1e3 * (clock.stamps[0] - t0),
+        steps_ms=steps_ms,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: a code check")
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens (random ids)")
+    p.add_argument("--new-tokens", type=int, default=384)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--compress-every", type=int, default=128)
+    p.add_argument("--no-cudnn-sdpa", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
+    args = p.parse_args(argv)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.dry_run:
+        args.shape, args.prompt, args.new_tokens, args.budget, args.compress_every = "tiny", 96, 40, 32, 8
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    log, mem = Progress(None), Memory(device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model = models.build_random_model(models.make_config(args.shape), dtype=dtype, device=device)
+    kwarg = cache_kwarg(model)
+    gen = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device=device, generator=gen)
+    ce = args.compress_every
+    caches = {
+        "DynamicCache": lambda: DynamicCache(config=model.config),
+        # Nothing pinned: the random prompt is part of what gets evicted, as in a long document.
+        f"RopeKVCache(budget={args.budget})": lambda: RopeKVCache(
+            model, budget=args.budget, compress_every=ce, protect_prompt=False
+        ),
+    }
+    result: dict[str, Any] = dict(
+        meta=run_metadata(device, args.commit, sys.argv[1:] if argv is None else argv),
+        shape=args.shape, dtype=str(dtype), batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens,
+        budget=args.budget, compress_every=ce, runs=[],
+    )
+    with torch.no_grad():
+        run_generate(model, caches["DynamicCache"](), prompt[:, :64], 4, kwarg)  # warm-up: kernels, allocator
+        for label, make in caches.items():
+            cache = make()
+            mem.clean()
+            run = run_generate(model, cache, prompt, args.new_tokens, kwarg)
+            steps = run.pop("steps_ms")
+            first, rest = steps[: ce - 1], steps[ce - 1:]
+            row = dict(
+                cache=label,
+                **run,
+                step_ms_median=median(steps),
+                first_cycle_step_ms=median(first),
+                later_step_ms=median(rest) if rest else None,
+                decode_tokens_per_s=1e3 * args.batch * len(steps) / sum(steps),
+                kept=int(getattr(cache, "tokens_kept", cache.get_seq_length())),
+                steps_ms=steps,
+            )
+            result["runs"].append(row)
+            log(f"{label:26}: {row['new_tokens']} tokens, step median {row['step_ms_median']:.2f} ms (first "
+                f"{len(first)} steps {row['first_cycle_step_ms']:.2f}, later {row['later_step_ms']} ms), "
+                f"{row['decode_tokens_per_s']:.1f} tok/s, kept {row['kept']}")
+            cache = None
+    ref = result["runs"][0]
+    lines = [
+        "# Decode speed inside model.generate",
+        "",
+        f"{result['meta']['date']} · {result['meta']['device']} · commit `{result['meta']['commit'][:12]}` · "
+        f"torch {result['meta']['torch']} · transformers {result['meta']['transformers']} · {args.shape} {dtype}, "
+        f"random weights, sdpa (backends enabled: {', '.join(result['meta']['sdpa_backends'])})",
+        "",
+        f"Greedy `generate()`, batch {args.batch}, a {args.prompt}-token random prompt, {args.new_tokens} new tokens; "
+        f"`RopeKVCache(budget={args.budget}, compress_every={ce}, protect_prompt=False)`. Steps are the gaps between "
+        f"successive logits on the host; 'first cycle' is the first {ce - 1} decode steps.",
+        "",
+        "| cache | step ms (median) | first cycle ms | later ms | decode tok/s | x DynamicCache | kept at the end |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["runs"]:
+        later = f"{r['later_step_ms']:.2f}" if r["later_step_ms"] is not None else "n/a"
+        lines.append(
+            f"| {r['cache']} | {r['step_ms_median']:.2f} | {r['first_cycle_step_ms']:.2f} | {later} | "
+            f"{r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f} | "
+            f"{r['kept']} |"
+        )
+    (out_dir / "generate_speed.json").write_text(json.dumps(result, indent=1, default=str))
+    (out_dir / "generate_speed.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
