@@ -5,6 +5,7 @@ Nothing here knows about a particular measurement; ``suite.py`` composes these p
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import gc
 import importlib
@@ -50,6 +51,23 @@ def import_hf_ropekv():
     sys.path.insert(0, str(farm))
     importlib.invalidate_caches()
     return importlib.import_module("hf_ropekv")
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def add_run_args(p: argparse.ArgumentParser, out_default: str | None = None) -> None:
+    """The options every GPU script takes: where to write, which commit, a CPU dry run, the sdpa backends."""
+    p.add_argument("--out", default=out_default, required=out_default is None, help="output folder")
+    p.add_argument("--commit", default=None, help="git commit of the code (the GPU machine may have no .git)")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU, or a small GPU): a code check")
+    p.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="disable torch's cuDNN sdpa backend (flash runs instead): cuDNN plans every new K/V length "
+                   "on the host, which dominates eager decode steps of a growing cache (benchmarks/README.md)")
+
+
+def apply_run_args(args: argparse.Namespace) -> None:
+    """Process-wide settings the options of ``add_run_args`` ask for; call before any model runs."""
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 # ---------------------------------------------------------------------------------------------- metadata

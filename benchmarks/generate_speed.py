@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 import models  # noqa: E402
-from common import Memory, Progress, import_hf_ropekv, median, run_metadata  # noqa: E402
+from common import Memory, Progress, add_run_args, apply_run_args, import_hf_ropekv, median, run_metadata  # noqa: E402
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402
@@ -77,19 +77,15 @@ def run_generate(model, cache, prompt: torch.Tensor, new_tokens: int, kwarg: str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--commit", default=None)
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: a code check")
+    add_run_args(p)
     p.add_argument("--shape", default="qwen3-8b")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens (random ids)")
     p.add_argument("--new-tokens", type=int, default=384)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--compress-every", type=int, default=128)
-    p.add_argument("--no-cudnn-sdpa", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     args = p.parse_args(argv)
-    if args.no_cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    apply_run_args(args)
     if args.dry_run:
         args.shape, args.prompt, args.new_tokens, args.budget, args.compress_every = "tiny", 96, 40, 32, 8
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")

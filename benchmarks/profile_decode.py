@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import models  # noqa: E402
 import suite  # noqa: E402
-from common import Memory, Progress, median, run_metadata  # noqa: E402
+from common import Memory, Progress, add_run_args, apply_run_args, median, run_metadata  # noqa: E402
 
 DYNAMIC, ROPE, GATHER = suite.DYNAMIC, suite.ROPE, suite.GATHER
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
@@ -226,18 +226,14 @@ def render(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--commit", default=None)
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: a code check")
+    add_run_args(p)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--contexts", default=None, help="default: the suite's (2176, 8192, 32768)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--paired-steps", type=int, default=24, help="alternating steps per pair (0: no pairs)")
     p.add_argument("--no-profile", action="store_true", help="only the alternating pairs")
-    p.add_argument("--no-cudnn-sdpa", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     args = p.parse_args(argv)
-    if args.no_cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    apply_run_args(args)
 
     s = suite.Settings.dry() if args.dry_run else suite.Settings()
     if args.contexts:

@@ -50,6 +50,8 @@ from common import (  # noqa: E402
     Memory,
     Progress,
     StepTimer,
+    add_run_args,
+    apply_run_args,
     cache_tensor_bytes,
     forward,
     import_hf_ropekv,
@@ -1052,10 +1054,8 @@ def _mib(value: int | None) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
-    p.add_argument("--out", default="bench_out", help="output folder (results.json, results.md, *.png)")
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU, or a small GPU); < 1 min on CPU")
+    add_run_args(p, out_default="bench_out")  # --out (results.json, results.md, *.png), --commit, --dry-run, ...
     p.add_argument("--max-minutes", type=float, default=None, help="skip what is left after this many minutes")
-    p.add_argument("--commit", default=None, help="git commit of the code (the GPU machine may have no .git)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--scorer", choices=("frequency", "recency", "online"), default="frequency",
                    help="RopeKVCache policy: frequency (default scorer, random statistics), recency, or online "
@@ -1074,9 +1074,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--c-int4", choices=("auto", "per-channel"), default=None,
                    help="part c int4 grouping (default auto: quanto's groups of 128, tinygemm; falls back to "
                    "per-channel if that fails)")
-    p.add_argument("--no-cudnn-sdpa", action="store_true",
-                   help="disable torch's cuDNN sdpa backend (flash runs instead): cuDNN plans every new K/V length "
-                   "on the host, which dominates eager decode steps of a growing cache (benchmarks/README.md)")
     return p.parse_args(argv)
 
 
@@ -1105,8 +1102,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.no_cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    apply_run_args(args)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = set(parts) - set(PARTS)
     if unknown:
