@@ -1,6 +1,6 @@
 """Calibrate the RoPE scorer's query statistics on ordinary text.
 
-    stats = hf_ropekv.calibrate.calibrate(model, tokenizer, [open("book.txt").read()])
+    stats = hf_ropekv.calibrate(model, tokenizer, [open("book.txt").read()])   # the function, exported at top level
     stats.save("model.ropekv.safetensors")
 
 or from the command line::

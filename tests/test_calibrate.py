@@ -192,3 +192,19 @@ def test_cli_main_writes_statistics(tmp_path):
     torch.testing.assert_close(stats.q_mean, direct.q_mean, rtol=1e-5, atol=1e-6)
     from_text = calibrate(model, tokenizer, text, max_tokens=64, chunk_tokens=32, progress=False)
     torch.testing.assert_close(from_text.q_abs_mean, direct.q_abs_mean, rtol=1e-5, atol=1e-6)
+
+
+def test_documented_entry_points():
+    # The README and docstrings call hf_ropekv.calibrate(...) (the function, which shadows its submodule's name
+    # on the package) and `python -m hf_ropekv.calibrate` (the submodule, run by runpy): both must keep working.
+    import subprocess
+    import sys
+
+    import hf_ropekv
+
+    assert hf_ropekv.calibrate is calibrate
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_ropekv.calibrate", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--model" in proc.stdout and "--out" in proc.stdout
