@@ -57,7 +57,7 @@ def test_compaction_kernel_matches_reference_on_cuda(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_no_eviction_matches_dynamic_cache_on_cuda(dtype) -> None:
+def test_no_eviction_matches_dynamic_cache_on_cuda(dtype, deterministic_sdpa) -> None:
     model = tiny_model("qwen3").to("cuda", dtype)
     ids, mask = padded_batch(model.config.vocab_size)
     ids, mask = ids.cuda(), mask.cuda()
