@@ -72,3 +72,10 @@ def test_generate_speed_dry_run_times_both_caches(tmp_path: Path) -> None:
         assert len(run["steps_ms"]) == result["new_tokens"] - 1 and min(run["steps_ms"]) > 0
     assert dynamic["kept"] == result["prompt"] + result["new_tokens"] - 1
     assert rope["kept"] <= result["budget"] + result["compress_every"]
+
+
+def test_exactness_check_dry_run_finds_cpu_runs_identical(tmp_path: Path) -> None:
+    run_script("exactness_check.py", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "exactness.json").read_text())["rows"]
+    assert len(rows) == 6  # one dtype x two backend settings x three variants
+    assert all(r["identical"] and r["max_logit_diff"] == 0.0 for r in rows), [r["summary"] for r in rows]
