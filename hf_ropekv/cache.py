@@ -30,7 +30,7 @@ class RopeKVCache(Cache):
     layers stay plain windows. With ``budget=None`` nothing is ever evicted and outputs equal
     ``DynamicCache``'s.
 
-    In steady state the kept length cycles through the same ``compress_every + 1`` values, so attention
+    In steady state the kept length cycles through the same ``compress_every`` or so values, so attention
     backends that plan per K/V length (torch's cuDNN sdpa) reuse their plans after the first cycle; a growing
     ``DynamicCache`` meets a new length every step (benchmarks/README.md has the measurements).
 
