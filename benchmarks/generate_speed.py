@@ -4,7 +4,7 @@
 The suite (``suite.py``) times single forwards on a cache filled in steady state. This script runs greedy
 ``generate()`` from a random prompt, with an attention mask, for each cache, and records when each decode step's
 logits reach the logits processors (a host timestamp; ``generate`` synchronises once per step on its stopping
-check, so the gaps are the steps). A RopeKVCache meets each of its ``compress_every + 1`` K/V lengths for the first
+check, so the gaps are the steps). A RopeKVCache meets each of its ~``compress_every`` K/V lengths for the first
 time during its first compression cycle and reuses them after; the steps are reported for the first cycle and for
 the rest separately, because sdpa's cuDNN backend plans every new length on the host (benchmarks/README.md).
 
