@@ -10,6 +10,7 @@ import datetime as _dt
 import gc
 import importlib
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -100,6 +101,22 @@ def sdpa_backends() -> list[str]:
         "math": torch.backends.cuda.math_sdp_enabled,
     }
     return [name for name, enabled in flags.items() if enabled()]
+
+
+def run_header(meta: dict[str, Any], what: str) -> str:
+    """The line under a report's title: when, where and with which code and versions it was measured."""
+    return (
+        f"{meta['date']} · {meta['device']} · commit `{meta['commit'][:12]}` · torch {meta['torch']} · "
+        f"transformers {meta['transformers']} · {what}"
+    )
+
+
+def write_results(out_dir: Path, stem: str, result: dict[str, Any], markdown: str | None = None) -> None:
+    """``stem.json`` (every number) into ``out_dir``; with ``markdown``, also ``stem.md``, printed as well."""
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    if markdown is not None:
+        (out_dir / f"{stem}.md").write_text(markdown)
+        print(markdown)
 
 
 def run_metadata(device: torch.device, commit: str | None, argv: list[str]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ A divergence is reported with its step and the reference's top-2 margin there (r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import models  # noqa: E402
-from common import add_run_args, apply_run_args, import_hf_ropekv, run_metadata  # noqa: E402
+from common import add_run_args, apply_run_args, import_hf_ropekv, run_header, run_metadata, write_results  # noqa: E402
 from device_map_check import compare, generate, padded_prompts  # noqa: E402
 
 hf_ropekv = import_hf_ropekv()
@@ -86,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Nothing evicted: RopeKVCache against DynamicCache on one device",
         "",
-        f"{result['meta']['date']} · {result['meta']['device']} · commit `{result['meta']['commit'][:12]}` · "
-        f"torch {result['meta']['torch']} · transformers {result['meta']['transformers']} · {args.shape}, random "
-        f"weights, sdpa, batch {args.batch} left-padded (longest prompt {args.prompt}), {args.new_tokens} greedy "
-        "tokens. Each row compares with a DynamicCache run of the same dtype and backend.",
+        run_header(
+            result["meta"],
+            f"{args.shape}, random weights, sdpa, batch {args.batch} left-padded (longest prompt {args.prompt}), "
+            f"{args.new_tokens} greedy tokens. Each row compares with a DynamicCache run of the same dtype and "
+            "backend.",
+        ),
         "",
         "| dtype | sdpa | cache | result |",
         "|---|---|---|---|",
@@ -98,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {r['dtype']} | {r['backend']} | {r['cache']} | {r['summary'].replace('|', chr(92) + '|')} |"
         for r in result["rows"]
     ]
-    (out_dir / "exactness.json").write_text(json.dumps(result, indent=1, default=str))
-    (out_dir / "exactness.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out_dir, "exactness", result, "\n".join(lines) + "\n")
     return 0
 
 

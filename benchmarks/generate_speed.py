@@ -16,7 +16,6 @@ the rest separately, because sdpa's cuDNN backend plans every new length on the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,7 +30,17 @@ import torch  # noqa: E402
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 import models  # noqa: E402
-from common import Memory, Progress, add_run_args, apply_run_args, import_hf_ropekv, median, run_metadata  # noqa: E402
+from common import (  # noqa: E402
+    Memory,
+    Progress,
+    add_run_args,
+    apply_run_args,
+    import_hf_ropekv,
+    median,
+    run_header,
+    run_metadata,
+    write_results,
+)
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402
@@ -138,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Decode speed inside model.generate",
         "",
-        f"{result['meta']['date']} · {result['meta']['device']} · commit `{result['meta']['commit'][:12]}` · "
-        f"torch {result['meta']['torch']} · transformers {result['meta']['transformers']} · {args.shape} {dtype}, "
-        f"random weights, sdpa (backends enabled: {', '.join(result['meta']['sdpa_backends'])})",
+        run_header(
+            result["meta"],
+            f"{args.shape} {dtype}, random weights, sdpa "
+            f"(backends enabled: {', '.join(result['meta']['sdpa_backends'])})",
+        ),
         "",
         f"Greedy `generate()`, batch {args.batch}, a {args.prompt}-token random prompt, {args.new_tokens} new tokens; "
         f"`RopeKVCache(budget={args.budget}, compress_every={ce}, protect_prompt=False)`. Steps are the gaps between "
@@ -156,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f} | "
             f"{r['kept']} |"
         )
-    (out_dir / "generate_speed.json").write_text(json.dumps(result, indent=1, default=str))
-    (out_dir / "generate_speed.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out_dir, "generate_speed", result, "\n".join(lines) + "\n")
     return 0
 
 

@@ -19,7 +19,6 @@ the CUDA-event time), and the same configurations ran about 2x faster in an earl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,7 +34,16 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import models  # noqa: E402
 import suite  # noqa: E402
-from common import Memory, Progress, add_run_args, apply_run_args, median, run_metadata  # noqa: E402
+from common import (  # noqa: E402
+    Memory,
+    Progress,
+    add_run_args,
+    apply_run_args,
+    median,
+    run_header,
+    run_metadata,
+    write_results,
+)
 
 DYNAMIC, ROPE, GATHER = suite.DYNAMIC, suite.ROPE, suite.GATHER
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
@@ -65,16 +73,8 @@ def launch_cost(device: torch.device, n: int = 2000) -> dict[str, float]:
 
 def fill(bench: suite.Bench, kind: str, budget: int | None, batch: int, context: int):
     """A cache at ``context`` tokens in the state ``suite.decode_point`` times it (compacted once, warmed up)."""
-    s = bench.s
     cache = bench.new_cache(kind, budget)
-    nxt = bench.start(cache, batch)
-    chunk = s.dynamic_direct_chunk if kind == DYNAMIC else s.compress_every
-    bench.feed_direct(cache, context - bench.seen(cache), chunk, batch)
-    if kind in (ROPE, GATHER):
-        bench.refill_to_full(cache, budget, batch)
-        nxt = bench.decode(cache, nxt, 1)
-    nxt = bench.decode(cache, nxt, s.warmup)
-    return cache, nxt
+    return cache, bench.warm_up(cache, kind, budget, batch, context)
 
 
 def profiled_step(bench: suite.Bench, cache, nxt: torch.Tensor, top: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -176,10 +176,11 @@ def render(result: dict) -> str:
     lines = [
         "# Where a decode step's time goes",
         "",
-        f"{result['meta']['date']} · {result['meta']['device']} · commit `{result['meta']['commit'][:12]}` · "
-        f"torch {result['meta']['torch']} · transformers {result['meta']['transformers']} · "
-        f"{result['shape']} {result['dtype']}, random weights, sdpa "
-        f"(backends enabled: {', '.join(result['meta']['sdpa_backends'])})",
+        run_header(
+            result["meta"],
+            f"{result['shape']} {result['dtype']}, random weights, sdpa "
+            f"(backends enabled: {', '.join(result['meta']['sdpa_backends'])})",
+        ),
         "",
         "Host cost of the machine itself (no model): "
         + "; ".join(
@@ -263,18 +264,16 @@ def main(argv: list[str] | None = None) -> int:
             result["points"].append(row)
             log(f"{row['cache']:26} b{batch:<3} T{context:<6}: step {row['step_ms']:.2f} ms, host {row['host_ms']:.2f}"
                 f" ms, {row['kernels']} kernels, GPU {row['gpu_kernel_ms']} ms")
-            (out / "profile.json").write_text(json.dumps(result, indent=1, default=str))
+            write_results(out, "profile", result)
         for batch in batches if args.paired_steps else ():
             for context in s.contexts:
                 row = run_pair(bench, batch, context, min(args.paired_steps, s.compress_every - 8))
                 result["pairs"].append(row)
                 log(f"pair b{batch:<3} T{context:<6}: DynamicCache {row['dynamic_ms']:.2f} ms, RopeKVCache "
                     f"{row['ropekv_ms']:.2f} ms, speed-up {row['paired_ratio']:.2f}x")
-                (out / "profile.json").write_text(json.dumps(result, indent=1, default=str))
+                write_results(out, "profile", result)
     result["launch_cost"].append(dict(when="after the points", **launch_cost(device)))
-    (out / "profile.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / "profile.md").write_text(render(result))
-    print(render(result))
+    write_results(out, "profile", result, render(result))
     return 0
 
 

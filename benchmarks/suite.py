@@ -304,6 +304,19 @@ class Bench:
         need = budget + self.s.compress_every - self.kept(cache)
         self.feed_direct(cache, need, max(need, 1), batch)
 
+    def warm_up(self, cache, kind: str, budget: int | None, batch: int, context: int) -> torch.Tensor:
+        """Bring a fresh cache to ``context`` tokens in steady state: the prompt and a decode step through the
+        model, random K/V for the rest, one compaction for budgeted caches, then ``warmup`` decode steps.
+        Returns the next input token."""
+        s = self.s
+        nxt = self.start(cache, batch)
+        chunk = s.dynamic_direct_chunk if kind == DYNAMIC else s.compress_every
+        self.feed_direct(cache, context - self.seen(cache), chunk, batch)
+        if kind in (ROPE, GATHER):
+            self.refill_to_full(cache, budget, batch)
+            nxt = self.decode(cache, nxt, 1)  # compacts: a warm-up for the kernels at this shape
+        return self.decode(cache, nxt, s.warmup)
+
     def decode(self, cache, nxt: torch.Tensor, steps: int) -> torch.Tensor:
         for _ in range(steps):
             nxt = self.step(cache, nxt)
@@ -479,13 +492,7 @@ def decode_point(
     base = bench.base()
     cache = bench.new_cache(kind, budget)
     try:
-        nxt = bench.start(cache, batch)
-        chunk = s.dynamic_direct_chunk if kind == DYNAMIC else s.compress_every
-        bench.feed_direct(cache, context - bench.seen(cache), chunk, batch)
-        if budgeted:
-            bench.refill_to_full(cache, budget, batch)
-            nxt = bench.decode(cache, nxt, 1)  # compacts: a warm-up for the kernels at this shape
-        nxt = bench.decode(cache, nxt, s.warmup)
+        nxt = bench.warm_up(cache, kind, budget, batch, context)
         seen_at_start, kept_at_start = bench.seen(cache), bench.kept(cache)
         bench.mem.reset_peak()
         plain, host, allocs = [], [], []
