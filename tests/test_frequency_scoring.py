@@ -9,6 +9,7 @@ from conftest import padded_batch, tiny_model
 from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
 from hf_ropekv.calibrate import calibrate
 from hf_ropekv.model_info import describe
+from hf_ropekv.scorers.base import ScoreContext
 from hf_ropekv.scoring import query_weights, score_keys
 from hf_ropekv.stats import geometry_metadata
 
@@ -95,6 +96,29 @@ def test_global_selection_matches_the_formula() -> None:
     want = reference_selection(keys, stats, geometry.inv_freq, PROMPT, BUDGET)
     got = cache._full_layers[0].storage.live_positions()[0, :, :BUDGET]
     assert torch.equal(got, want)
+
+
+def test_replaced_statistics_take_effect_even_at_a_reused_address() -> None:
+    """Online statistics swap a new snapshot in at every compaction and drop the old one; CPython then often
+    hands the new object the old one's address. The scorer must always score with the statistics it holds
+    (with an id()-keyed device cache it did not: the bug behind a flaky quality-harness test)."""
+    config = tiny_model("llama").config
+    geometry = describe(config)
+    keys = torch.randn(1, geometry.num_kv_heads, PROMPT, geometry.head_dim)
+    ctx = ScoreContext(layer_idx=1, position=torch.tensor([PROMPT]), tokens_seen=PROMPT,
+                       slot_positions=torch.arange(PROMPT).expand(1, geometry.num_kv_heads, PROMPT),
+                       candidates=torch.ones(1, geometry.num_kv_heads, PROMPT, dtype=torch.bool))
+    scorer = FrequencyScorer(random_stats(config, seed=0))
+    for seed in range(1, 20):
+        before = scorer.score(keys, ctx)  # the scorer now holds device copies of the current statistics
+        parts = random_stats(config, seed=seed)  # tensors and metadata first, so that the object comes next
+        q_mean, q_abs, metadata = parts.q_mean, parts.q_abs_mean, parts.metadata
+        del parts
+        scorer.stats = None  # drops the old statistics, as the online snapshot swap does
+        scorer.stats = FrequencyStats(q_mean, q_abs, metadata)
+        want = FrequencyScorer(scorer.stats).score(keys, ctx)
+        assert not torch.equal(want, before)
+        torch.testing.assert_close(scorer.score(keys, ctx), want, atol=0, rtol=0, msg=f"swap {seed}")
 
 
 def test_mismatched_stats_are_refused() -> None:

@@ -183,7 +183,7 @@ def test_shared_prefix_equals_running_every_policy_from_the_start(model, stats) 
     shared = evaluate_sample(model, sample, policies, budgets, share_prefix=True, **kwargs)
     scratch = evaluate_sample(model, sample, policies, budgets, share_prefix=False, **kwargs)
     for key, logits in scratch["logits"].items():
-        torch.testing.assert_close(shared["logits"][key], logits, atol=1e-6, rtol=0, msg=str(key))
+        torch.testing.assert_close(shared["logits"][key], logits, atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
         a, b = shared[key], scratch[key]
         assert (a.compactions, a.kept, a.count, a.count_ev, a.answer_correct) == (
             b.compactions, b.kept, b.count, b.count_ev, b.answer_correct), key

@@ -28,7 +28,10 @@ class FrequencyScorer:
 
     stats: "FrequencyStats | None" = None
     offsets: tuple[int, ...] | None = None
+    # Per-(layer, device) copies of the statistics, valid for `_cached_stats` only. Held by reference and compared
+    # with `is`: an id() key goes stale when online statistics replace a freed snapshot whose id() is reused.
     _device_cache: dict = field(default_factory=dict, init=False, repr=False)
+    _cached_stats: "FrequencyStats | None" = field(default=None, init=False, repr=False)
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
         if self.stats is None:
@@ -42,7 +45,10 @@ class FrequencyScorer:
         return z.view(batch, kv_heads, group, slots).amax(dim=2)
 
     def _layer_tensors(self, layer_idx: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        key = (id(self.stats), layer_idx, str(device))
+        if self._cached_stats is not self.stats:
+            self._device_cache.clear()
+            self._cached_stats = self.stats
+        key = (layer_idx, str(device))
         if key not in self._device_cache:
             q_mean, q_abs_mean = self.stats.for_layer(layer_idx)
             inv_freq = torch.tensor(self.stats.metadata["inv_freq"], dtype=torch.float32)
