@@ -56,7 +56,7 @@ full cache's (the test checks this equals running every policy from token 0).
 
 Online statistics (``rope-online``): the cache gathers the pre-RoPE queries of every multi-token
 forward it sees, so here they are the statistics of the document read so far (each segment is a
-multi-token forward), i.e. what the cache does with a long prompt prefilled in chunks. In plain
+multi-token forward; a segment's queries count once its forward has finished), i.e. what the cache does with a long prompt prefilled in chunks. In plain
 token-by-token decoding after a short prompt they would be the prompt's statistics only; that case is
 not what the online column measures.
 
@@ -73,7 +73,6 @@ import copy
 import datetime as _dt
 import gc
 import json
-import logging
 import math
 import os
 import platform
@@ -551,9 +550,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     torch.set_num_threads(args.threads)
-    # The online accumulator warns at every compaction that layer 0 already holds the current segment's
-    # queries while later layers do not yet (the snapshot is taken mid-forward); harmless here, and noisy.
-    logging.getLogger("hf_ropekv.stats").setLevel(logging.ERROR)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"quality_{args.model}{args.tag}"

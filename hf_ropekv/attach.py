@@ -3,7 +3,8 @@
 - A forward pre-hook reads generate's 2-D ``attention_mask``: on transformers 5.4-5.23 the cache never sees
   it otherwise, and it is the only exact source of each row's left padding. It also checks that the mask
   covers exactly the tokens the cache has seen plus the new ones.
-- Query hooks (online statistics only) hand the pre-RoPE queries of multi-token forwards to the cache.
+- Query hooks (online statistics only) hand the pre-RoPE queries of multi-token forwards to the cache;
+  the forward hook makes them count once the forward has finished.
 - ``prepare_inputs_for_generation`` is wrapped once per model so that a cache reused for an unrelated batch
   is refused instead of silently continuing another conversation (generate would slice the new inputs by
   the old cache length).
@@ -76,8 +77,14 @@ class ModelAttachment:
         else:
             self._log_tokens(input_ids)
         self._collecting = new > 1 or seen == 0
+        if cache._online is not None:
+            cache._online.begin_forward()
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        cache = self._cache_ref()
+        finished_own = cache is not None and _compat.cache_from_forward_kwargs(kwargs) is cache
+        if self._collecting and finished_own and cache._online is not None:
+            cache._online.end_forward()
         self._collecting = False
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:

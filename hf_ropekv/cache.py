@@ -47,7 +47,8 @@ class RopeKVCache(Cache):
             counts toward the budget and must fit in it.
         scorer: the eviction policy (see ``hf_ropekv.scorers``); default: RoPE frequency scoring.
         stats: query statistics for the RoPE scorer (``FrequencyStats`` or a path); ``None`` gathers them
-            online from the prompt's own queries (needs the model).
+            online from the queries of every multi-token forward (the prompt, later user turns; needs the
+            model). A forward's queries count from the next forward on.
         selection: ``"global"`` ranks once per (row, KV head) with scores averaged over layers (the paper's
             operating point); ``"per_layer"`` lets every layer rank its own keys.
         seed: seed of the tie-breaking noise (and of the random scorer's default).

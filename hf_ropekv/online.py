@@ -11,6 +11,10 @@ from .stats import FrequencyAccumulator, FrequencyStats
 class OnlineStatistics:
     """Accumulates pre-RoPE queries of every multi-token forward (the prompt, later user turns).
 
+    A forward's queries count once that forward has finished. A compaction runs inside a forward, at its
+    first layer's cache update, when only that layer's queries of the forward exist; counting finished
+    forwards only gives every layer statistics over the same tokens (those of the earlier forwards).
+
     Offline calibration on a large, varied text is better when prompts are short (a few hundred tokens give
     noisy means) or unlike the generated text; online statistics need no setup and match the prompt's domain.
     """
@@ -21,15 +25,28 @@ class OnlineStatistics:
 
     def reset(self) -> None:
         self._accumulator = FrequencyAccumulator(self.geometry)
+        self._pending: FrequencyAccumulator | None = None  # the running forward's queries
         self._snapshot: FrequencyStats | None = None
+
+    def begin_forward(self) -> None:
+        """Start a forward: drop queries of a forward that never finished (it raised)."""
+        self._pending = None
 
     def add(self, layer_idx: int, queries: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Add pre-RoPE queries ``[B, S, H_q, D]`` of one layer; ``mask`` ``[B, S]`` False for padding."""
-        self._accumulator.add(layer_idx, queries, mask)
-        self._snapshot = None
+        if self._pending is None:
+            self._pending = FrequencyAccumulator(self.geometry)
+        self._pending.add(layer_idx, queries, mask)
+
+    def end_forward(self) -> None:
+        """The forward finished: its queries now count."""
+        if self._pending is not None:
+            self._accumulator.merge(self._pending)
+            self._pending = None
+            self._snapshot = None
 
     def snapshot(self) -> FrequencyStats:
-        """Statistics of everything added so far (cached until more queries arrive)."""
+        """Statistics of every finished forward's queries (cached until another forward finishes)."""
         if self._snapshot is None:
             if self._accumulator.tokens == 0:
                 raise RuntimeError(

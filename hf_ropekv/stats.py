@@ -300,6 +300,22 @@ class FrequencyAccumulator:
             self._sums[layer_idx] += sums.to(self._sums[layer_idx].device)
             self._counts[layer_idx] += count.to(self._counts[layer_idx].device)
 
+    def merge(self, other: "FrequencyAccumulator") -> None:
+        """Add ``other``'s sums and counts (same geometry) to this accumulator's."""
+        if len(other._sums) != len(self._sums) or other._pairs != self._pairs:
+            raise ValueError(
+                f"Cannot merge query statistics of {len(other._sums)} layers x {other._pairs} pairs into "
+                f"{len(self._sums)} layers x {self._pairs} pairs: they come from different models."
+            )
+        for layer_idx, (sums, count) in enumerate(zip(other._sums, other._counts)):
+            if sums is None:
+                continue
+            if self._sums[layer_idx] is None:
+                self._sums[layer_idx], self._counts[layer_idx] = sums.clone(), count.clone()
+            else:
+                self._sums[layer_idx] += sums.to(self._sums[layer_idx].device)
+                self._counts[layer_idx] += count.to(self._counts[layer_idx].device)
+
     @property
     def tokens(self) -> int:
         """Positions counted in every layer (the smallest per-layer count; 0 until every layer saw some)."""

@@ -7,6 +7,7 @@ import torch
 
 from conftest import padded_batch, tiny_model
 from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
+from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.calibrate import calibrate
 from hf_ropekv.model_info import describe
 from hf_ropekv.scorers.base import ScoreContext
@@ -163,3 +164,45 @@ def test_online_statistics_come_from_the_prompt() -> None:
     assert online.tokens == 12 + 7
     torch.testing.assert_close(online.q_mean, offline.q_mean, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(online.q_abs_mean, offline.q_abs_mean, atol=1e-5, rtol=1e-4)
+
+
+def test_every_compaction_scores_with_the_statistics_of_the_finished_turns(caplog) -> None:
+    """Online statistics across a multi-turn conversation: each user turn (a multi-token forward) adds its
+    queries once its forward has finished. Every compaction, also one inside a turn's forward, scores all
+    layers with the snapshot of the turns finished before it, and with the statistics the cache holds."""
+    model = tiny_model("llama")
+    cache = RopeKVCache(model, budget=16, compress_every=4)
+    scorer = cache.scorer
+    calls: list[tuple[torch.Tensor, object, FrequencyStats, torch.Tensor, int]] = []
+    finished_turn_tokens, compactions_inside_a_turn = 0, 0
+    score = scorer.score
+
+    def recording_score(keys, ctx):
+        out = score(keys, ctx)
+        stats = scorer.stats  # copied, not held: holding it would keep the cache's old snapshots alive
+        copy = FrequencyStats(stats.q_mean.clone(), stats.q_abs_mean.clone(), dict(stats.metadata))
+        calls.append((keys.clone(), ctx, copy, out.clone(), finished_turn_tokens))
+        nonlocal compactions_inside_a_turn
+        compactions_inside_a_turn += in_turn
+        return out
+
+    scorer.score = recording_score
+    gen = torch.Generator().manual_seed(3)
+    cache_kw = {cache_kwarg(model): cache}
+    in_turn = False
+    with torch.no_grad():
+        for turn in range(8):
+            ids = torch.randint(3, 128, (1, 6 + turn), generator=gen)
+            seen, in_turn = cache.get_seq_length(), True
+            model(input_ids=ids, position_ids=torch.arange(seen, seen + ids.shape[1])[None], **cache_kw)
+            finished_turn_tokens, in_turn = finished_turn_tokens + ids.shape[1], False
+            for _ in range(5):  # a short answer, token by token
+                seen = cache.get_seq_length()
+                step = torch.randint(3, 128, (1, 1), generator=gen)
+                model(input_ids=step, position_ids=torch.tensor([[seen]]), **cache_kw)
+    assert len({stats.tokens for _, _, stats, _, _ in calls}) >= 6
+    assert compactions_inside_a_turn >= 3
+    for keys, ctx, stats, got, tokens in calls:
+        assert stats.tokens == tokens  # every layer counted the same finished turns (answer tokens do not count)
+        torch.testing.assert_close(got, FrequencyScorer(stats).score(keys, ctx), atol=0, rtol=0)
+    assert "different numbers of positions" not in caplog.text
