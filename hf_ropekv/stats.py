@@ -293,12 +293,7 @@ class FrequencyAccumulator:
             count = keep.sum(dtype=torch.int64)
         else:
             count = torch.tensor(queries.shape[0] * queries.shape[1], dtype=torch.int64, device=device)
-        sums = parts.sum(dim=(1, 2), dtype=torch.float64)
-        if self._sums[layer_idx] is None:
-            self._sums[layer_idx], self._counts[layer_idx] = sums, count
-        else:
-            self._sums[layer_idx] += sums.to(self._sums[layer_idx].device)
-            self._counts[layer_idx] += count.to(self._counts[layer_idx].device)
+        self._add_sums(layer_idx, parts.sum(dim=(1, 2), dtype=torch.float64), count)
 
     def merge(self, other: "FrequencyAccumulator") -> None:
         """Add ``other``'s sums and counts (same geometry) to this accumulator's."""
@@ -308,13 +303,15 @@ class FrequencyAccumulator:
                 f"{len(self._sums)} layers x {self._pairs} pairs: they come from different models."
             )
         for layer_idx, (sums, count) in enumerate(zip(other._sums, other._counts)):
-            if sums is None:
-                continue
-            if self._sums[layer_idx] is None:
-                self._sums[layer_idx], self._counts[layer_idx] = sums.clone(), count.clone()
-            else:
-                self._sums[layer_idx] += sums.to(self._sums[layer_idx].device)
-                self._counts[layer_idx] += count.to(self._counts[layer_idx].device)
+            if sums is not None:
+                self._add_sums(layer_idx, sums.clone(), count.clone())  # cloned: never alias other's sums
+
+    def _add_sums(self, layer_idx: int, sums: torch.Tensor, count: torch.Tensor) -> None:
+        if self._sums[layer_idx] is None:
+            self._sums[layer_idx], self._counts[layer_idx] = sums, count
+        else:
+            self._sums[layer_idx] += sums.to(self._sums[layer_idx].device)
+            self._counts[layer_idx] += count.to(self._counts[layer_idx].device)
 
     @property
     def tokens(self) -> int:
