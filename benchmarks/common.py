@@ -71,6 +71,11 @@ def apply_run_args(args: argparse.Namespace) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def run_device(args: argparse.Namespace) -> torch.device:
+    """Where a script of ``add_run_args`` runs: CUDA when there is one, the CPU for a ``--dry-run``."""
+    return torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+
+
 # ---------------------------------------------------------------------------------------------- metadata
 def _version(name: str) -> str | None:
     try:

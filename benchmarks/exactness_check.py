@@ -30,7 +30,15 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import models  # noqa: E402
-from common import add_run_args, apply_run_args, import_hf_ropekv, run_header, run_metadata, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_run_args,
+    apply_run_args,
+    import_hf_ropekv,
+    run_device,
+    run_header,
+    run_metadata,
+    write_results,
+)
 from device_map_check import compare, generate, padded_prompts  # noqa: E402
 
 hf_ropekv = import_hf_ropekv()
@@ -51,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_run_args(args)
     if args.dry_run:
         args.shape, args.batch, args.prompt, args.new_tokens, args.dtypes = "tiny", 3, 24, 8, "float32"
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    device = run_device(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = models.make_config(args.shape)

@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     apply_run_args,
     import_hf_ropekv,
     median,
+    run_device,
     run_header,
     run_metadata,
     write_results,
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_run_args(args)
     if args.dry_run:
         args.shape, args.prompt, args.new_tokens, args.budget, args.compress_every = "tiny", 96, 40, 32, 8
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    device = run_device(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     log, mem = Progress(None), Memory(device)
     out_dir = Path(args.out)

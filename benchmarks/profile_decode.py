@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     add_run_args,
     apply_run_args,
     median,
+    run_device,
     run_header,
     run_metadata,
     write_results,
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.contexts:
         s.contexts = suite._ints(args.contexts)
     batches = suite._ints(args.batches) if not args.dry_run else s.batches
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    device = run_device(args)
     log, mem = Progress(None), Memory(device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
