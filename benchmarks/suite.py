@@ -308,14 +308,19 @@ class Bench:
         """Bring a fresh cache to ``context`` tokens in steady state: the prompt and a decode step through the
         model, random K/V for the rest, one compaction for budgeted caches, then ``warmup`` decode steps.
         Returns the next input token."""
-        s = self.s
-        nxt = self.start(cache, batch)
-        chunk = s.dynamic_direct_chunk if kind == DYNAMIC else s.compress_every
-        self.feed_direct(cache, context - self.seen(cache), chunk, batch)
+        nxt = self.fill(cache, kind, batch, context)
         if kind in (ROPE, GATHER):
             self.refill_to_full(cache, budget, batch)
             nxt = self.decode(cache, nxt, 1)  # compacts: a warm-up for the kernels at this shape
-        return self.decode(cache, nxt, s.warmup)
+        return self.decode(cache, nxt, self.s.warmup)
+
+    def fill(self, cache, kind: str, batch: int, context: int) -> torch.Tensor:
+        """The prompt and a decode step through the model, then random K/V up to ``context`` tokens
+        (``feed_direct``). Returns the next input token."""
+        nxt = self.start(cache, batch)
+        chunk = self.s.dynamic_direct_chunk if kind == DYNAMIC else self.s.compress_every
+        self.feed_direct(cache, context - self.seen(cache), chunk, batch)
+        return nxt
 
     def decode(self, cache, nxt: torch.Tensor, steps: int) -> torch.Tensor:
         for _ in range(steps):
@@ -565,10 +570,7 @@ def _probe(bench: Bench, kind: str, budget: int | None, batch: int, context: int
     ok = True
     try:
         cache = bench.new_cache(kind, budget)
-        nxt = bench.start(cache, batch)
-        chunk = bench.s.dynamic_direct_chunk if kind == DYNAMIC else bench.s.compress_every
-        bench.feed_direct(cache, context - bench.seen(cache), chunk, batch)
-        nxt = bench.decode(cache, nxt, 2)
+        nxt = bench.decode(cache, bench.fill(cache, kind, batch, context), 2)
         if kind in (ROPE, GATHER):
             bench.refill_to_full(cache, budget, batch)
             nxt = bench.decode(cache, nxt, 1)
