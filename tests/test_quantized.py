@@ -91,20 +91,17 @@ def assert_quantized(quanto, model, weights: str) -> None:
         assert module.weight.qtype == {"int8": quanto.qint8, "int4": quanto.qint4}[weights]
 
 
-def check_exact(model, atol: float | None = 1e-5) -> None:
-    """budget=None and a budget larger than the generation: DynamicCache's tokens exactly, nothing compacted.
-
-    Logits are compared within ``atol`` too, unless it is None.
-    """
+def check_exact(model, atol: float = 1e-5) -> None:
+    """budget=None and a budget larger than the generation: DynamicCache's tokens exactly, logits within
+    ``atol``, nothing compacted."""
     ids, mask = (t.to(model.device) for t in padded_batch(model.config.vocab_size))
     ref = generate(model, DynamicCache(config=model.config), ids, mask)
     for budget in (None, 4096):
         cache = RopeKVCache(model, budget=budget)
         out = generate(model, cache, ids, mask)
         assert torch.equal(out.sequences, ref.sequences), f"budget={budget}"
-        if atol is not None:
-            for got, want in zip(out.logits, ref.logits):
-                torch.testing.assert_close(got, want, atol=atol, rtol=0)
+        for got, want in zip(out.logits, ref.logits):
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
         assert cache.num_compactions == 0
         assert cache.tokens_kept == cache.tokens_seen == ids.shape[1] + 19
 
