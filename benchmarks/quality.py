@@ -56,9 +56,9 @@ full cache's (the test checks this equals running every policy from token 0).
 
 Online statistics (``rope-online``): the cache gathers the pre-RoPE queries of every multi-token
 forward it sees, so here they are the statistics of the document read so far (each segment is a
-multi-token forward; a segment's queries count once its forward has finished), i.e. what the cache does with a long prompt prefilled in chunks. In plain
-token-by-token decoding after a short prompt they would be the prompt's statistics only; that case is
-not what the online column measures.
+multi-token forward; a segment's queries count once its forward has finished), i.e. what the cache
+does with a long prompt prefilled in chunks. In plain token-by-token decoding after a short prompt
+they would be the prompt's statistics only; that case is not what the online column measures.
 
 Offline statistics are calibrated (``hf_ropekv.calibrate``) on text disjoint from the evaluation
 documents: the Python documentation (``rope-offline``: prose) and the Python standard library source
