@@ -3,8 +3,10 @@
 - A forward pre-hook reads generate's 2-D ``attention_mask``: on transformers 5.4-5.23 the cache never sees
   it otherwise, and it is the only exact source of each row's left padding. It also checks that the mask
   covers exactly the tokens the cache has seen plus the new ones.
-- Query hooks (online statistics only) hand the pre-RoPE queries of multi-token forwards to the cache;
-  the forward hook makes them count once the forward has finished.
+- The same pre-hook hands the model the mask the cache's layers need: once rows compact on their own
+  schedules, each row's holes (slots in front of its real tokens) are hidden in the mask's last columns.
+- Query hooks (online statistics only) hand the pre-RoPE queries of every forward to the cache; the
+  forward hook makes them count once the forward has finished.
 - ``prepare_inputs_for_generation`` is wrapped once per model so that a cache reused for an unrelated batch
   is refused instead of silently continuing another conversation (generate would slice the new inputs by
   the old cache length).
@@ -52,15 +54,16 @@ class ModelAttachment:
         _wrap_prepare_inputs(model)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         cache = self._cache_ref()
         if cache is None or _compat.cache_from_forward_kwargs(kwargs) is not cache:
-            return
+            return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         new = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         seen = cache.get_seq_length()
         mask = kwargs.get("attention_mask")
+        replaced = None
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             if mask.shape[-1] != seen + new:
                 raise ValueError(
@@ -68,17 +71,20 @@ class ModelAttachment:
                     "arrive now. The cache belongs to another sequence: create a fresh RopeKVCache per batch "
                     "(or use hf_ropekv.enable(model, ...))."
                 )
-            cache._observe_padding(mask)
             self._new_token_mask = mask[:, -new:].bool()
+            replaced = cache._attention_mask_for(mask, new)
         else:
             self._new_token_mask = None
         if input_ids is None:
             self._tokens_known = False
         else:
             self._log_tokens(input_ids)
-        self._collecting = new > 1 or seen == 0
+        self._collecting = True
         if cache._online is not None:
-            cache._online.begin_forward()
+            cache._online.begin_forward(self._new_token_mask, new)
+        if replaced is not None and replaced is not mask:
+            return args, {**kwargs, "attention_mask": replaced}
+        return None
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         cache = self._cache_ref()
@@ -90,7 +96,7 @@ class ModelAttachment:
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         cache = self._cache_ref()
         if self._collecting and cache is not None and cache._online is not None:
-            cache._online.add(layer_idx, queries, self._new_token_mask)
+            cache._online.add(layer_idx, queries)
 
     # ------------------------------------------------------------------ token log (continuation check)
     def _log_tokens(self, input_ids: torch.Tensor) -> None:
