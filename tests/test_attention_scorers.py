@@ -91,6 +91,13 @@ def test_attention_respects_causality_padding_and_gqa() -> None:
     assert torch.equal(probs2[:, :2], probs[:, :2]) and not torch.equal(probs2[:, 2:], probs[:, 2:])
 
 
+def test_attention_accepts_model_dtype_queries() -> None:
+    queries, keys, q_pos, s_pos, valid = random_case()
+    low = queries.to(torch.bfloat16)
+    got = attention_from_queries(low, keys, q_pos, s_pos, valid, 0.3)
+    torch.testing.assert_close(got, attention_from_queries(low.float(), keys, q_pos, s_pos, valid, 0.3))
+
+
 def test_attention_rejects_bad_shapes() -> None:
     queries, keys, q_pos, s_pos, valid = random_case()
     with pytest.raises(ValueError, match="multiple of KV heads"):
@@ -194,7 +201,8 @@ def test_h2o_accumulates_across_a_compaction_like_one_pass_over_all_queries() ->
     new_tokens = torch.arange(first, total).expand(batch, kv_heads, total - first)
     pos2 = torch.cat([survivors, new_tokens], dim=-1)
     keys2 = all_keys.gather(2, pos2[..., None].expand(-1, -1, -1, dim))
-    ctx2 = make_ctx(keys2, pos2, all_queries[:, :, first:], query_positions[:, first:], tokens_seen=total,
+    # The provider may hand over older queries too (to fill a query window); only the new ones count.
+    ctx2 = make_ctx(keys2, pos2, all_queries[:, :, first - 3 :], query_positions[:, first - 3 :], tokens_seen=total,
                     new_queries=total - first, valid=torch.ones_like(pos2, dtype=torch.bool))
     got = scorer.score(keys2, ctx2)
 
@@ -239,6 +247,27 @@ def test_rkv_penalises_a_duplicated_key_against_a_distinct_key_of_equal_importan
 
     redundancy = key_redundancy(keys, positions, None, 0.5)
     torch.testing.assert_close(redundancy.sum(-1), torch.ones(1, 1))
+
+
+def test_rkv_penalises_every_copy_but_the_latest() -> None:
+    slots, dim = 9, 16
+    basis, _ = torch.linalg.qr(torch.randn(dim, dim))
+    keys = (basis[:slots] * (1 + torch.rand(slots, 1))).view(1, 1, slots, dim)
+    copies = sorted(torch.randperm(slots)[:3].tolist())
+    for slot in copies[1:]:
+        keys[0, 0, slot] = keys[0, 0, copies[0]] * (0.5 + torch.rand(()))
+    order = torch.randperm(slots)  # token order differs from storage order
+    positions = order.view(1, 1, slots)
+    by_time = sorted(copies, key=lambda s: int(order[s]))
+    redundancy = key_redundancy(keys, positions, None, 0.5)[0, 0]
+    others = [s for s in range(slots) if s not in copies]
+    # Each copy's pair with its latest later copy is exempt, so every copy but the latest pays for two
+    # similar tokens (the oldest: the middle one and the latest's row; the middle: the oldest's and the latest's
+    # rows) and the latest pays for none, like a distinct key.
+    oldest, middle, latest = by_time
+    torch.testing.assert_close(redundancy[oldest], redundancy[middle])
+    assert redundancy[middle] > redundancy[latest] * 1.1
+    torch.testing.assert_close(redundancy[latest], redundancy[others[0]])
 
 
 def test_rkv_importance_decides_among_distinct_keys_and_padding_is_ignored() -> None:

@@ -25,7 +25,7 @@ class ScoreContext:
     the fields below only for a scorer with a ``query_window: int`` attribute (the number of most recent
     queries it needs at least); for the others they stay ``None``.
 
-    Attributes:
+    Query attributes:
         queries: ``[B, H_q, N, D]`` (float32 or the model dtype), post-RoPE queries of this layer, oldest
             first: every query since this layer's previous compaction (at the first one: since the start,
             prompt included), plus earlier ones if needed to reach the scorer's ``query_window``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -34,10 +35,11 @@ class H2OScorer:
     reach back to the first token (``new_queries >= tokens_seen``: the first compaction of a sequence),
     ``tokens_seen`` went down, or the batch / head shape or device changed. A second call for the same layer
     at the same ``tokens_seen`` adds nothing (those queries were already counted), so scoring a layer twice
-    per compaction is harmless. One scorer serves one cache at a time.
+    per compaction is harmless. One scorer serves one cache at a time. Beam search reorders the cache's
+    rows between compactions; the totals do not follow that reordering (each row keeps its slot's totals).
     """
 
-    query_window: int = 1  # H2O needs the new queries only; the cache provides at least those.
+    query_window: ClassVar[int] = 1  # H2O needs the new queries only; the cache provides at least those.
     _layers: dict[int, _LayerAccumulator] = field(default_factory=dict, init=False, repr=False)
 
     def reset(self) -> None:
