@@ -213,7 +213,10 @@ def test_h2o_accumulates_across_a_compaction_like_one_pass_over_all_queries() ->
         for h in range(q_heads):
             kv = h // (q_heads // kv_heads)
             for p in range(int(pads[b]), total):
-                seen = list(range(int(pads[b]), p + 1)) if p < first else survivors[b, kv].tolist() + list(range(first, p + 1))
+                if p < first:
+                    seen = list(range(int(pads[b]), p + 1))
+                else:
+                    seen = survivors[b, kv].tolist() + list(range(first, p + 1))
                 logits = torch.stack([all_queries[b, h, p].double() @ all_keys[b, kv, t].double() for t in seen])
                 want[b, kv, seen] += torch.softmax(logits / math.sqrt(dim), 0) / (q_heads // kv_heads)
     want_scores = standardize(want.gather(-1, pos2).float(), ctx2.candidates)
@@ -304,7 +307,8 @@ def test_generate_with_attention_scorer(scorer) -> None:
 
     object.__setattr__(scorer, "score", spy)
     cache = RopeKVCache(model, budget=16, compress_every=8, scorer=scorer)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0, **{cache_kwarg(model): cache})
+    cache_kw = {cache_kwarg(model): cache}
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0, **cache_kw)
     assert out.shape == (3, ids.shape[1] + 30)
     assert cache.num_compactions >= 2 and 16 <= cache.tokens_kept <= 16 + 8
     assert seen_queries and all(seen_queries)
