@@ -47,9 +47,11 @@ class ModelAttachment:
             model.register_forward_hook(self._post_forward, with_kwargs=True),
         ]
         capture = None
+        self.attention_modules: list[nn.Module] = []
         if collect_queries:
             capture = QueryCapture(model, cache.geometry, self._on_query)
             capture.attach()
+            self.attention_modules = capture.attention_modules
         weakref.finalize(cache, _release, handles, capture)
         _wrap_prepare_inputs(model)
 
@@ -82,6 +84,10 @@ class ModelAttachment:
         self._collecting = True
         if cache._online is not None:
             cache._online.begin_forward(self._new_token_mask, new)
+        if cache._queries is not None:
+            source = input_ids if input_ids is not None else embeds
+            pads = cache._pads if cache._pads is not None else torch.zeros(source.shape[0], dtype=torch.long, device=source.device)
+            cache._queries.begin_forward(seen, new, pads, self._new_token_mask)
         if replaced is not None and replaced is not mask:
             return args, {**kwargs, "attention_mask": replaced}
         return None
@@ -91,12 +97,18 @@ class ModelAttachment:
         finished_own = cache is not None and _compat.cache_from_forward_kwargs(kwargs) is cache
         if self._collecting and finished_own and cache._online is not None:
             cache._online.end_forward()
+        if self._collecting and finished_own and cache._queries is not None:
+            cache._queries.end_forward()
         self._collecting = False
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         cache = self._cache_ref()
-        if self._collecting and cache is not None and cache._online is not None:
+        if not self._collecting or cache is None:
+            return
+        if cache._online is not None:
             cache._online.add(layer_idx, queries)
+        if cache._queries is not None:
+            cache._queries.add(layer_idx, queries)
 
     # ------------------------------------------------------------------ token log (continuation check)
     def _log_tokens(self, input_ids: torch.Tensor) -> None:

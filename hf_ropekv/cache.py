@@ -99,11 +99,16 @@ class RopeKVCache(Cache):
 
         model = model_or_config if isinstance(model_or_config, nn.Module) else None
         self.scorer = self._resolve_scorer(scorer, stats, model)
+        self._queries = self._query_window(model)
         self._attachment = None
         if model is not None:
             from .attach import ModelAttachment  # local: attach imports this module
 
-            self._attachment = ModelAttachment(model, self, collect_queries=self._online is not None)
+            collect = self._online is not None or self._queries is not None
+            self._attachment = ModelAttachment(model, self, collect_queries=collect)
+            if self._queries is not None:
+                modules = self._attachment.attention_modules
+                self._queries.scales = [getattr(module, "scaling", None) for module in modules]
 
         self._reset_rows()
 
@@ -216,6 +221,8 @@ class RopeKVCache(Cache):
     def reset(self) -> None:
         super().reset()
         self._reset_rows()
+        if self._queries is not None:
+            self._queries.reset()
         if self._online is not None:
             self._online.reset()
         if self._attachment is not None:
@@ -245,6 +252,8 @@ class RopeKVCache(Cache):
         )
         self._evicted_rows = [v for v in self._evicted_rows for _ in range(repeats)]
         self._plan = None
+        if self._queries is not None:
+            self._queries.repeat_batch(repeats)
         if self._online is not None:
             self._online.repeat_batch(repeats)
 
@@ -265,6 +274,8 @@ class RopeKVCache(Cache):
             )
             self._evicted_rows = list(evicted or ())
         self._plan = None
+        if self._queries is not None:
+            self._queries.select_batch(index)
         if self._online is not None:
             self._online.select_batch(index)
         if self._attachment is not None:
@@ -406,15 +417,28 @@ class RopeKVCache(Cache):
                 slot_positions=storage.live_positions(),
                 # In global mode every layer kept the same slots, so one mask serves all of them.
                 candidates=candidates.to(layer_device),
+                **self._query_fields(layer.layer_idx, is_hole, layer_device),
             )
             scores = self.scorer.score(storage.live_keys(), ctx).to(device, torch.float32)
             total = scores if total is None else total + scores
+            if self._queries is not None:
+                self._queries.compacted(layer.layer_idx)
         total = total / len(layers)
         # Tie-break noise that depends on the token (real index) and head only, never on the batch.
         heads = torch.arange(slot_positions.shape[1], device=device).view(1, -1, 1)
         noise = hashed_uniform(self.seed, slot_positions - pads.view(-1, 1, 1), heads)
         targets = torch.tensor(plan.kept_after, device=device)
         return select_keep(total, is_hole, protected, targets, plan.slots_after, noise)
+
+    def _query_fields(self, layer_idx: int, is_hole: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        """The ``ScoreContext`` fields of an attention-based scorer (empty for the others)."""
+        if self._queries is None:
+            return {}
+        queries, positions, new = self._queries.take(layer_idx)
+        return dict(
+            queries=queries, query_positions=positions, new_queries=new, valid=~is_hole.to(device),
+            attention_scale=self._queries.scales[layer_idx],
+        )
 
     def _pinned_tokens(self, seen: int) -> int:
         if not self.protect_prompt:
@@ -450,6 +474,20 @@ class RopeKVCache(Cache):
 
         self._online = OnlineStatistics(self.geometry, half_life=self.stats_half_life)
         return FrequencyScorer(None)
+
+    def _query_window(self, model: nn.Module | None) -> "QueryWindow | None":
+        """Recent queries for a scorer that asks for them (``query_window``); they need the model's hooks."""
+        window = getattr(self.scorer, "query_window", None)
+        if window is None or self.budget is None:
+            return None
+        if model is None:
+            raise ValueError(
+                f"{type(self.scorer).__name__} recomputes attention from the model's queries: build the cache from "
+                "the model (RopeKVCache(model, ...)), not from its config."
+            )
+        from .query_window import QueryWindow
+
+        return QueryWindow(self.geometry, window)
 
     def _prepare_scorer(self) -> None:
         if self._online is not None:

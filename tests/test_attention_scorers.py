@@ -291,7 +291,6 @@ def test_rkv_importance_decides_among_distinct_keys_and_padding_is_ignored() -> 
 
 
 # ----------------------------------------------------------------------------------------------- end to end
-@pytest.mark.xfail(strict=False, reason="cache does not provide queries yet")
 @pytest.mark.parametrize(
     "scorer", [SnapKVScorer(window=4), H2OScorer(), RKVScorer(window=4)], ids=lambda s: type(s).__name__
 )
@@ -312,3 +311,38 @@ def test_generate_with_attention_scorer(scorer) -> None:
     assert out.shape == (3, ids.shape[1] + 30)
     assert cache.num_compactions >= 2 and 16 <= cache.tokens_kept <= 16 + 8
     assert seen_queries and all(seen_queries)
+
+
+def test_cache_hands_scorers_the_models_own_post_rope_queries(monkeypatch) -> None:
+    """The queries a scorer receives equal the queries the model's attention used (its own RoPE applied),
+    with padding marked -1, covering every query since the layer's last compaction."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+    calls: list[torch.Tensor] = []  # one per layer per forward, in layer order
+    apply = llama.apply_rotary_pos_emb
+
+    def recording(q, k, cos, sin, *args, **kwargs):
+        q_rot, k_rot = apply(q, k, cos, sin, *args, **kwargs)
+        calls.append(q_rot.detach().clone())
+        return q_rot, k_rot
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", recording)
+    seen = []
+
+    class Spy(SnapKVScorer):
+        def score(self, keys, ctx):
+            seen.append((ctx.layer_idx, ctx.queries.clone(), ctx.query_positions.clone(), ctx.new_queries))
+            return super().score(keys, ctx)
+
+    cache = RopeKVCache(model, budget=12, compress_every=4, scorer=Spy(window=3))
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, **{cache_kwarg(model): cache})
+    assert seen, "no compaction happened"
+    layer, queries, positions, new = seen[0]  # the first compaction: prompt + decoding steps before it
+    steps = torch.cat(calls[layer :: model.config.num_hidden_layers], dim=2)  # [B, H, tokens, D], forward order
+    assert new == queries.shape[2] < steps.shape[2]  # the forwards finished before the compaction
+    real = positions >= 0
+    assert real.tolist() == torch.cat([mask, torch.ones(2, new - mask.shape[1], dtype=mask.dtype)], 1).bool().tolist()
+    torch.testing.assert_close(queries[real[:, None, :].expand(-1, queries.shape[1], -1)],
+                               steps[:, :, :new][real[:, None, :].expand(-1, queries.shape[1], -1)], atol=1e-5, rtol=1e-5)
