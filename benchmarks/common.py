@@ -1,6 +1,7 @@
 """Shared plumbing of the benchmark suite: importing hf_ropekv from a checkout, run metadata, timing, memory.
 
-Nothing here knows about a particular measurement; ``suite.py`` composes these pieces.
+Nothing here knows about a particular measurement; ``suite.py`` composes these pieces. Importing it also puts
+``examples/`` on ``sys.path``, for ``offline_assets`` (the offline SmolLM2 / Qwen2.5-Coder models and Debian texts).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from typing import Any, Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+# The offline model and text helpers (``import offline_assets``) live beside the examples, outside the library.
+if str(EXAMPLES) not in sys.path:
+    sys.path.append(str(EXAMPLES))
 
 
 # ---------------------------------------------------------------------------------------------- import

@@ -90,6 +90,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+import common  # noqa: E402,F401  (puts examples/ on sys.path: offline_assets)
 from hf_ropekv import FrequencyStats, KeyNormScorer, RandomScorer, RecencyScorer, RopeKVCache  # noqa: E402
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
 
@@ -448,7 +449,7 @@ def evaluate_sample(
 
 
 def load_model(name: str, dtype: torch.dtype, device: str, gguf: str | None = None):
-    """``(model, tokenizer)`` from the offline packages (``hf_ropekv.offline``), or from ``gguf`` (a file path)."""
+    """``(model, tokenizer)`` from the offline packages (``offline_assets``), or from ``gguf`` (a file path)."""
     if gguf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -456,9 +457,9 @@ def load_model(name: str, dtype: torch.dtype, device: str, gguf: str | None = No
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         return model.to(device).eval(), tokenizer
-    from hf_ropekv import offline
+    import offline_assets
 
-    loader = {"smollm2": offline.load_smollm2, "qwen25-coder": offline.load_qwen25_coder}[name]
+    loader = {"smollm2": offline_assets.load_smollm2, "qwen25-coder": offline_assets.load_qwen25_coder}[name]
     return loader(dtype=dtype, device=device, hub_fallback=None)
 
 

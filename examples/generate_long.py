@@ -19,7 +19,7 @@ from transformers import TextStreamer
 
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg
-from hf_ropekv.offline import load_smollm2
+from offline_assets import load_smollm2  # beside this script: offline SmolLM2 weights
 
 DEFAULT_PROMPT = (
     "Write a very long story (at least 1500 words) about a young engineer who builds a robot to help her "
