@@ -90,7 +90,6 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import common  # noqa: E402,F401  (puts examples/ on sys.path: offline_assets)
 from hf_ropekv import FrequencyStats, KeyNormScorer, RandomScorer, RecencyScorer, RopeKVCache  # noqa: E402
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
 
@@ -457,9 +456,10 @@ def load_model(name: str, dtype: torch.dtype, device: str, gguf: str | None = No
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         return model.to(device).eval(), tokenizer
-    import offline_assets
+    from common import offline_assets
 
-    loader = {"smollm2": offline_assets.load_smollm2, "qwen25-coder": offline_assets.load_qwen25_coder}[name]
+    assets = offline_assets()
+    loader = {"smollm2": assets.load_smollm2, "qwen25-coder": assets.load_qwen25_coder}[name]
     return loader(dtype=dtype, device=device, hub_fallback=None)
 
 
