@@ -210,7 +210,7 @@ class RopeKVCache(Cache):
         slots = first.storage.length if first is not None else seen
         plan = self._plan
         if plan is None or (plan.seen, plan.new, plan.slots_before) != (seen, new, slots):
-            step = self._decode_steps + 1 if new == 1 else 0
+            step = self._decode_steps if new == 1 else None
             plan = plan_forward(seen, new, slots, self._current_holes(), self.budget, self.compress_every, step)
             self._plan = plan
         return plan

@@ -4,7 +4,7 @@ Every row follows the schedule it would follow alone, so its output depends on n
 
 - it counts only its own real tokens (padding never counts toward the budget);
 - during decoding, compactions happen on a clock that every row shares *and* would see alone: every
-  ``compress_every``-th decoding step (counted from the first one). At such a step each row holding more
+  ``compress_every`` decoding steps, starting with the first. At such a step each row holding more
   than ``budget`` real tokens comes back to ``budget``. A row that would exceed ``budget + compress_every``
   between ticks (possible only after a long multi-token forward) compacts at once;
 - a multi-token forward (a prompt chunk, a later user turn) compacts the rows it would take past
@@ -27,17 +27,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def row_target(kept: int, new: int, budget: int | None, compress_every: int, decode_step: int = 0) -> int:
+def row_target(kept: int, new: int, budget: int | None, compress_every: int, decode_step: int | None = None) -> int:
     """Real tokens a row holding ``kept`` keeps before ``new`` more arrive.
 
-    ``decode_step``: for a single-token forward, its index among the decoding steps (1, 2, ...); 0 otherwise.
-    A chunk longer than ``compress_every`` (a long prompt that is not pinned) makes room for its own excess.
+    ``decode_step``: for a single-token forward, how many decoding steps came before it (0, 1, 2, ...);
+    ``None`` for a multi-token forward. The clock ticks when that count is a multiple of ``compress_every``:
+    the same points as a chunked prefill with chunks of ``compress_every`` tokens, whose every chunk
+    compacts what is over the budget. A chunk longer than ``compress_every`` (a long prompt that is not
+    pinned) makes room for its own excess.
     """
     if budget is None:
         return kept
     if kept + new > budget + compress_every:
         return max(0, min(kept, budget - max(0, new - compress_every)))
-    if new == 1 and decode_step > 0 and decode_step % compress_every == 0 and kept + new > budget:
+    if new == 1 and decode_step is not None and decode_step % compress_every == 0 and kept + new > budget:
         return budget
     return kept
 
@@ -83,7 +86,7 @@ def plan_forward(
     holes: tuple[int, ...],
     budget: int | None,
     compress_every: int,
-    decode_step: int = 0,
+    decode_step: int | None = None,
 ) -> Plan:
     """The plan of a forward appending ``new`` tokens to layers holding ``slots`` slots with ``holes`` per row.
 

@@ -10,7 +10,7 @@ from hf_ropekv.schedule import plan_forward, row_target
 def simulate(prompt: int, steps: int, budget: int, every: int) -> list[int]:
     """Real tokens one row holds after each decoding step, decided by row_target alone."""
     kept, history = prompt, []
-    for step in range(1, steps + 1):
+    for step in range(steps):
         kept = row_target(kept, 1, budget, every, step) + 1
         history.append(kept)
     return history
@@ -27,8 +27,10 @@ def test_a_row_never_holds_more_than_budget_plus_compress_every() -> None:
 
 
 def test_decoding_compacts_on_the_shared_clock_only() -> None:
-    # Every 4th decoding step, rows above the budget come back to it; other steps never compact.
+    # Every 4 decoding steps (after 0, 4, 8, ... earlier steps), rows above the budget come back to it; other
+    # steps never compact.
     assert row_target(19, 1, 16, 4, decode_step=4) == 16
+    assert row_target(19, 1, 16, 4, decode_step=0) == 16
     assert row_target(19, 1, 16, 4, decode_step=5) == 19
     assert row_target(15, 1, 16, 4, decode_step=8) == 15  # at or under the budget after the new token: nothing
     # Past budget + compress_every between ticks (after a long turn), a row compacts at once.
