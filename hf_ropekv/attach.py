@@ -55,6 +55,9 @@ class ModelAttachment:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = self._cache_ref()
         if cache is None or _compat.cache_from_forward_kwargs(kwargs) is not cache:
+            # Another cache's forward (a copy, or a new cache after this one's forward raised midway): this
+            # cache's query hooks must stay idle through it.
+            self._collecting = False
             return
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")

@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from . import _compat
-from .layers import BudgetedLayer
+from .layers import CANNOT_CROP, CROPPABLE_FIX, BudgetedLayer
 from .model_info import FULL, ModelGeometry, describe
 from .scorers.base import ScoreContext, Scorer
 from .selection import Guards, select_keep, slot_masks
@@ -183,16 +183,53 @@ class RopeKVCache(Cache):
         self._batch_size = None
         self._pads, self._pads_total = None, -1
         self._prompt_tokens = None
+        self._rollback_expected = False
         if self._online is not None:
             self._online.reset()
         if self._attachment is not None:
             self._attachment.reset()
 
-    def crop(self, max_length: int) -> None:
-        """Roll back to fewer tokens; only possible until the first eviction (then it raises)."""
-        super().crop(max_length)
+    def crop(self, n: int) -> None:
+        """Roll back as transformers' ``crop(n)`` does (``n < 0`` removes ``-n`` tokens; see ``_compat.crop_target``).
+
+        Only possible until the first eviction: after it, any crop that would remove tokens raises.
+        """
+        super().crop(n)
+        seen = self.tokens_seen
+        if self._prompt_tokens is not None and self._prompt_tokens > seen:
+            self._prompt_tokens = seen  # the rollback reached into the pinned prompt
         if self._attachment is not None:
-            self._attachment.truncate(self.tokens_seen)
+            self._attachment.truncate(seen)
+
+    #: Set once generate announced a decoding mode that rolls the cache back (``activate_past_recording``).
+    _rollback_expected = False
+
+    def activate_past_recording(self) -> None:
+        """Called by generate before a decoding mode that rolls the cache back (assisted/speculative decoding).
+
+        From then on the cache refuses, with the "cannot crop" error, any forward that would evict or pin more
+        than ``budget`` tokens; a cache that already evicted refuses here.
+        """
+        if self.evicted:
+            raise ValueError(CANNOT_CROP)
+        super().activate_past_recording()
+        self._rollback_expected = True
+
+    def _refuse_eviction_before_rollback(self, seen: int, kept: int, q: int) -> None:
+        """In a rolling-back decoding mode, raise the "cannot crop" error instead of evicting.
+
+        Assisted decoding sends the prompt and then each draft as multi-token forwards; the prompt-pinning check
+        would take them all for prompt and fail first with a misleading message.
+        """
+        if not self._rollback_expected or self.budget is None:
+            return
+        real = seen + q - int(self._pads.min())
+        pins_too_much = self._prompt_tokens is None and self.protect_prompt and real > self.budget
+        if pins_too_much or self.planned_kept(kept, q) < kept:
+            raise ValueError(
+                f"RopeKVCache cannot crop once it evicts, and this decoding mode rolls the cache back: this step "
+                f"would take it to {real} tokens, past budget={self.budget}. {CROPPABLE_FIX}"
+            )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -243,6 +280,7 @@ class RopeKVCache(Cache):
 
     def _begin_step(self, seen: int, q: int, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
         self._refresh_padding(seen + q, key_states.device, args, kwargs)
+        self._refuse_eviction_before_rollback(seen, self._full_layers[0].storage.length, q)
         if self._prompt_tokens is None:
             if q == 1 and seen > 0:
                 self._prompt_tokens = seen  # first decoding step: the prompt is complete
