@@ -15,11 +15,13 @@ cache is garbage-collected.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import _compat
 from .capture import QueryCapture
@@ -35,6 +37,7 @@ class ModelAttachment:
 
     def __init__(self, model: nn.Module, cache: "RopeKVCache", collect_queries: bool) -> None:
         self._cache_ref = weakref.ref(cache)
+        self._model_ref = weakref.ref(model)  # for copy_for: a copied cache attaches to the same model
         self._collecting = False
         self._new_token_mask: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None  # ids seen so far, [B, capacity]
@@ -50,6 +53,22 @@ class ModelAttachment:
             capture.attach()
         weakref.finalize(cache, _release, handles, capture)
         _wrap_prepare_inputs(model)
+
+    def copy_for(self, cache: "RopeKVCache", memo: dict) -> "ModelAttachment":
+        """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, same state.
+
+        Its hooks are new and act only on ``cache``'s forwards. Every attribute that is state (the token log of
+        the continuation check, ...) is deep-copied; those that bind an attachment to its cache, model or hooks
+        (weak references, hook handles, modules) stay as the fresh attachment built them.
+        """
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("Cannot copy this RopeKVCache: the model it was attached to no longer exists.")
+        twin = ModelAttachment(model, cache, collect_queries=cache._online is not None)
+        for name, value in self.__dict__.items():
+            if not _binds_to_owner(value):
+                setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -135,6 +154,16 @@ class ModelAttachment:
 
     def reset(self) -> None:
         self._tokens, self._num_tokens, self._tokens_known = None, 0, True
+
+
+def _binds_to_owner(value: Any) -> bool:
+    """Whether an attachment attribute ties it to its own cache, model or hooks (rebuilt, never copied)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_binds_to_owner(item) for item in value)
+    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, nn.Module)
+    return isinstance(value, binding)
 
 
 def _release(handles: list, capture: QueryCapture | None) -> None:

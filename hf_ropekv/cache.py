@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any
 
 import torch
@@ -230,6 +232,25 @@ class RopeKVCache(Cache):
                 f"RopeKVCache cannot crop once it evicts, and this decoding mode rolls the cache back: this step "
                 f"would take it to {real} tokens, past budget={self.budget}. {CROPPABLE_FIX}"
             )
+
+    def __deepcopy__(self, memo: dict) -> "RopeKVCache":
+        """An independent cache that continues exactly like this one (transformers' prompt-reuse recipe).
+
+        Every attribute is deep-copied (storage, statistics, padding, scorer, RNG), so state added to the cache
+        later is copied too. Two things are rebound instead: the layers' back-references point to the copy, and
+        the copy gets its own model attachment (hooks that act only when the forward's cache is the copy).
+        """
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for layer in self.layers:  # BudgetedLayer holds a weakref.proxy to its cache: make it the copy's
+            back = getattr(layer, "_cache", None)
+            if isinstance(back, weakref.ProxyTypes):
+                memo[id(back)] = weakref.proxy(twin)
+        for name, value in self.__dict__.items():
+            if name != "_attachment":
+                setattr(twin, name, copy.deepcopy(value, memo))
+        twin._attachment = None if self._attachment is None else self._attachment.copy_for(twin, memo)
+        return twin
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
