@@ -381,7 +381,7 @@ class RopeKVCache(Cache):
         if stats is not None:
             from .stats import FrequencyStats
 
-            return FrequencyScorer(FrequencyStats.resolve(stats, self.geometry))
+            return FrequencyScorer(FrequencyStats.resolve(stats, self.geometry, model))
         if self.budget is None:
             return FrequencyScorer(None)  # never called: nothing is evicted
         if model is None:

@@ -227,7 +227,7 @@ def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[
     if stats is not None:
         from .stats import FrequencyStats
 
-        stats = FrequencyStats.resolve(stats, geometry)  # loaded once; every cache shares the object
+        stats = FrequencyStats.resolve(stats, geometry, model)  # loaded once; every cache shares the object
     return _Config({"budget": budget, "stats": stats, **options}, geometry)
 
 
