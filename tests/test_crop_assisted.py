@@ -105,6 +105,21 @@ def test_rolling_back_modes_match_dynamic_cache(model, assistant, mode: str, bud
     assert not cache.evicted
 
 
+def test_prompt_lookup_with_sliding_layers_matches_dynamic_cache() -> None:
+    """Gemma3: sliding layers stay transformers' own (they record the past for the rollback), full ones ours."""
+    model, ids = tiny_model("gemma3_text"), prompt(20)
+    reference = DynamicCache(config=model.config)
+    want = generate(model, ids, reference, prompt_lookup_num_tokens=3, max_new_tokens=20)
+    cache = RopeKVCache(model, budget=200, compress_every=8)
+    crops = spy_crops(cache)
+    assert torch.equal(generate(model, ids, cache, prompt_lookup_num_tokens=3, max_new_tokens=20), want)
+    assert any(n < 0 for n in crops)
+    assert int(cache.get_seq_length()) == int(reference.get_seq_length())
+    with pytest.raises(ValueError, match="cannot crop"):
+        generate(model, ids, RopeKVCache(model, budget=24, compress_every=4), prompt_lookup_num_tokens=3,
+                 max_new_tokens=30)
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_conversation_continues_after_rollbacks(model, assistant, mode: str) -> None:
     """After an assisted generate, the same cache takes the next turn (no continuation-check misfire)."""
