@@ -240,13 +240,11 @@ def _copy_prefix(source: RopeKVCache, target: RopeKVCache, online_sums: Any | No
             raise NotImplementedError("share_prefix needs every layer to be a full-attention layer")
         n = storage.length
         target.update(storage.keys[:, :, :n].clone(), storage.values[:, :, :n].clone(), idx)
-    online = getattr(target, "_online", None)
-    if online is not None:
+    if getattr(target, "_online", None) is not None:
         if online_sums is None:
             raise RuntimeError("an online-statistics cache needs the query sums of the shared prefix")
-        # No public setter exists: seed the cache's accumulator with a copy of the prefix's sums.
-        online._accumulator = copy.deepcopy(online_sums)
-        online._snapshot = None
+        # No public setter exists: give the cache a copy of the statistics the prefix's forwards gathered.
+        target._online = copy.deepcopy(online_sums)
 
 
 # =========================================================================== metrics
@@ -384,13 +382,13 @@ def evaluate_sample(
     collecting = {"on": False}
     if need_sums:
         from hf_ropekv.capture import QueryCapture
-        from hf_ropekv.stats import FrequencyAccumulator
+        from hf_ropekv.online import OnlineStatistics
 
-        online_sums = FrequencyAccumulator(full.geometry)
+        online_sums = OnlineStatistics(full.geometry)
 
         def on_query(layer_idx: int, queries: torch.Tensor) -> None:
             if collecting["on"]:
-                online_sums.add(layer_idx, queries, None)
+                online_sums.add(layer_idx, queries)
 
         capture = QueryCapture(model, full.geometry, on_query).attach()
 
@@ -409,9 +407,13 @@ def evaluate_sample(
                         if start > 0:
                             _copy_prefix(full, cache, online_sums)
                         caches[run] = cache
-                # The cache gathers online statistics from multi-token forwards (and a first forward).
-                collecting["on"] = need_sums and (end - start > 1 or start == 0)
+                # The cache gathers online statistics from every forward, counted once it has finished.
+                collecting["on"] = need_sums
+                if need_sums:
+                    online_sums.begin_forward(None, end - start)
                 full_lp = forward(full, start, end)
+                if need_sums:
+                    online_sums.end_forward()
                 collecting["on"] = False
                 _score_segment(results["full"], full_lp, None, targets, start, end, None)
                 for view in full_views:

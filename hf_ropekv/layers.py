@@ -79,7 +79,7 @@ class BudgetedLayer(CacheLayerMixin):
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kept = self._cache.planned_kept(self.storage.length, query_length)
+        kept = self._cache.planned_slots(query_length)
         return kept + query_length, self.tokens_seen - kept
 
     def get_seq_length(self) -> int:

@@ -29,15 +29,15 @@ Position = Union[int, torch.Tensor]
 def _check_stats(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor) -> None:
     if not torch.is_tensor(q_mean) or not q_mean.is_complex():
         raise ValueError(f"q_mean must be a complex tensor [H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}")
-    if q_mean.dim() != 2 or q_mean.shape[1] == 0:
-        raise ValueError(f"q_mean must be [H_q, F] with F > 0, got shape {tuple(q_mean.shape)}")
+    if q_mean.dim() not in (2, 3) or q_mean.shape[-1] == 0:
+        raise ValueError(f"q_mean must be [H_q, F] or [B, H_q, F] with F > 0, got shape {tuple(q_mean.shape)}")
     if q_abs_mean.is_complex() or not q_abs_mean.is_floating_point():
         raise ValueError(f"q_abs_mean must be a real floating tensor, got {q_abs_mean.dtype}")
     if q_abs_mean.shape != q_mean.shape:
         raise ValueError(f"q_abs_mean shape {tuple(q_abs_mean.shape)} must equal q_mean shape {tuple(q_mean.shape)}")
-    if inv_freq.dim() != 1 or inv_freq.shape[0] != q_mean.shape[1]:
+    if inv_freq.dim() != 1 or inv_freq.shape[0] != q_mean.shape[-1]:
         raise ValueError(
-            f"inv_freq must be [F] = [{q_mean.shape[1]}] (one frequency per rotary pair), got {tuple(inv_freq.shape)}"
+            f"inv_freq must be [F] = [{q_mean.shape[-1]}] (one frequency per rotary pair), got {tuple(inv_freq.shape)}"
         )
 
 
@@ -89,7 +89,8 @@ def query_weights(
     omega = inv_freq.to(device=dev, dtype=torch.float64)
     phase = omega[None, None, :] * (t[:, None, None] + delta[None, :, None])  # [B, n_offsets, F]
     rot = torch.polar(torch.ones_like(phase), phase).mean(dim=1)  # complex128 [B, F]
-    q_eff = q_mean.to(device=dev, dtype=torch.complex128)[None] * rot[:, None, :]  # [B, H_q, F]
+    q_mean_b = q_mean if q_mean.dim() == 3 else q_mean[None]  # per-row statistics, or one set for all rows
+    q_eff = q_mean_b.to(device=dev, dtype=torch.complex128) * rot[:, None, :]  # [B, H_q, F]
     w = torch.cat([q_eff.real, q_eff.imag], dim=-1).to(device=q_mean.device, dtype=torch.float32)
     c = (q_abs_mean.double() - q_mean.to(torch.complex128).abs()).clamp_min(0).float()
     return w, c
@@ -111,7 +112,7 @@ def score_keys_weighted(
     installed, the PyTorch reference elsewhere).
     """
     if backend is None:
-        backend = "triton" if HAS_TRITON and keys.is_cuda else "torch"
+        backend = "triton" if HAS_TRITON and keys.is_cuda and c.dim() == 2 else "torch"
     if backend == "triton":
         return score_keys_triton(keys, w, c, out=out)
     if backend == "torch":
@@ -149,7 +150,7 @@ def score_keys(
         raise ValueError(f"keys must be a 4-D tensor [B, H_kv, S, D], got {getattr(keys, 'shape', type(keys))}")
     _check_stats(q_mean, q_abs_mean, inv_freq)
     B, H_kv, _, D = keys.shape
-    H_q, F = q_mean.shape
+    H_q, F = q_mean.shape[-2:]
     if H_q % H_kv != 0:
         raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
     if 2 * F > D:

@@ -32,10 +32,10 @@ def check_score_args(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> No
         raise ValueError(f"keys must be 4-D [B, H_kv, S, D], got shape {tuple(keys.shape)}")
     if keys.dtype not in KEY_DTYPES:
         raise ValueError(f"keys dtype must be float16, bfloat16 or float32, got {keys.dtype}")
-    if w.dim() != 3 or c.dim() != 2:
-        raise ValueError(f"w must be [B, H_q, 2F] and c [H_q, F], got {tuple(w.shape)} and {tuple(c.shape)}")
+    if w.dim() != 3 or c.dim() not in (2, 3):
+        raise ValueError(f"w must be [B, H_q, 2F] and c [H_q, F] or [B, H_q, F], got {tuple(w.shape)} and {tuple(c.shape)}")
     B, H_kv, _, D = keys.shape
-    H_q, F = c.shape
+    H_q, F = c.shape[-2:]
     if tuple(w.shape[1:]) != (H_q, 2 * F):
         raise ValueError(
             f"w shape {tuple(w.shape)} does not match c shape {tuple(c.shape)} (expected [B, {H_q}, {2 * F}])"
@@ -195,7 +195,7 @@ def score_keys_reference(
     """
     check_score_args(keys, w, c)
     B, H_kv, S, _ = keys.shape
-    H_q, F = c.shape
+    H_q, F = c.shape[-2:]
     G = H_q // H_kv
     if out is None:
         out = torch.empty((B, H_q, S), dtype=torch.float32, device=keys.device)
@@ -205,7 +205,10 @@ def score_keys_reference(
     Bw = w.shape[0]
     wr = w[..., :F].reshape(Bw, H_kv, G, F)
     wi = w[..., F:].reshape(Bw, H_kv, G, F)
-    cc = c.reshape(1, H_kv, G, F).expand(Bw, H_kv, G, F)
+    cc = c.reshape(-1, H_kv, G, F).expand(max(Bw, c.shape[0] if c.dim() == 3 else 1), H_kv, G, F)
+    if cc.shape[0] != Bw:  # per-row c with shared w
+        wr, wi = wr.expand_as(cc), wi.expand_as(cc)
+        Bw = cc.shape[0]
     wmat = torch.cat([wr, wi, cc], dim=-1).transpose(-1, -2)  # [Bw, H_kv, 3F, G]
     out_v = out.view(B, H_kv, G, S)
     for s0 in range(0, S, chunk):

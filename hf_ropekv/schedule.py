@@ -1,0 +1,71 @@
+"""When each batch row compacts, and what the layers then hold: a pure function of counts kept on the host.
+
+Every row follows the schedule it would follow alone: it counts only its own real tokens (padding never
+counts toward the budget) and compacts when *it* would exceed ``budget + compress_every``. transformers needs
+one key/value length per layer for the whole batch, so a row that holds fewer real tokens than the longest
+row sits right-aligned behind "holes" (slots the attention mask hides; a row's left padding is its first
+holes). The mask that hides them is built by :meth:`RopeKVCache._attention_mask_for` from the same plan.
+
+Everything here is host arithmetic on Python ints: planning never synchronises with the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def row_target(kept: int, new: int, budget: int | None, compress_every: int) -> int:
+    """Real tokens a row holding ``kept`` keeps before ``new`` more arrive.
+
+    It compacts down to ``budget`` once ``kept + new`` would exceed ``budget + compress_every``; a chunk longer
+    than ``compress_every`` (a long prompt that is not pinned) makes room for its own excess too.
+    """
+    if budget is None or kept + new <= budget + compress_every:
+        return kept
+    return max(0, min(kept, budget - max(0, new - compress_every)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One forward's compaction plan for the full-attention layers.
+
+    Attributes:
+        seen: tokens per row the cache had seen before this forward (padding included).
+        new: tokens this forward appends.
+        slots_before / slots_after: key/value slots per row before and after the compaction (same for every
+            row, layer and head); ``slots_after == slots_before`` when nothing is compacted.
+        kept_before / kept_after: real tokens each row holds before and after the compaction.
+    """
+
+    seen: int
+    new: int
+    slots_before: int
+    slots_after: int
+    kept_before: tuple[int, ...]
+    kept_after: tuple[int, ...]
+
+    @property
+    def compacts(self) -> bool:
+        return self.slots_after != self.slots_before or self.kept_after != self.kept_before
+
+    @property
+    def holes_after(self) -> tuple[int, ...]:
+        """Slots in front of each row's real tokens after the compaction."""
+        return tuple(self.slots_after - kept for kept in self.kept_after)
+
+    @property
+    def evicting_rows(self) -> tuple[int, ...]:
+        """Rows that drop real tokens in this compaction."""
+        return tuple(r for r, (a, b) in enumerate(zip(self.kept_after, self.kept_before)) if a < b)
+
+
+def plan_forward(
+    seen: int, new: int, slots: int, holes: tuple[int, ...], budget: int | None, compress_every: int
+) -> Plan:
+    """The plan of a forward appending ``new`` tokens to layers holding ``slots`` slots with ``holes`` per row."""
+    kept = tuple(slots - h for h in holes)
+    targets = tuple(row_target(k, new, budget, compress_every) for k in kept)
+    if targets == kept:
+        return Plan(seen, new, slots, slots, kept, kept)
+    # Some row compacts: every row then drops its holes, and the layers shrink to the longest row.
+    return Plan(seen, new, slots, max(targets), kept, targets)
