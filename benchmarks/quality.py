@@ -450,7 +450,7 @@ def evaluate_sample(
 
 
 def load_model(name: str, dtype: torch.dtype, device: str, gguf: str | None = None):
-    """``(model, tokenizer)`` from the offline packages (``hf_ropekv.offline``), or from ``gguf`` (a file path)."""
+    """``(model, tokenizer)`` from the offline packages (``offline_assets``), or from ``gguf`` (a file path)."""
     if gguf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -458,9 +458,10 @@ def load_model(name: str, dtype: torch.dtype, device: str, gguf: str | None = No
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         return model.to(device).eval(), tokenizer
-    from hf_ropekv import offline
+    from common import offline_assets
 
-    loader = {"smollm2": offline.load_smollm2, "qwen25-coder": offline.load_qwen25_coder}[name]
+    assets = offline_assets()
+    loader = {"smollm2": assets.load_smollm2, "qwen25-coder": assets.load_qwen25_coder}[name]
     return loader(dtype=dtype, device=device, hub_fallback=None)
 
 

@@ -123,6 +123,7 @@ class RopeKVCache(Cache):
         self._holes: tuple[int, ...] | None = None  # slots before each row's real tokens; None: its padding
         self._evicted_rows: list[bool] = []
         self._plan: Plan | None = None  # this forward's compaction plan (memoised by seen, new, slots)
+        self._decode_steps = 0  # single-token forwards finished: the compaction clock (hf_ropekv.schedule)
         self._prompt_tokens: int | None = None  # pinned prompt length once decoding started
 
     # ------------------------------------------------------------------ public introspection
@@ -211,7 +212,8 @@ class RopeKVCache(Cache):
         slots = first.storage.length if first is not None else seen
         plan = self._plan
         if plan is None or (plan.seen, plan.new, plan.slots_before) != (seen, new, slots):
-            plan = plan_forward(seen, new, slots, self._current_holes(), self.budget, self.compress_every)
+            step = self._decode_steps + 1 if new == 1 else 0
+            plan = plan_forward(seen, new, slots, self._current_holes(), self.budget, self.compress_every, step)
             self._plan = plan
         return plan
 
@@ -378,6 +380,8 @@ class RopeKVCache(Cache):
             self._begin_step(seen, q, key_states, args, kwargs)
         # The first layer fixes the forward's plan; later layers follow it (the state it depends on has moved).
         plan = self._plan_for(q) if first else self._plan
+        if first and q == 1:
+            self._decode_steps += 1
         if not plan.compacts:
             return
         if first:

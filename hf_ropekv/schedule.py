@@ -1,10 +1,23 @@
 """When each batch row compacts, and what the layers then hold: a pure function of counts kept on the host.
 
-Every row follows the schedule it would follow alone: it counts only its own real tokens (padding never
-counts toward the budget) and compacts when *it* would exceed ``budget + compress_every``. transformers needs
-one key/value length per layer for the whole batch, so a row that holds fewer real tokens than the longest
-row sits right-aligned behind "holes" (slots the attention mask hides; a row's left padding is its first
-holes). The mask that hides them is built by :meth:`RopeKVCache._attention_mask_for` from the same plan.
+Every row follows the schedule it would follow alone, so its output depends on nothing but its own tokens:
+
+- it counts only its own real tokens (padding never counts toward the budget);
+- during decoding, compactions happen on a clock that every row shares *and* would see alone: every
+  ``compress_every``-th decoding step (counted from the first one). At such a step each row holding more
+  than ``budget`` real tokens comes back to ``budget``. A row that would exceed ``budget + compress_every``
+  between ticks (possible only after a long multi-token forward) compacts at once;
+- a multi-token forward (a prompt chunk, a later user turn) compacts the rows it would take past
+  ``budget + compress_every``.
+
+The clock is what is shared, deliberately: every row of a batch then compacts at the same steps, so a batch
+pays for one scoring round per ``compress_every`` steps instead of one per row, and the count of decoding
+steps is the same for a row alone and in any batch. Each row still holds at most ``budget +
+compress_every`` real tokens.
+
+transformers needs one key/value length per layer for the whole batch, so a row that holds fewer real tokens
+than the longest sits right-aligned behind "holes" (slots the attention mask hides; a row's left padding is
+its first holes). :meth:`RopeKVCache._attention_mask_for` builds that mask from the same plan.
 
 Everything here is host arithmetic on Python ints: planning never synchronises with the GPU.
 """
@@ -14,15 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def row_target(kept: int, new: int, budget: int | None, compress_every: int) -> int:
+def row_target(kept: int, new: int, budget: int | None, compress_every: int, decode_step: int = 0) -> int:
     """Real tokens a row holding ``kept`` keeps before ``new`` more arrive.
 
-    It compacts down to ``budget`` once ``kept + new`` would exceed ``budget + compress_every``; a chunk longer
-    than ``compress_every`` (a long prompt that is not pinned) makes room for its own excess too.
+    ``decode_step``: for a single-token forward, its index among the decoding steps (1, 2, ...); 0 otherwise.
+    A chunk longer than ``compress_every`` (a long prompt that is not pinned) makes room for its own excess.
     """
-    if budget is None or kept + new <= budget + compress_every:
+    if budget is None:
         return kept
-    return max(0, min(kept, budget - max(0, new - compress_every)))
+    if kept + new > budget + compress_every:
+        return max(0, min(kept, budget - max(0, new - compress_every)))
+    if new == 1 and decode_step > 0 and decode_step % compress_every == 0 and kept + new > budget:
+        return budget
+    return kept
 
 
 @dataclass(frozen=True)
@@ -60,11 +77,20 @@ class Plan:
 
 
 def plan_forward(
-    seen: int, new: int, slots: int, holes: tuple[int, ...], budget: int | None, compress_every: int
+    seen: int,
+    new: int,
+    slots: int,
+    holes: tuple[int, ...],
+    budget: int | None,
+    compress_every: int,
+    decode_step: int = 0,
 ) -> Plan:
-    """The plan of a forward appending ``new`` tokens to layers holding ``slots`` slots with ``holes`` per row."""
+    """The plan of a forward appending ``new`` tokens to layers holding ``slots`` slots with ``holes`` per row.
+
+    ``decode_step``: see :func:`row_target`.
+    """
     kept = tuple(slots - h for h in holes)
-    targets = tuple(row_target(k, new, budget, compress_every) for k in kept)
+    targets = tuple(row_target(k, new, budget, compress_every, decode_step) for k in kept)
     if targets == kept:
         return Plan(seen, new, slots, slots, kept, kept)
     # Some row compacts: every row then drops its holes, and the layers shrink to the longest row.

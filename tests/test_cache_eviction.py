@@ -107,16 +107,16 @@ def test_padding_never_counts_toward_the_budget() -> None:
     run_and_compare(model, cache, [ids], mask, decode_steps=5)
     kept = kept_positions(cache)
     assert cache.evicted and cache.num_compactions == 1
-    # Row 0 (12 real tokens) would have crossed 14 + 2 at its 5th decoding step: it came back to 14 and took the
-    # new token. Row 1 (4 real + 5 new) kept all 9 of its real tokens, right-aligned behind 6 holes (its padding
-    # is gone and was never counted).
-    assert cache.tokens_kept_per_row == (15, 9)
+    # Row 0 (12 real tokens) went over the budget at decoding step 3; at step 4 (a tick of the every-2-steps
+    # clock) it came back to 14, then took steps 4 and 5. Row 1 (4 real + 5 new) kept all 9 of its real tokens,
+    # right-aligned behind 7 holes (its padding is gone and was never counted).
+    assert cache.tokens_kept_per_row == (16, 9)
     seen = cache.tokens_seen
     for head in range(kept.shape[1]):
-        assert kept[1, head, :6].tolist() == [-1] * 6
-        assert kept[1, head, 6:].tolist() == list(range(8, seen))
-        # The pinned prompt (12) and, by recency, the newest of the rest (2 + the new token).
-        assert kept[0, head].tolist() == list(range(12)) + list(range(seen - 3, seen))
+        assert kept[1, head, :7].tolist() == [-1] * 7
+        assert kept[1, head, 7:].tolist() == list(range(8, seen))
+        # The pinned prompt (12) and, by recency, the 2 newest at the compaction, then the 2 steps since.
+        assert kept[0, head].tolist() == list(range(12)) + list(range(seen - 4, seen))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
