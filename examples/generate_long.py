@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     attention_mask = enc["attention_mask"].to(args.device)
 
     cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every)
-    # transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name still works, with a warning).
+    # generate(cache=cache) from transformers 5.24 on (past_key_values= still works there, with a FutureWarning);
+    # generate(past_key_values=cache) on 5.17-5.23. cache_kwarg picks the name this version takes.
     cache_arg = cache_kwarg(model)
     if args.greedy:
         sampling = dict(do_sample=False)

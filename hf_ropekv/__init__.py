@@ -2,7 +2,7 @@
 
     from hf_ropekv import RopeKVCache
     cache = RopeKVCache(model, budget=2048)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4096)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=4096)  # transformers 5.17-5.23: past_key_values=cache
 """
 
 from .cache import RopeKVCache

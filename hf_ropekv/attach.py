@@ -17,11 +17,13 @@ cache is garbage-collected.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import _compat
 from .capture import QueryCapture
@@ -37,6 +39,8 @@ class ModelAttachment:
 
     def __init__(self, model: nn.Module, cache: "RopeKVCache", collect_queries: bool) -> None:
         self._cache_ref = weakref.ref(cache)
+        self._model_ref = weakref.ref(model)  # for copy_for: a copied cache attaches to the same model
+        self._collect_queries = collect_queries
         self._collecting = False
         self._new_token_mask: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None  # ids seen so far, [B, capacity]
@@ -55,10 +59,29 @@ class ModelAttachment:
         weakref.finalize(cache, _release, handles, capture)
         _wrap_prepare_inputs(model)
 
+    def copy_for(self, cache: "RopeKVCache", memo: dict) -> "ModelAttachment":
+        """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, same state.
+
+        Its hooks are new and act only on ``cache``'s forwards. Every attribute that is state (the token log of
+        the continuation check, ...) is deep-copied; those that bind an attachment to its cache, model or hooks
+        (weak references, hook handles, modules) stay as the fresh attachment built them.
+        """
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("Cannot copy this RopeKVCache: the model it was attached to no longer exists.")
+        twin = ModelAttachment(model, cache, collect_queries=self._collect_queries)
+        for name, value in self.__dict__.items():
+            if not _binds_to_owner(value):
+                setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
+
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         cache = self._cache_ref()
         if cache is None or _compat.cache_from_forward_kwargs(kwargs) is not cache:
+            # Another cache's forward (a copy, or a new cache after this one's forward raised midway): this
+            # cache's query hooks must stay idle through it.
+            self._collecting = False
             return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
@@ -150,6 +173,16 @@ class ModelAttachment:
 
     def reset(self) -> None:
         self._tokens, self._num_tokens, self._tokens_known = None, 0, True
+
+
+def _binds_to_owner(value: Any) -> bool:
+    """Whether an attachment attribute ties it to its own cache, model or hooks (rebuilt, never copied)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_binds_to_owner(item) for item in value)
+    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, nn.Module)
+    return isinstance(value, binding)
 
 
 def _release(handles: list, capture: QueryCapture | None) -> None:

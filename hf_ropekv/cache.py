@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any
 
 import torch
@@ -11,7 +13,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from . import _compat
-from .layers import BudgetedLayer
+from .layers import CANNOT_CROP, CROPPABLE_FIX, BudgetedLayer
 from .model_info import FULL, SLIDING, ModelGeometry, describe
 from .schedule import Plan, plan_forward
 from .scorers.base import ScoreContext, Scorer
@@ -225,16 +227,72 @@ class RopeKVCache(Cache):
         self._reset_rows()
         if self._queries is not None:
             self._queries.reset()
+        self._rollback_expected = False
         if self._online is not None:
             self._online.reset()
         if self._attachment is not None:
             self._attachment.reset()
 
-    def crop(self, max_length: int) -> None:
-        """Roll back to fewer tokens; only possible until the first eviction (then it raises)."""
-        super().crop(max_length)
+    def crop(self, n: int) -> None:
+        """Roll back as transformers' ``crop(n)`` does (``n < 0`` removes ``-n`` tokens; see ``_compat.crop_target``).
+
+        Only possible until the first eviction: after it, any crop that would remove tokens raises.
+        """
+        super().crop(n)
+        seen = self.tokens_seen
+        if self._prompt_tokens is not None and self._prompt_tokens > seen:
+            self._prompt_tokens = seen  # the rollback reached into the pinned prompt
         if self._attachment is not None:
-            self._attachment.truncate(self.tokens_seen)
+            self._attachment.truncate(seen)
+
+    #: Set once generate announced a decoding mode that rolls the cache back (``activate_past_recording``).
+    _rollback_expected = False
+
+    def activate_past_recording(self) -> None:
+        """Called by generate before a decoding mode that rolls the cache back (assisted/speculative decoding).
+
+        From then on the cache refuses, with the "cannot crop" error, any forward that would evict or pin more
+        than ``budget`` tokens; a cache that already evicted refuses here.
+        """
+        if not all(layer.is_croppable for layer in self._full_layers):
+            raise ValueError(CANNOT_CROP)
+        super().activate_past_recording()
+        self._rollback_expected = True
+
+    def _refuse_eviction_before_rollback(self, seen: int, q: int) -> None:
+        """In a rolling-back decoding mode, raise the "cannot crop" error instead of evicting.
+
+        Assisted decoding sends the prompt and then each draft as multi-token forwards; the prompt-pinning check
+        would take them all for prompt and fail first with a misleading message.
+        """
+        if not self._rollback_expected or self.budget is None:
+            return
+        real = seen + q - min(self._pads_host)
+        pins_too_much = self._prompt_tokens is None and self.protect_prompt and real > self.budget
+        if pins_too_much or self._plan_for(q).compacts:
+            raise ValueError(
+                f"RopeKVCache cannot crop once it evicts, and this decoding mode rolls the cache back: this step "
+                f"would take it to {real} tokens, past budget={self.budget}. {CROPPABLE_FIX}"
+            )
+
+    def __deepcopy__(self, memo: dict) -> "RopeKVCache":
+        """An independent cache that continues exactly like this one (transformers' prompt-reuse recipe).
+
+        Every attribute is deep-copied (storage, statistics, padding, scorer, RNG), so state added to the cache
+        later is copied too. Two things are rebound instead: the layers' back-references point to the copy, and
+        the copy gets its own model attachment (hooks that act only when the forward's cache is the copy).
+        """
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for layer in self.layers:  # BudgetedLayer holds a weakref.proxy to its cache: make it the copy's
+            back = getattr(layer, "_cache", None)
+            if isinstance(back, weakref.ProxyTypes):
+                memo[id(back)] = weakref.proxy(twin)
+        for name, value in self.__dict__.items():
+            if name != "_attachment":
+                setattr(twin, name, copy.deepcopy(value, memo))
+        twin._attachment = None if self._attachment is None else self._attachment.copy_for(twin, memo)
+        return twin
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -361,6 +419,7 @@ class RopeKVCache(Cache):
 
     def _begin_step(self, seen: int, q: int, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
         self._refresh_padding(seen + q, q, key_states.device, args, kwargs)
+        self._refuse_eviction_before_rollback(seen, q)
         if self._prompt_tokens is None:
             if q == 1 and seen > 0:
                 self._prompt_tokens = seen  # first decoding step: the prompt is complete
@@ -465,7 +524,7 @@ class RopeKVCache(Cache):
         if stats is not None:
             from .stats import FrequencyStats
 
-            return FrequencyScorer(FrequencyStats.resolve(stats, self.geometry))
+            return FrequencyScorer(FrequencyStats.resolve(stats, self.geometry, model))
         if self.budget is None:
             return FrequencyScorer(None)  # never called: nothing is evicted
         if model is None:
