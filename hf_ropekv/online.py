@@ -104,8 +104,12 @@ class OnlineStatistics:
                 parts = torch.where(mask[None, :, :, None, None], parts, 0.0)
             for layer_idx, _ in items:
                 self._place(layer_idx, parts[0])
-            index = torch.tensor([self._slot[layer_idx][1] for layer_idx, _ in items], device=device)
-            self._sums[device].index_add_(0, index, parts.to(torch.float64))
+            index = [self._slot[layer_idx][1] for layer_idx, _ in items]
+            sums = self._sums[device]
+            if index == list(range(sums.shape[0])):  # the usual case: every layer of the device, in order
+                sums.add_(parts)
+            else:
+                sums.index_add_(0, torch.tensor(index, device=device), parts.to(torch.float64))
         for device in self._devices_touched():
             self._counts[device] += self._count_on(device)
         self._pending, self._stash = {}, []
