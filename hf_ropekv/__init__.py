@@ -7,10 +7,11 @@
 
 from .cache import RopeKVCache
 from .calibrate import calibrate
-from .enable import disable, enable, enabled, is_enabled
+from .enable import disable, enable, enabled, is_enabled, last_cache, last_summary
 from .scorers import FrequencyScorer, KeyNormScorer, RandomScorer, RecencyScorer, ScoreContext, Scorer
 from .scoring import score_keys
 from .stats import FrequencyStats
+from .summary import CacheSummary
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,9 @@ __all__ = [
     "enable",
     "enabled",
     "is_enabled",
+    "last_cache",
+    "last_summary",
+    "CacheSummary",
     "FrequencyScorer",
     "FrequencyStats",
     "KeyNormScorer",
