@@ -7,7 +7,7 @@
 
 from .cache import RopeKVCache
 from .calibrate import calibrate
-from .enable import disable, enable, enabled, is_enabled
+from .enable import disable, enable, enabled, is_enabled, last_cache, last_summary
 from .scorers import (
     FrequencyScorer,
     H2OScorer,
@@ -21,6 +21,7 @@ from .scorers import (
 )
 from .scoring import score_keys
 from .stats import FrequencyStats
+from .summary import CacheSummary
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,9 @@ __all__ = [
     "enable",
     "enabled",
     "is_enabled",
+    "last_cache",
+    "last_summary",
+    "CacheSummary",
     "FrequencyScorer",
     "FrequencyStats",
     "H2OScorer",

@@ -8,6 +8,9 @@
     with hf_ropekv.enabled(model, budget=1024):      # temporary; restores what was there before
         trainer.evaluate()
 
+    print(hf_ropekv.last_summary(model))             # what the most recent generate() kept, in one line
+    cache = hf_ropekv.last_cache(model)              # its RopeKVCache, while something else keeps it alive
+
 How it works. transformers has no registry for custom ``cache_implementation`` names, so ``enable`` wraps the
 one method through which every ``generate()`` call gets its cache: ``GenerationMixin._prepare_cache_for_generation``
 (same signature on 5.17 and 5.24; 5.17 keeps the cache under ``model_kwargs["past_key_values"]``, 5.24 under
@@ -24,13 +27,23 @@ its place. Therefore:
   however ``model.generation_config`` is changed or replaced;
 - decoding modes that must roll the cache back (assisted/speculative decoding, DoLa, contrastive search) get
   transformers' ``DynamicCache`` (with a warning when a budget is set): a compacted cache cannot be cropped.
+
+Inspection. ``enable`` also wraps the instance's ``generate`` (again an instance attribute, removed by ``disable``)
+to learn when a call ends: then it takes a :class:`CacheSummary` of each cache it made during that call, keeps it
+for :func:`last_summary` and logs it at INFO level on the ``hf_ropekv`` logger, one line per ``generate()``. The
+cache itself is held weakly (:func:`last_cache`): remembering it must not keep its KV memory alive between calls.
+These records outlive ``disable`` (so ``with enabled(...):`` blocks can be inspected afterwards) and are not copied
+with the model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import inspect
 import types
+import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -41,16 +54,20 @@ from transformers.utils import logging
 from . import _compat
 from .cache import RopeKVCache, _check_options
 from .model_info import ModelGeometry, describe
+from .summary import CacheSummary
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["enable", "disable", "enabled", "is_enabled"]
+__all__ = ["enable", "disable", "enabled", "is_enabled", "last_cache", "last_summary"]
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
 _STATE_ATTR = "_hf_ropekv_enablement"
 _HOOK_ATTR = "_prepare_cache_for_generation"
-_HOOK_MARK = "_hf_ropekv_enable_hook"
+_GENERATE_ATTR = "generate"
+_HOOK_MARK = "_hf_ropekv_enable_hook"  # set on both wrappers (of _HOOK_ATTR and of _GENERATE_ATTR)
+#: The instance attributes ``enable`` replaces by its wrappers, and ``disable`` restores.
+_WRAPPED_ATTRS = (_HOOK_ATTR, _GENERATE_ATTR)
 _PREPARE_INPUTS_ATTR = "prepare_inputs_for_generation"  # wrapped by hf_ropekv.attach when a cache is built
 
 #: Options of ``RopeKVCache(model, ...)`` that ``enable`` forwards (``budget`` and ``stats`` are named arguments).
@@ -72,10 +89,12 @@ _SMALL_BUDGET = 256
 class _Enablement:
     """What ``enable`` stored on a model: the cache options and what it replaced."""
 
-    def __init__(self, options: dict[str, Any], geometry: ModelGeometry, previous_hook: Any, had_prepare_inputs: bool):
+    def __init__(
+        self, options: dict[str, Any], geometry: ModelGeometry, previous: dict[str, Any], had_prepare_inputs: bool
+    ):
         self.options = options
         self.geometry = geometry
-        self.previous_hook = previous_hook  # instance attribute that was there before enable, or None
+        self.previous = previous  # per wrapped attribute: the instance attribute that was there before, or None
         self.had_prepare_inputs = had_prepare_inputs
         self.caches_created = 0
 
@@ -86,6 +105,22 @@ class _Enablement:
             options["scorer"] = scorer()  # one scorer per cache
         self.caches_created += 1
         return RopeKVCache(model, **options)
+
+
+class _LastGeneration:
+    """The cache enable made for a model's most recent generate() call, and its summary once that call ended."""
+
+    def __init__(self, cache: RopeKVCache):
+        self.cache_ref = weakref.ref(cache)  # weak: see last_cache
+        self.summary: CacheSummary | None = None  # None while its generate() runs
+
+
+#: model -> its _LastGeneration. Outside the model's __dict__: survives disable(), is not copied or pickled with it.
+_LAST: "weakref.WeakKeyDictionary[nn.Module, _LastGeneration]" = weakref.WeakKeyDictionary()
+#: The caches the hook made during the innermost wrapped generate() call of this thread / async task.
+_CACHES_MADE: contextvars.ContextVar[list[RopeKVCache] | None] = contextvars.ContextVar(
+    "hf_ropekv_caches_made", default=None
+)
 
 
 # --------------------------------------------------------------------------- public API
@@ -121,30 +156,16 @@ def enable(model: ModelT, budget: int | None = None, *, stats: Any = None, **opt
 def disable(model: ModelT) -> ModelT:
     """Undo :func:`enable`: ``generate()`` makes transformers' own caches again. A no-op when not enabled.
 
-    The model's attributes are restored exactly (the wrapper is deleted, or the attribute that was there before
-    is put back). Caches already handed out keep working.
+    The model's attributes are restored exactly (the wrappers are deleted, or the attributes that were there
+    before are put back). Caches already handed out keep working, and :func:`last_summary` / :func:`last_cache`
+    still describe the last call.
     """
     wrapper, model = model, _generating_model(model)
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         return wrapper
-    current = model.__dict__.get(_HOOK_ATTR)
-    if _is_our_hook(current, model):
-        if state.previous_hook is None:
-            delattr(model, _HOOK_ATTR)
-        else:
-            setattr(model, _HOOK_ATTR, state.previous_hook)
-    elif _is_class_method_copy(current, model):
-        # An unpickled copy: pickle rebuilt our bound hook as the class's own method. Nothing to undo but that.
-        delattr(model, _HOOK_ATTR)
-    else:
-        # Someone wrapped `_prepare_cache_for_generation` after us: our hook stays in their chain but, with the
-        # state gone, only passes through.
-        logger.warning(
-            "hf_ropekv.disable: `%s` was wrapped again after hf_ropekv.enable(); the hf_ropekv hook stays inside "
-            "that wrapper as a pass-through.",
-            _HOOK_ATTR,
-        )
+    for attr in _WRAPPED_ATTRS:
+        _restore(model, attr, state.previous.get(attr))
     wrapped_inputs = model.__dict__.get(_PREPARE_INPUTS_ATTR)
     if not state.had_prepare_inputs and wrapped_inputs is not None and _is_attach_wrapper(wrapped_inputs):
         delattr(model, _PREPARE_INPUTS_ATTR)
@@ -182,7 +203,50 @@ def enabled(model: ModelT, budget: int | None = None, *, stats: Any = None, **op
 def is_enabled(model: nn.Module) -> bool:
     """Whether :func:`enable` is in effect on ``model``."""
     model = _generating_model(model)
-    return _STATE_ATTR in model.__dict__ and _is_our_hook(_find_hook(model), model)
+    return _STATE_ATTR in model.__dict__ and _is_our_wrapper(model.__dict__.get(_HOOK_ATTR), model)
+
+
+def last_summary(model: nn.Module) -> CacheSummary:
+    """What the cache of ``model``'s most recent ``generate()`` call kept, taken when that call returned.
+
+    "Most recent call" means the latest one that :func:`enable` gave a :class:`RopeKVCache` (calls with a cache of
+    their own, ``use_cache=False`` or a cache-cropping decoding mode get none). The summary is kept after
+    :func:`disable`; while that call still runs (a streamer, a stopping criterion), it describes the cache now.
+
+    Raises:
+        LookupError: ``enable`` was never called on ``model``, or no ``generate()`` call used a cache from it yet.
+    """
+    record = _last_generation(model)
+    if record.summary is not None:
+        return record.summary
+    cache = record.cache_ref()
+    if cache is None:  # its generate() never finished, and nothing holds the cache any longer
+        raise LookupError(f"The RopeKVCache of the last generate() of {type(model).__name__} was freed before it ended.")
+    return CacheSummary.from_cache(cache)
+
+
+def last_cache(model: nn.Module) -> RopeKVCache:
+    """The :class:`RopeKVCache` that :func:`enable` gave ``model``'s most recent ``generate()`` call.
+
+    hf_ropekv holds it *weakly*: remembering a cache must not keep its KV memory alive between calls. So it is
+    there as long as something else holds it: during its ``generate()`` call (from a streamer, a logits processor
+    or a stopping criterion), or afterwards through ``generate(..., return_dict_in_generate=True)``'s output (its
+    ``past_key_values``, or ``cache`` from transformers 5.24). Once nothing does, Python may free it at any time;
+    :func:`last_summary` keeps its numbers for good.
+
+    Raises:
+        LookupError: ``enable`` was never called on ``model``, no ``generate()`` call used a cache from it yet, or
+            the cache was freed (the message says how to keep it).
+    """
+    record = _last_generation(model)
+    cache = record.cache_ref()
+    if cache is None:
+        raise LookupError(
+            f"The RopeKVCache of the last generate() of {type(model).__name__} was freed: hf_ropekv holds it weakly "
+            "so that it does not keep KV memory alive. hf_ropekv.last_summary(model) still has its numbers; to keep "
+            "the cache itself, call generate(..., return_dict_in_generate=True) and hold on to the output."
+        )
+    return cache
 
 
 # --------------------------------------------------------------------------- validation and warnings
@@ -290,24 +354,28 @@ def _cropping_mode(generation_config: Any) -> str | None:
 
 def _install(model: nn.Module, config: _Config) -> None:
     state = model.__dict__.get(_STATE_ATTR)
-    if state is not None and _is_our_hook(model.__dict__.get(_HOOK_ATTR), model):
+    if state is not None and _is_our_wrapper(model.__dict__.get(_HOOK_ATTR), model):
         state.options = config.options
         logger.info("hf_ropekv.enable: options of %s replaced.", type(model).__name__)
         return
-    previous = model.__dict__.get(_HOOK_ATTR)
-    if _is_class_method_copy(previous, model):
-        previous = None  # an unpickled copy's leftover (see disable): the class's own method
+    previous = {}
+    for attr in _WRAPPED_ATTRS:
+        found = model.__dict__.get(attr)
+        # An unpickled copy's leftover (see _restore) is the class's own method: nothing to chain to.
+        previous[attr] = None if _is_class_method_copy(found, model, attr) else found
     state = _Enablement(
         config.options,
         config.geometry,
-        previous_hook=previous,
+        previous=previous,
         had_prepare_inputs=_PREPARE_INPUTS_ATTR in model.__dict__,
     )
-    hook = types.MethodType(_make_hook(previous), model)
+    hook = types.MethodType(_make_hook(previous[_HOOK_ATTR]), model)
+    generate = types.MethodType(_make_generate(previous[_GENERATE_ATTR], type(model)), model)
     # nn.Module.__setattr__ stores plain callables in the instance __dict__, where attribute lookup finds them
     # before the class's method.
     object.__setattr__(model, _STATE_ATTR, state)
     setattr(model, _HOOK_ATTR, hook)
+    setattr(model, _GENERATE_ATTR, generate)
     logger.info("hf_ropekv enabled on %s: %s", type(model).__name__, _describe_options(config.options))
 
 
@@ -330,13 +398,72 @@ def _make_hook(previous: Any) -> Callable[..., Any]:
             return result
         for name in _compat.CACHE_KWARGS:
             if type(model_kwargs.get(name)) is DynamicCache:
-                model_kwargs[name] = state.new_cache(self)
+                cache = model_kwargs[name] = state.new_cache(self)
+                _note_new_cache(self, cache)
                 _warn_many_rows(state, generation_config, batch_size)
                 break
         return result
 
     setattr(_prepare_cache_for_generation, _HOOK_MARK, True)
     return _prepare_cache_for_generation
+
+
+def _make_generate(previous: Any, model_class: type) -> Callable[..., Any]:
+    """The replacement of ``generate``: when the call ends, summarise (and log) the caches the hook made in it."""
+
+    def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        original = previous if previous is not None else getattr(type(self), _GENERATE_ATTR).__get__(self)
+        if self.__dict__.get(_STATE_ATTR) is None:
+            return original(*args, **kwargs)
+        made: list[RopeKVCache] = []
+        token = _CACHES_MADE.set(made)  # a nested generate() (another model's) sets its own list
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            _CACHES_MADE.reset(token)
+        for cache in made:
+            logger.info("hf_ropekv, %s.generate(): %s", type(self).__name__, _note_finished_cache(self, cache))
+        return output
+
+    # Name, docstring and signature (``inspect.signature`` follows ``__wrapped__``) of the method it stands for.
+    functools.update_wrapper(generate, getattr(model_class, _GENERATE_ATTR))
+    setattr(generate, _HOOK_MARK, True)
+    return generate
+
+
+def _note_new_cache(model: nn.Module, cache: RopeKVCache) -> None:
+    """The hook gave ``cache`` to a generate() call of ``model``: it is now that model's last cache."""
+    _LAST[model] = _LastGeneration(cache)
+    made = _CACHES_MADE.get()
+    if made is not None:
+        made.append(cache)
+
+
+def _note_finished_cache(model: nn.Module, cache: RopeKVCache) -> CacheSummary:
+    """The generate() call that used ``cache`` ended: keep its summary while it is still ``model``'s last cache."""
+    summary = CacheSummary.from_cache(cache)
+    record = _LAST.get(model)
+    if record is not None and record.cache_ref() is cache:
+        record.summary = summary
+    return summary
+
+
+def _last_generation(model: nn.Module) -> _LastGeneration:
+    target = _generating_model(model)
+    record = _LAST.get(target)
+    if record is not None:
+        return record
+    name = type(target).__name__
+    if is_enabled(target):
+        raise LookupError(
+            f"No generate() call of {name} has used a cache from hf_ropekv.enable() yet (calls that pass their own "
+            "cache, use_cache=False, or assisted/DoLa/contrastive decoding get none)."
+        )
+    raise LookupError(
+        f"hf_ropekv.enable() was never called on this {name}, so hf_ropekv made no cache for it to inspect. Call "
+        "hf_ropekv.enable(model, budget=...) before generate(), or pass your own RopeKVCache to generate() and read "
+        "its properties (or hf_ropekv.CacheSummary.from_cache(cache))."
+    )
 
 
 def _prepare_cache_call(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple | None:
@@ -430,25 +557,44 @@ def _is_scorer_factory(scorer: Any) -> bool:
     return isinstance(scorer, type) or (callable(scorer) and not hasattr(scorer, "score"))
 
 
-def _find_hook(model: nn.Module) -> Any:
-    return model.__dict__.get(_HOOK_ATTR)
+def _restore(model: nn.Module, attr: str, previous: Any) -> None:
+    """Undo one of enable's wrappers: ``attr`` of ``model`` becomes ``previous`` (deleted if ``None``)."""
+    current = model.__dict__.get(attr)
+    if current is None:
+        return
+    if _is_our_wrapper(current, model):
+        if previous is None:
+            delattr(model, attr)
+        else:
+            setattr(model, attr, previous)
+    elif _is_class_method_copy(current, model, attr):
+        # An unpickled copy: pickle rebuilt our bound wrapper as the class's own method. Nothing to undo but that.
+        delattr(model, attr)
+    else:
+        # Someone wrapped the method after us: our wrapper stays in their chain but, with the state gone, only
+        # passes through.
+        logger.warning(
+            "hf_ropekv.disable: `%s` was wrapped again after hf_ropekv.enable(); the hf_ropekv wrapper stays inside "
+            "that wrapper as a pass-through.",
+            attr,
+        )
 
 
-def _is_our_hook(hook: Any, model: nn.Module) -> bool:
+def _is_our_wrapper(method: Any, model: nn.Module) -> bool:
     return (
-        isinstance(hook, types.MethodType)
-        and getattr(hook.__func__, _HOOK_MARK, False)
-        and hook.__self__ is model
+        isinstance(method, types.MethodType)
+        and getattr(method.__func__, _HOOK_MARK, False)
+        and method.__self__ is model
     )
 
 
-def _is_class_method_copy(hook: Any, model: nn.Module) -> bool:
-    """The class's own ``_prepare_cache_for_generation`` bound to ``model`` and stored on the instance: what
-    pickle makes of our hook (it re-binds a method by name, before the instance state is restored)."""
+def _is_class_method_copy(method: Any, model: nn.Module, attr: str) -> bool:
+    """The class's own method ``attr`` bound to ``model`` and stored on the instance: what pickle makes of our
+    wrappers (it re-binds a method by name, before the instance state is restored)."""
     return (
-        isinstance(hook, types.MethodType)
-        and hook.__self__ is model
-        and hook.__func__ is getattr(type(model), _HOOK_ATTR, None)
+        isinstance(method, types.MethodType)
+        and method.__self__ is model
+        and method.__func__ is getattr(type(model), attr, None)
     )
 
 

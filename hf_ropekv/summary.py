@@ -1,0 +1,91 @@
+"""A snapshot of what a :class:`RopeKVCache` kept, in numbers and in one line of text.
+
+    summary = CacheSummary.from_cache(cache)
+    print(summary)  # RopeKVCache: kept 318 of 702 tokens (bound: budget 256 + compress_every 64 = 320), ...
+
+``hf_ropekv.last_summary(model)`` gives the snapshot taken when a ``generate()`` call of an enabled model
+returned; this module only reads a cache's public properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CacheSummary"]
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """What a :class:`RopeKVCache` held at one moment (all counts per row; bytes for the whole batch).
+
+    Attributes:
+        tokens_seen: tokens per row the model processed (``cache.tokens_seen``).
+        tokens_kept: tokens per row, KV head and full-attention layer held (``cache.tokens_kept``).
+        num_compactions: compactions so far (``cache.num_compactions``).
+        bytes_held: bytes of the cache's tensors (``cache.bytes_held``): its arenas, which are sized in whole
+            pages, and the slot positions.
+        full_cache_bytes: bytes a ``DynamicCache`` would hold for the same tokens (``cache.full_cache_bytes``).
+        budget: the cache's budget (``None``: nothing is evicted).
+        compress_every: tokens allowed beyond the budget before a compaction.
+    """
+
+    tokens_seen: int
+    tokens_kept: int
+    num_compactions: int
+    bytes_held: int
+    full_cache_bytes: int
+    budget: int | None
+    compress_every: int
+
+    @classmethod
+    def from_cache(cls, cache: Any) -> "CacheSummary":
+        """Read the public properties of ``cache`` (a :class:`RopeKVCache`) now."""
+        from .cache import RopeKVCache
+
+        if not isinstance(cache, RopeKVCache):
+            raise TypeError(
+                f"CacheSummary.from_cache needs a RopeKVCache, got {type(cache).__name__}. For a DynamicCache, "
+                "sum the bytes of its layers' keys and values."
+            )
+        return cls(
+            tokens_seen=cache.tokens_seen,
+            tokens_kept=cache.tokens_kept,
+            num_compactions=cache.num_compactions,
+            bytes_held=cache.bytes_held,
+            full_cache_bytes=cache.full_cache_bytes,
+            budget=cache.budget,
+            compress_every=cache.compress_every,
+        )
+
+    @property
+    def bound(self) -> int | None:
+        """Most tokens a full-attention layer holds per row and KV head: ``budget + compress_every``."""
+        return None if self.budget is None else self.budget + self.compress_every
+
+    @property
+    def bytes_fraction(self) -> float | None:
+        """``bytes_held / full_cache_bytes``; ``None`` before the cache holds anything."""
+        return self.bytes_held / self.full_cache_bytes if self.full_cache_bytes else None
+
+    def __str__(self) -> str:
+        if self.budget is None:
+            bound = "no budget: nothing is evicted"
+        else:
+            bound = f"bound: budget {self.budget} + compress_every {self.compress_every} = {self.bound}"
+        compactions = f"{self.num_compactions} compaction{'' if self.num_compactions == 1 else 's'}"
+        share = "" if self.bytes_fraction is None else f" ({self.bytes_fraction:.0%})"
+        return (
+            f"RopeKVCache: kept {self.tokens_kept:,} of {self.tokens_seen:,} tokens ({bound}), {compactions}; "
+            f"KV {format_bytes(self.bytes_held)} held vs {format_bytes(self.full_cache_bytes)} for a "
+            f"DynamicCache{share}"
+        )
+
+
+def format_bytes(count: int) -> str:
+    """``count`` bytes in the largest binary unit up to GiB that keeps the number at or above 1 (``"3.25 MiB"``)."""
+    units = ("B", "KiB", "MiB", "GiB")
+    power = 0
+    while power < len(units) - 1 and count >= 1024 ** (power + 1):
+        power += 1
+    return f"{count} B" if power == 0 else f"{count / 1024**power:.2f} {units[power]}"
