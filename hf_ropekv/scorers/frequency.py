@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..layouts import ROTATE_HALF
 from ..scoring import score_keys
 from .base import ScoreContext, standardize
 
@@ -20,6 +21,10 @@ class FrequencyScorer:
 
     Per query head: raw ``trig + norm`` score (``hf_ropekv.score_keys``), z-scored over the candidate slots,
     then the max over the query heads of each GQA group gives one score per KV head.
+
+    ``stats.for_layer(i)`` may return statistics shared by the batch (``[H_q, F]``) or one set per batch row
+    (``[B, H_q, F]``); they are passed through as they are. The rotary pair layout is the statistics'
+    ``metadata["rotary_layout"]`` (``"rotate_half"`` when absent: files written before the field existed).
 
     Args:
         stats: query statistics; ``None`` lets ``RopeKVCache`` fill them in from the prompt (online).
@@ -37,7 +42,8 @@ class FrequencyScorer:
         if self.stats is None:
             raise RuntimeError("FrequencyScorer has no statistics: pass stats= or let RopeKVCache gather them.")
         q_mean, q_abs_mean, inv_freq = self._layer_tensors(ctx.layer_idx, keys.device)
-        raw = score_keys(keys, q_mean, q_abs_mean, inv_freq, ctx.position, self.offsets)  # [B, H_q, S]
+        layout = self.stats.metadata.get("rotary_layout", ROTATE_HALF)
+        raw = score_keys(keys, q_mean, q_abs_mean, inv_freq, ctx.position, self.offsets, layout=layout)  # [B, H_q, S]
         batch, kv_heads, slots = keys.shape[:3]
         group = raw.shape[1] // kv_heads
         candidates = ctx.candidates.repeat_interleave(group, dim=1)
