@@ -135,7 +135,7 @@ def test_layout_and_batch_errors():
     kscore.score_keys_reference(keys, w, c, pair_stride=2, imag_offset=1)  # 32 interleaved pairs fill 64 dims
     for layout in ((2, 1), (1, 32)):
         with pytest.raises(ValueError, match="beyond head_dim"):
-            kscore.score_keys_reference(keys[..., :63], w, c, *layout)
+            kscore.score_keys_reference(keys[..., :63], w, c, pair_stride=layout[0], imag_offset=layout[1])
 
 
 def test_strided_views_and_shared_weights():
