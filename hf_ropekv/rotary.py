@@ -1,0 +1,308 @@
+"""The model's own rotary application: where RoPE receives the query, and how it pairs dimensions.
+
+Every RoPE family in transformers 5.x rotates queries and keys with a module-level function of its modeling
+file, ``apply_rotary_pos_emb``, called from the attention module's forward. Two calling conventions exist:
+
+- ``apply_rotary_pos_emb(q, k, cos, sin, ..., unsqueeze_dim=1)`` (Llama and almost every other family): the
+  query is the first argument; it is ``[B, H, S, R]`` when ``unsqueeze_dim`` is 1, ``[B, S, H, R]`` when 2;
+- ``apply_rotary_pos_emb(tensor, sin, cos)`` (GPT-J, CodeGen), and ``(x, cos, sin, unsqueeze_dim)``: one
+  tensor per call, so the query is told apart by the order of the calls in the attention's source.
+
+``R`` is what the caller hands over: the whole head, or only its rotary part on partial-rotary models.
+This module finds that function (:func:`find_rotary_function`), calls it on probe vectors to learn the pair
+layout and, where the rotary module has no ``inv_freq`` buffer, the frequencies (:func:`probe_rotary`).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import sys
+import textwrap
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .layouts import INTERLEAVED, LAYOUTS, ROTATE_HALF
+
+FUNCTION_NAME = "apply_rotary_pos_emb"
+
+
+@dataclass(frozen=True)
+class RotaryFunction:
+    """The rotary function of a modeling module and how it is called.
+
+    Attributes:
+        module: the modeling module (``transformers.models.x.modeling_x``) whose global is the function.
+        name: the global's name.
+        function: the function itself (the unwrapped original).
+        signature: its signature.
+        paired: True for ``(q, k, cos, sin, ...)``, False for one tensor per call.
+    """
+
+    module: Any
+    name: str
+    function: Callable
+    signature: inspect.Signature
+    paired: bool
+
+    @property
+    def tensor_param(self) -> str:
+        """Name of the parameter holding the query (paired) or the tensor (one per call)."""
+        return next(iter(self.signature.parameters))
+
+    def heads_dim(self, bound: inspect.BoundArguments) -> int:
+        """Dim of the rotated tensor that holds the heads in this call (1: ``[B, H, S, R]``, 2: ``[B, S, H, R]``)."""
+        if "unsqueeze_dim" in self.signature.parameters:
+            return int(bound.arguments.get("unsqueeze_dim", self.signature.parameters["unsqueeze_dim"].default))
+        return 2  # (tensor, sin, cos): sin[:, :, None, :] broadcasts over dim 2
+
+    def cos_sin_names(self) -> tuple[str, str]:
+        params = self.signature.parameters
+        return ("cos", "sin") if "cos" in params and "sin" in params else ("", "")
+
+
+def find_rotary_function(module_name: str) -> RotaryFunction | None:
+    """The rotary function of the modeling module ``module_name``, or ``None`` when it has none we understand."""
+    module = sys.modules.get(module_name)
+    function = getattr(module, FUNCTION_NAME, None) if module is not None else None
+    if not callable(function):
+        return None
+    original = getattr(function, "_hf_ropekv_original", function)
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return None
+    names = list(signature.parameters)
+    if "cos" not in names or "sin" not in names or names[0] in ("cos", "sin"):
+        return None
+    paired = names.index("cos") >= 2 and names.index("sin") >= 2  # (q, k, cos, sin, ...)
+    return RotaryFunction(module, FUNCTION_NAME, original, signature, paired)
+
+
+def query_call_index(attention_cls: type, function: RotaryFunction) -> int | None:
+    """For one-tensor-per-call functions: which call of each attention forward rotates the query (0 or 1).
+
+    Read from the forward's source: the calls in source order, each classified by its first argument's name
+    (``q...`` / ``query...`` against ``k...`` / ``key...``). ``None`` if the source does not show a repeated
+    (query, key) pattern.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(attention_cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    kinds = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == function.name and node.args:
+            arg = node.args[0]
+            name = arg.id if isinstance(arg, ast.Name) else ""
+            kinds.append((node.lineno, node.col_offset, "q" if name.startswith("q") else "k" if name.startswith("k") else "?"))
+    pattern = "".join(kind for *_, kind in sorted(kinds))
+    for unit in ("qk", "kq"):
+        if pattern and pattern == unit * (len(pattern) // 2):
+            return unit.index("q")
+    return None
+
+
+# ---------------------------------------------------------------------- probing the model's own RoPE
+@dataclass(frozen=True)
+class RotaryProbe:
+    """What calling the model's rotary application on basis vectors showed.
+
+    Attributes:
+        layout: ``"rotate_half"`` or ``"interleaved"``.
+        inv_freq: float32 ``[F]``, the frequencies the rotation applies (from the rotary module's ``inv_freq``
+            when it has one, else measured from the rotation angles).
+    """
+
+    layout: str
+    inv_freq: torch.Tensor
+
+
+def rotary_matrix(dims: int, layout: str, inv_freq: torch.Tensor, position: int) -> torch.Tensor:
+    """float64 ``[dims, dims]``: row ``j`` is RoPE at ``position`` applied to the basis vector ``e_j``.
+
+    Pair ``f`` (dims ``r``, ``i`` of ``layout``) turns by ``theta = omega_f * position``:
+    ``e_r -> cos e_r + sin e_i`` and ``e_i -> -sin e_r + cos e_i`` (``x_f = x_r + i x_i`` times ``e^{i theta}``).
+    Dims beyond the pairs stay as they are.
+    """
+    pairs = inv_freq.numel()
+    stride, offset = (1, pairs) if layout == ROTATE_HALF else (2, 1)
+    m = torch.eye(dims, dtype=torch.float64)
+    theta = inv_freq.double() * position
+    for f in range(pairs):
+        r, i = f * stride, f * stride + offset
+        c, s = math.cos(theta[f]), math.sin(theta[f])
+        m[r, r], m[r, i], m[i, r], m[i, i] = c, s, -s, c
+    return m
+
+
+def probe_rotary(
+    rotary: nn.Module,
+    function: RotaryFunction,
+    inv_freq: torch.Tensor | None,
+    max_position: int | None,
+    name: str,
+) -> RotaryProbe:
+    """Learn the pair layout (and, without ``inv_freq``, the frequencies) from the model's own RoPE.
+
+    Raises:
+        ValueError: if the rotation matches neither known layout, naming the model.
+    """
+    # Far enough that every pair turns by a visible angle, inside tables of precomputed positions (GPT-J).
+    far = 1000 if max_position is None else max(2, min(1000, int(max_position) - 1))
+    with torch.no_grad():
+        at_far = _rotate_basis(rotary, function, far)
+        dims = at_far.shape[-1]
+        candidates = []
+        for layout in LAYOUTS:
+            freqs = inv_freq if inv_freq is not None else _measured_frequencies(rotary, function, layout, dims, far)
+            if freqs is None or 2 * freqs.numel() > dims:
+                continue
+            error = (at_far - rotary_matrix(dims, layout, freqs.float(), far)).abs().max().item()
+            candidates.append((error, layout, freqs))
+    matches = [c for c in candidates if c[0] < 1e-3]
+    if not matches:
+        raise ValueError(
+            f"hf_ropekv does not recognise how '{name}' pairs the dimensions it rotates: its "
+            f"{function.module.__name__}.{function.name} matches neither the rotate_half pairs (f, f + F) nor "
+            "interleaved pairs (2f, 2f + 1). Use RecencyScorer, KeyNormScorer or RandomScorer instead."
+        )
+    _, layout, freqs = min(matches, key=lambda c: (c[0], c[1] != ROTATE_HALF))
+    return RotaryProbe(layout=layout, inv_freq=freqs.detach().to("cpu", torch.float32).contiguous())
+
+
+def _cos_sin(rotary: nn.Module, position: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The rotary module's two outputs at ``position`` and whether the first is the cosine (1 at position 0)."""
+    buffer = next(iter(rotary.buffers()), None)
+    device = buffer.device if buffer is not None else torch.device("cpu")
+    x = torch.ones(1, 1, 1, dtype=torch.float32, device=device)
+    kwargs = {}
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        kwargs["layer_type"] = "full_attention"
+    first, second = rotary(x, torch.tensor([[position]], device=device), **kwargs)
+    zero_first, _ = rotary(x, torch.tensor([[0]], device=device), **kwargs)
+    return first.float(), second.float(), bool(torch.allclose(zero_first.float(), torch.ones_like(zero_first.float())))
+
+
+def _rotate_basis(rotary: nn.Module, function: RotaryFunction, position: int) -> torch.Tensor:
+    """Row ``j``: the model's RoPE at ``position`` applied to ``e_j`` (float64 CPU ``[R, R]``)."""
+    first, second, first_is_cos = _cos_sin(rotary, position)
+    cos, sin = (first, second) if first_is_cos else (second, first)
+    tried = []
+    for dims in dict.fromkeys((cos.shape[-1], 2 * cos.shape[-1])):
+        basis = torch.eye(dims, dtype=torch.float32, device=cos.device)
+        kwargs = {"cos": cos, "sin": sin}
+        heads_dim = 1 if function.paired else 2
+        if "unsqueeze_dim" in function.signature.parameters:
+            heads_dim = int(function.signature.parameters["unsqueeze_dim"].default)
+        probe = basis[None, :, None, :] if heads_dim == 1 else basis[None, None, :, :]
+        args = (probe, probe.clone()) if function.paired else (probe,)
+        try:
+            out = function.function(*args, **kwargs)
+        except RuntimeError as err:  # the rotary part has another width: try the next
+            tried.append(str(err).splitlines()[0])
+            continue
+        rotated = out[0] if isinstance(out, (tuple, list)) else out
+        rotated = rotated[0, :, 0, :] if heads_dim == 1 else rotated[0, 0, :, :]
+        return rotated.double().cpu()
+    raise ValueError(
+        f"hf_ropekv could not call {function.module.__name__}.{function.name} on a probe query ({'; '.join(tried)})."
+    )
+
+
+def _measured_frequencies(
+    rotary: nn.Module, function: RotaryFunction, layout: str, dims: int, far: int
+) -> torch.Tensor | None:
+    """Frequencies read from rotation angles, as ``layout`` pairs dims: at position 1 (angles below pi), then
+    refined at doubling positions up to ``far`` (each unwrapped by the previous estimate)."""
+    pairs = dims // 2
+    stride, offset = (1, pairs) if layout == ROTATE_HALF else (2, 1)
+    real = torch.arange(pairs) * stride
+    imag = real + offset
+
+    def angles(position: int) -> torch.Tensor:
+        m = _rotate_basis(rotary, function, position)
+        return torch.atan2(m[real, imag], m[real, real])
+
+    omega = angles(1)
+    position = 1
+    while position * 2 <= far:
+        position *= 2
+        phase = angles(position)
+        turns = torch.round((omega * position - phase) / (2 * math.pi))
+        omega = (phase + 2 * math.pi * turns) / position
+    return omega.clamp_min(0)
+
+
+# ---------------------------------------------------------------------- intercepting it during a forward
+class _Patch:
+    """One modeling module's rotary global replaced by a pass-through that shows calls to active frames."""
+
+    def __init__(self, function: RotaryFunction) -> None:
+        self.function = function
+        self.users = 0
+        original = function.function
+
+        def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
+            frames = _active().get(id(function.module))
+            if frames:
+                innermost = frames[-1].attention
+                for frame in frames:  # every capture attached to this attention module sees the call
+                    if frame.attention is innermost:
+                        frame.see(args, kwargs)
+            return original(*args, **kwargs)
+
+        apply_rotary_pos_emb._hf_ropekv_original = original  # type: ignore[attr-defined]
+        self.wrapper = apply_rotary_pos_emb
+
+
+_PATCHES: dict[tuple[int, str], _Patch] = {}
+_LOCAL = threading.local()
+
+
+def _active() -> dict[int, list[Any]]:
+    """Attention forwards in progress on this thread, per modeling module (innermost last)."""
+    if not hasattr(_LOCAL, "active"):
+        _LOCAL.active = {}
+    return _LOCAL.active
+
+
+def install(function: RotaryFunction) -> None:
+    """Replace the module global by the pass-through (counted: one install per user)."""
+    key = (id(function.module), function.name)
+    patch = _PATCHES.get(key)
+    if patch is None:
+        patch = _PATCHES[key] = _Patch(function)
+        setattr(function.module, function.name, patch.wrapper)
+    patch.users += 1
+
+
+def uninstall(function: RotaryFunction) -> None:
+    """Undo one :func:`install`; the original function is back once no user is left."""
+    key = (id(function.module), function.name)
+    patch = _PATCHES.get(key)
+    if patch is None:
+        return
+    patch.users -= 1
+    if patch.users <= 0:
+        if getattr(function.module, function.name, None) is patch.wrapper:
+            setattr(function.module, function.name, function.function)
+        del _PATCHES[key]
+
+
+def push_frame(function: RotaryFunction, frame: Any) -> None:
+    """An attention forward starts: ``frame.see(args, kwargs)`` gets its rotary calls (``frame.attention``: the module)."""
+    _active().setdefault(id(function.module), []).append(frame)
+
+
+def pop_frame(function: RotaryFunction, frame: Any) -> None:
+    frames = _active().get(id(function.module), [])
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i] is frame:
+            del frames[i]
+            break
