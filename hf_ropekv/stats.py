@@ -1,7 +1,9 @@
 """Calibrated pre-RoPE query statistics (DESIGN.md §2): what the RoPE scorer needs about future queries.
 
-Per layer ``l``, query head ``h`` and rotary pair ``f`` (HF ``rotate_half`` layout: dim ``f`` pairs with
-``f + F``, ``F = rotary_dim / 2``), with ``q_f = q[f] + i q[f + F]`` the query as RoPE receives it:
+Per layer ``l``, query head ``h`` and rotary pair ``f`` (``F = rotary_dim / 2``), with ``q_f`` the complex
+number RoPE rotates (``q[f] + i q[f + F]`` in the ``rotate_half`` layout, ``q[2f] + i q[2f + 1]`` in the
+interleaved one; ``metadata["rotary_layout"]``, absent in older files: ``rotate_half``) and ``q`` the query as
+RoPE receives it:
 
 - ``q_mean[l, h, f] = E[q_f]`` (complex64)
 - ``q_abs_mean[l, h, f] = E|q_f|`` (float32)
@@ -29,6 +31,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .capture import QUERY_NORM_NAMES
+from .layouts import ROTATE_HALF, split_pairs
 from .model_info import ModelGeometry, describe
 
 logger = logging.get_logger(__name__)
@@ -47,7 +50,10 @@ _IDENTITY_FIELDS = {
     "head_dim": "head dim",
     "rotary_dim": "rotary dim",
     "rope_type": "rope type",
+    "rotary_layout": "rotary pair layout",
 }
+# Files written before the layout was recorded were all rotate_half.
+_DEFAULTS = {"rotary_layout": ROTATE_HALF}
 
 
 @dataclass
@@ -228,10 +234,12 @@ class FrequencyStats:
         def differ(name: str, ours: Any, model: Any) -> None:
             problems.append(f"{name}: statistics have {ours!r}, the model has {model!r}")
 
+        geometry.require_rotary_layout()
         for key, label in _IDENTITY_FIELDS.items():
             model_value = getattr(geometry, key)
-            if meta.get(key) != model_value:
-                differ(label, meta.get(key), model_value)
+            ours = meta.get(key, _DEFAULTS.get(key))
+            if ours != model_value:
+                differ(label, ours, model_value)
         expected_shape = (geometry.num_layers, geometry.num_q_heads, geometry.rotary_dim // 2)
         if tuple(self.q_mean.shape) != expected_shape:
             differ("tensor shape [layers, q_heads, rotary_dim/2]", tuple(self.q_mean.shape), expected_shape)
@@ -261,6 +269,7 @@ class FrequencyAccumulator:
 
     def __init__(self, geometry: ModelGeometry, device: torch.device | str | None = None) -> None:
         self.geometry = geometry
+        self.layout = geometry.require_rotary_layout()
         self.device = torch.device(device) if device is not None else None
         self._pairs = geometry.rotary_dim // 2
         # Per layer: float64 [3, H_q, F] (sum of real parts, imaginary parts, moduli) and an int64 count.
@@ -282,7 +291,7 @@ class FrequencyAccumulator:
             device = torch.device("cpu")
         pairs = self._pairs
         q = queries.detach()[..., : 2 * pairs].to(device=device, dtype=torch.float32)
-        real, imag = q[..., :pairs], q[..., pairs:]
+        real, imag = split_pairs(q, self.layout, pairs)
         modulus = torch.hypot(real, imag)
         parts = torch.stack((real, imag, modulus))  # [3, B, S, H, F]
         if mask is not None:
@@ -356,6 +365,7 @@ def geometry_metadata(geometry: ModelGeometry) -> dict[str, Any]:
         "rope_theta": geometry.rope_theta,
         "rope_parameters": _jsonable(geometry.rope_parameters),
         "inv_freq": [float(x) for x in geometry.inv_freq.tolist()],
+        "rotary_layout": geometry.rotary_layout,
     }
 
 
@@ -406,8 +416,12 @@ def _reference_tensors(
 def _check_reference_metadata(path: Path, meta: dict, geometry: ModelGeometry) -> None:
     problems: list[str] = []
     style = meta.get("rope_style", "half")
-    if style != "half":
-        problems.append(f"rope_style {style!r}: HF models pair dim f with f + rotary_dim/2 ('half')")
+    file_layout = {"half": ROTATE_HALF, "interleaved": "interleaved", "interleave": "interleaved"}.get(style)
+    if file_layout != geometry.require_rotary_layout():
+        problems.append(
+            f"rope_style {style!r}: this model pairs dims as {geometry.rotary_layout!r} "
+            "('half' is rotate_half, pairs (f, f + rotary_dim/2))"
+        )
     if "head_dim" in meta and int(meta["head_dim"]) != geometry.head_dim:
         problems.append(f"head_dim: file has {meta['head_dim']}, the model has {geometry.head_dim}")
     if meta.get("rope_type") is not None and str(meta["rope_type"]) != geometry.rope_type:
