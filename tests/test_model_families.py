@@ -1,0 +1,193 @@
+"""Every RoPE family of issue 14 on a tiny random config: layout detection, query capture, exactness, eviction.
+
+- the rotary layout and frequencies hf_ropekv learns match the model's own RoPE applied to a random query
+  (the complex numbers of the check are built here from index lists, independent of hf_ropekv);
+- the captured pre-RoPE query equals the query recomputed by hand from each attention's input;
+- ``RopeKVCache(model, budget=None)`` gives ``DynamicCache``'s tokens on a left-padded batch;
+- with a budget and the default scorer (online statistics) the cache evicts and stays within
+  ``budget + compress_every``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from conftest import padded_batch
+from hf_ropekv import RopeKVCache
+from hf_ropekv._compat import cache_kwarg
+from hf_ropekv.capture import QueryCapture, find_attention_modules
+from hf_ropekv.model_info import describe
+
+_BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
+             pad_token_id=0, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+_GPTJ = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=128)
+
+# name -> (config class, overrides, expected layout, expected rotary_dim)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2, intermediate_size=128, head_dim=16), "rotate_half", 16),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, intermediate_size=128, head_dim=32), "rotate_half", 32),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, intermediate_size=128), "rotate_half", 16),
+    "phi4_mini": ("Phi3Config", dict(num_key_value_heads=2, intermediate_size=128, partial_rotary_factor=0.75),
+                  "rotate_half", 12),
+    "gpt_neox": ("GPTNeoXConfig", dict(intermediate_size=128, rotary_pct=0.25), "rotate_half", 4),
+    "falcon_new": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False), "rotate_half", 16),
+    "falcon_old": ("FalconConfig", dict(new_decoder_architecture=False, multi_query=True, alibi=False),
+                   "rotate_half", 16),
+    "persimmon": ("PersimmonConfig", dict(intermediate_size=128), "rotate_half", 8),
+    "gptj": ("GPTJConfig", dict(_GPTJ, rotary_dim=8), "interleaved", 8),
+    "codegen": ("CodeGenConfig", dict(_GPTJ, rotary_dim=8, n_ctx=512), "interleaved", 8),
+    "cohere": ("CohereConfig", dict(num_key_value_heads=2, intermediate_size=128), "interleaved", 16),
+    "glm": ("GlmConfig", dict(num_key_value_heads=2, intermediate_size=128, head_dim=16), "interleaved", 8),
+    "glm4": ("Glm4Config", dict(num_key_value_heads=2, intermediate_size=128, head_dim=16), "interleaved", 8),
+}
+NAMES = tuple(FAMILIES)
+
+
+def family_model(name: str, seed: int = 0, attn_implementation: str = "sdpa"):
+    cls, overrides, _, _ = FAMILIES[name]
+    kwargs = {**_BASE, **overrides}
+    if name in ("gptj", "codegen"):
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
+            kwargs.pop(key)
+    config = getattr(transformers, cls)(**kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.float().eval()
+
+
+def _pairs(layout: str, pairs: int) -> tuple[list[int], list[int]]:
+    """Index lists of the real and imaginary dims, written out from the layout's definition."""
+    if layout == "rotate_half":
+        return list(range(pairs)), [f + pairs for f in range(pairs)]
+    return [2 * f for f in range(pairs)], [2 * f + 1 for f in range(pairs)]
+
+
+def _models_own_rope(model, name: str, q: torch.Tensor, position: int) -> torch.Tensor:
+    """The modeling module's own rotary function applied to ``q`` [1, H, 1, R] at ``position``."""
+    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    module = importlib.import_module(type(rotary).__module__)
+    ids = torch.tensor([[position]])
+    if name in ("gptj", "codegen"):  # (sin, cos) from the module; apply(tensor [B, S, H, R], sin, cos)
+        sin, cos = rotary(q, ids)
+        return module.apply_rotary_pos_emb(q.transpose(1, 2), sin, cos).transpose(1, 2)
+    cos, sin = rotary(q, ids)
+    return module.apply_rotary_pos_emb(q, q.clone(), cos, sin)[0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_detected_layout_matches_the_models_own_rope(name: str) -> None:
+    model = family_model(name)
+    geometry = describe(model)
+    _, _, layout, rotary_dim = FAMILIES[name]
+    assert (geometry.rotary_layout, geometry.rotary_dim) == (layout, rotary_dim)
+    pairs = rotary_dim // 2
+    gen = torch.Generator().manual_seed(7)
+    for position in (3, 301):
+        q = torch.randn(1, geometry.num_q_heads, 1, rotary_dim, generator=gen)
+        with torch.no_grad():
+            rotated = _models_own_rope(model, name, q, position).double()
+        real, imag = _pairs(geometry.rotary_layout, pairs)
+        z = torch.complex(q[..., real].double(), q[..., imag].double())
+        angle = geometry.inv_freq.double() * position
+        expected = z * torch.polar(torch.ones_like(angle), angle)
+        got = torch.complex(rotated[..., real], rotated[..., imag])
+        assert (got - expected).abs().max() < 1e-5, f"{name}: the detected layout is not the model's RoPE"
+    if name in ("gptj", "codegen"):  # measured frequencies: the formula of their sin/cos table
+        formula = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        torch.testing.assert_close(geometry.inv_freq.double(), formula, rtol=1e-6, atol=0)
+
+
+def _hand_queries(model, name: str, hidden: torch.Tensor, attn) -> torch.Tensor:
+    """[B, S, H, D] pre-RoPE queries recomputed from an attention module's input, per family."""
+    B, S, _ = hidden.shape
+    heads, head_dim = describe(model).num_q_heads, describe(model).head_dim
+    if name in ("phi3", "phi4_mini"):
+        return attn.qkv_proj(hidden)[..., : heads * head_dim].view(B, S, heads, head_dim)
+    if name == "gpt_neox":
+        return attn.query_key_value(hidden).view(B, S, heads, 3 * head_dim)[..., :head_dim]
+    if name.startswith("falcon"):
+        return attn._split_heads(attn.query_key_value(hidden))[0].reshape(B, S, heads, head_dim)
+    if name == "persimmon":  # QK layernorm on [B, S, H, D] (qk_layernorm is on by default)
+        q = attn._split_heads(attn.query_key_value(hidden))[0]
+        return attn.q_layernorm(q) if attn.qk_layernorm else q
+    if name == "codegen":  # the projection is interleaved over 4 model-parallel shards: query first in each
+        local = attn.embed_dim // attn.mp_num
+        return attn.qkv_proj(hidden).view(B, S, attn.mp_num, 3 * local)[..., :local].reshape(B, S, heads, head_dim)
+    q = attn.q_proj(hidden).view(B, S, heads, head_dim)
+    if name == "qwen3":
+        q = attn.q_norm(q)
+    return q
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_captured_query_is_the_pre_rope_query(name: str) -> None:
+    model = family_model(name)
+    geometry = describe(model)
+    attns = find_attention_modules(model, geometry)
+    hidden: dict[int, torch.Tensor] = {}
+    handles = [
+        attn.register_forward_pre_hook(
+            lambda m, args, kwargs, i=i: hidden.__setitem__(i, kwargs.get("hidden_states", args[0] if args else None)),
+            with_kwargs=True,
+        )
+        for i, attn in enumerate(attns)
+    ]
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    got: dict[int, torch.Tensor] = {}
+    with torch.no_grad(), QueryCapture(model, geometry, lambda i, q: got.__setitem__(i, q.clone())):
+        model(input_ids=ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    assert sorted(got) == list(range(geometry.num_layers))
+    with torch.no_grad():
+        for i, attn in enumerate(attns):
+            expected = _hand_queries(model, name, hidden[i], attn)
+            width = got[i].shape[-1]
+            assert width >= geometry.rotary_dim
+            torch.testing.assert_close(got[i], expected[..., :width], rtol=1e-5, atol=1e-6)
+
+
+def _generate(model, cache, ids, mask, new_tokens: int) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0, **{cache_kwarg(model): cache})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nothing_evicted_equals_dynamic_cache(name: str) -> None:
+    model = family_model(name)
+    ids, mask = padded_batch(128, lengths=(12, 9, 6))
+    with torch.no_grad():
+        reference = _generate(model, DynamicCache(config=model.config), ids, mask, 12)
+        ours = _generate(model, RopeKVCache(model, budget=None), ids, mask, 12)
+    assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_scorer_evicts_within_bound(name: str) -> None:
+    model = family_model(name)
+    ids, mask = padded_batch(128, lengths=(12, 9, 6))
+    cache = RopeKVCache(model, budget=20, compress_every=8)
+    with torch.no_grad():
+        out = _generate(model, cache, ids, mask, 30)
+    assert out.shape == (3, 12 + 30)
+    assert cache.evicted and cache.num_compactions >= 1
+    assert cache.tokens_kept <= 20 + 8
+    assert cache.tokens_seen == 12 + 30 - 1
+    assert cache.scorer.stats is not None and math.isfinite(float(cache.scorer.stats.q_abs_mean.sum()))
+    assert cache.scorer.stats.metadata["rotary_layout"] == FAMILIES[name][2]
+
+
+def test_alibi_falcon_is_refused_with_the_reason() -> None:
+    config = transformers.FalconConfig(**{**_BASE, "alibi": True})
+    with pytest.raises(ValueError, match="ALiBi"):
+        RopeKVCache(config, budget=None)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="ALiBi"):
+        RopeKVCache(model, budget=64)
