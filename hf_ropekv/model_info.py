@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from . import _compat
 from .rotary import find_rotary_function, probe_rotary
 
 FULL = "full_attention"
@@ -178,7 +179,7 @@ def _frequencies_and_layout(
             with torch.device("cpu"):
                 rotary = cls(config=config)
             buffer = _full_attention_inv_freq(rotary)
-    function = find_rotary_function(type(rotary).__module__)
+    function = find_rotary_function(getattr(rotary, "modeling_module", type(rotary).__module__))
     problem = None
     if function is None:
         problem = (
@@ -233,6 +234,9 @@ def _rotary_module(
         if cls is not None:
             with torch.device("cpu"):
                 return cls(config=config)
+    legacy = _compat.sinusoid_table_rotary(model_or_config, config)  # GPT-J / CodeGen before 5.2x
+    if legacy is not None:
+        return legacy
     raise ValueError(
         f"'{name}' has no rotary position embedding (RoPE); hf_ropekv scores keys from RoPE geometry and "
         "needs a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."

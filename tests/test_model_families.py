@@ -49,8 +49,10 @@ FAMILIES = {
 NAMES = tuple(FAMILIES)
 
 
-def family_model(name: str, seed: int = 0, attn_implementation: str = "sdpa"):
+def family_model(name: str, seed: int = 0):
     cls, overrides, _, _ = FAMILIES[name]
+    # transformers 5.17's GPT-J and CodeGen have eager attention only.
+    attn_implementation = "eager" if name in ("gptj", "codegen") else "sdpa"
     kwargs = {**_BASE, **overrides}
     if name in ("gptj", "codegen"):
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
@@ -71,12 +73,18 @@ def _pairs(layout: str, pairs: int) -> tuple[list[int], list[int]]:
 
 def _models_own_rope(model, name: str, q: torch.Tensor, position: int) -> torch.Tensor:
     """The modeling module's own rotary function applied to ``q`` [1, H, 1, R] at ``position``."""
-    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
-    module = importlib.import_module(type(rotary).__module__)
+    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
     ids = torch.tensor([[position]])
     if name in ("gptj", "codegen"):  # (sin, cos) from the module; apply(tensor [B, S, H, R], sin, cos)
-        sin, cos = rotary(q, ids)
+        if rotary is None:  # transformers 5.17: each attention holds a table of sines, then cosines
+            attn = find_attention_modules(model)[0]
+            module = importlib.import_module(type(attn).__module__)
+            sin, cos = attn.embed_positions[ids].split(attn.embed_positions.shape[-1] // 2, dim=-1)
+        else:
+            module = importlib.import_module(type(rotary).__module__)
+            sin, cos = rotary(q, ids)
         return module.apply_rotary_pos_emb(q.transpose(1, 2), sin, cos).transpose(1, 2)
+    module = importlib.import_module(type(rotary).__module__)
     cos, sin = rotary(q, ids)
     return module.apply_rotary_pos_emb(q, q.clone(), cos, sin)[0]
 
@@ -118,8 +126,9 @@ def _hand_queries(model, name: str, hidden: torch.Tensor, attn) -> torch.Tensor:
         q = attn._split_heads(attn.query_key_value(hidden))[0]
         return attn.q_layernorm(q) if attn.qk_layernorm else q
     if name == "codegen":  # the projection is interleaved over 4 model-parallel shards: query first in each
-        local = attn.embed_dim // attn.mp_num
-        return attn.qkv_proj(hidden).view(B, S, attn.mp_num, 3 * local)[..., :local].reshape(B, S, heads, head_dim)
+        mp_num = 4
+        local = heads * head_dim // mp_num
+        return attn.qkv_proj(hidden).view(B, S, mp_num, 3 * local)[..., :local].reshape(B, S, heads, head_dim)
     q = attn.q_proj(hidden).view(B, S, heads, head_dim)
     if name == "qwen3":
         q = attn.q_norm(q)
