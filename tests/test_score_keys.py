@@ -277,3 +277,36 @@ def test_default_offsets():
     assert DEFAULT_OFFSETS == tuple(2**i for i in range(17))
     assert DEFAULT_OFFSETS[-1] == 65536 and len(DEFAULT_OFFSETS) == 17
     assert math.isclose(sum(DEFAULT_OFFSETS), 2**17 - 1)
+
+
+def test_frequency_scorer_passes_per_row_statistics_through():
+    """``stats.for_layer`` may return [B, H_q, F]: row b is scored with its own set, in the stats' layout."""
+    from hf_ropekv.scorers.base import ScoreContext
+    from hf_ropekv.scorers.frequency import FrequencyScorer
+
+    gen = _fresh_gen()
+    B, H_kv, H_q, F, S = 2, 2, 4, 16, 21
+    keys = torch.randn(B, H_kv, S, 2 * F, generator=gen)
+    rows = [_stats(H_q, F, gen) for _ in range(B)]
+    inv_freq = _inv_freq(F)
+
+    class PerRowStats:
+        metadata = {"inv_freq": inv_freq.tolist(), "rotary_layout": "interleaved"}
+
+        def for_layer(self, layer_idx):
+            return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+    class SharedStats(PerRowStats):
+        def __init__(self, row):
+            self.row = row
+
+        def for_layer(self, layer_idx):
+            return rows[self.row]
+
+    ctx = ScoreContext(layer_idx=0, position=torch.tensor([30, 31]), tokens_seen=31,
+                       slot_positions=torch.arange(S).expand(B, H_kv, S), candidates=torch.ones(B, H_kv, S, dtype=torch.bool))
+    got = FrequencyScorer(PerRowStats()).score(keys, ctx)
+    for b in range(B):
+        alone = FrequencyScorer(SharedStats(b)).score(keys, ctx)
+        assert torch.allclose(got[b], alone[b], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[0], FrequencyScorer(SharedStats(1)).score(keys, ctx)[0], rtol=1e-3, atol=1e-3)
