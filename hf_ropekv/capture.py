@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import rotary
-from .model_info import ModelGeometry
+from .model_info import FULL, ModelGeometry
 
 QUERY_NORM_NAMES = ("q_norm", "q_layernorm")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
@@ -166,6 +166,7 @@ class _Frame:
         self.capture, self.attention, self.layer_idx = capture, attention, layer_idx
         self.function, self.query_call = function, query_call
         self.calls = 0
+        self.full_attention = capture.geometry.layer_types[layer_idx] == FULL
 
     def enter(self, module: nn.Module, args: tuple) -> None:
         self.calls = 0
@@ -173,6 +174,14 @@ class _Frame:
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         rotary.pop_frame(self.function, self)
+        if self.calls == 0 and self.full_attention and _finished(output):
+            name = type(self.attention).__name__
+            raise ValueError(
+                f"Layer {self.layer_idx} ({name}) ran without rotating its query through "
+                f"{self.function.module.__name__}.{self.function.name}: it applies no RoPE (NoPE) or applies it "
+                "elsewhere, so hf_ropekv cannot gather its query statistics. Use RecencyScorer, KeyNormScorer or "
+                "RandomScorer (hf_ropekv.scorers), which need none."
+            )
 
     def see(self, args: tuple, kwargs: dict) -> None:
         call, self.calls = self.calls, self.calls + 1
@@ -190,6 +199,11 @@ class _Frame:
         if fn.heads_dim(bound) == 1:
             q = q.transpose(1, 2)
         self.capture.callback(self.layer_idx, q)
+
+
+def _finished(output: Any) -> bool:
+    """False when the forward raised (the hook runs anyway, with no output): do not mask that error."""
+    return output is not None
 
 
 def _rotary_function_of(model: nn.Module, attention: nn.Module) -> rotary.RotaryFunction:

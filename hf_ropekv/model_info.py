@@ -118,6 +118,11 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
             f"'{name}' is configured with cross-attention (add_cross_attention=True); hf_ropekv only compresses "
             "self-attention caches of decoder-only models."
         )
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            f"'{name}' uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}: DeepSeek-V2/V3 style), "
+            "whose keys hold a non-rotary part before a shared rotary part; hf_ropekv does not support it yet."
+        )
     if getattr(config, "alibi", False):
         raise ValueError(
             f"'{name}' is configured with ALiBi position biases (alibi=True), not rotary position embeddings; "
@@ -140,6 +145,12 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
 
     rotary = _rotary_module(model_or_config, config, name)
     inv_freq, layout, problem = _frequencies_and_layout(rotary, config, name)
+    nope = [i for i in _layers_without_rope(config, layer_types) if layer_types[i] == FULL]
+    if nope and layout is not None:
+        layout, problem = None, (
+            f"'{name}' applies no RoPE in its full-attention layers {nope} (NoPE layers), so their keys carry no "
+            "rotary phase for the RoPE scorer to read."
+        )
     if 2 * inv_freq.numel() > head_dim:
         raise ValueError(f"'{name}': rotary dim {2 * inv_freq.numel()} exceeds head_dim {head_dim}.")
     rope = _full_attention_rope_parameters(config)
@@ -158,6 +169,17 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
         rotary_layout=layout,
         rotary_problem=problem,
     )
+
+
+def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...]) -> list[int]:
+    """Layers whose attention skips RoPE, as the config tells it (checked at run time too, by the capture)."""
+    flags = getattr(config, "no_rope_layers", None)  # SmolLM3, Llama 4: 1 = RoPE, 0 = NoPE
+    if isinstance(flags, (list, tuple)) and len(flags) == len(layer_types):
+        return [i for i, use in enumerate(flags) if not use]
+    # Cohere2 and EXAONE 4 rotate only in their sliding-window layers once a window is configured.
+    if getattr(config, "model_type", None) in ("cohere2", "exaone4") and getattr(config, "sliding_window", None):
+        return [i for i, kind in enumerate(layer_types) if kind != SLIDING]
+    return []
 
 
 def _kv_heads(config: PretrainedConfig, num_q_heads: int) -> int:

@@ -156,15 +156,18 @@ def probe_rotary(
     # Far enough that every pair turns by a visible angle, inside tables of precomputed positions (GPT-J).
     far = 1000 if max_position is None else max(2, min(1000, int(max_position) - 1))
     with torch.no_grad():
-        at_far = _rotate_basis(rotary, function, far)
-        dims = at_far.shape[-1]
         candidates = []
-        for layout in LAYOUTS:
-            freqs = inv_freq if inv_freq is not None else _measured_frequencies(rotary, function, layout, dims, far)
-            if freqs is None or 2 * freqs.numel() > dims:
-                continue
-            error = (at_far - rotary_matrix(dims, layout, freqs.float(), far)).abs().max().item()
-            candidates.append((error, layout, freqs))
+        for at_far in _rotate_basis_widths(rotary, function, far):
+            dims = at_far.shape[-1]
+            for layout in LAYOUTS:
+                if inv_freq is not None:
+                    freqs = inv_freq
+                else:
+                    freqs = _measured_frequencies(rotary, function, layout, dims, far)
+                if 2 * freqs.numel() > dims:
+                    continue
+                error = (at_far - rotary_matrix(dims, layout, freqs.float(), far)).abs().max().item()
+                candidates.append((error, layout, freqs))
     matches = [c for c in candidates if c[0] < 1e-3]
     if not matches:
         raise ValueError(
@@ -176,48 +179,73 @@ def probe_rotary(
     return RotaryProbe(layout=layout, inv_freq=freqs.detach().to("cpu", torch.float32).contiguous())
 
 
-def _cos_sin(rotary: nn.Module, position: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The rotary module's two outputs at ``position`` and whether the first is the cosine (1 at position 0)."""
+def _cos_sin(rotary: nn.Module, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the rotary module at ``position``, divided by its attention scaling.
+
+    At position 0 the sine is 0 and the cosine is the scaling (1, or YaRN's attention factor): that tells the
+    two outputs apart whatever order the module returns them in, and gives the scaling to divide out (it
+    multiplies every score of a head alike).
+    """
     buffer = next(iter(rotary.buffers()), None)
     device = buffer.device if buffer is not None else torch.device("cpu")
     x = torch.ones(1, 1, 1, dtype=torch.float32, device=device)
     kwargs = {}
-    if "layer_type" in inspect.signature(rotary.forward).parameters:
-        kwargs["layer_type"] = "full_attention"
-    first, second = rotary(x, torch.tensor([[position]], device=device), **kwargs)
-    zero_first, _ = rotary(x, torch.tensor([[0]], device=device), **kwargs)
-    return first.float(), second.float(), bool(torch.allclose(zero_first.float(), torch.ones_like(zero_first.float())))
+    if "layer_type" in inspect.signature(rotary.forward).parameters:  # one set of frequencies per layer kind
+        kinds = [n[: -len("_inv_freq")] for n, _ in rotary.named_buffers() if n.endswith("_inv_freq")]
+        kwargs["layer_type"] = "full_attention" if "full_attention" in kinds or not kinds else kinds[0]
+    first, second = (t.float() for t in rotary(x, torch.tensor([[position]], device=device), **kwargs))
+    zero_first, zero_second = (t.float() for t in rotary(x, torch.tensor([[0]], device=device), **kwargs))
+    if bool((zero_second == 0).all()):
+        cos, sin, scale = first, second, zero_first
+    else:
+        cos, sin, scale = second, first, zero_second
+    return cos / scale, sin / scale
 
 
-def _rotate_basis(rotary: nn.Module, function: RotaryFunction, position: int) -> torch.Tensor:
-    """Row ``j``: the model's RoPE at ``position`` applied to ``e_j`` (float64 CPU ``[R, R]``)."""
-    first, second, first_is_cos = _cos_sin(rotary, position)
-    cos, sin = (first, second) if first_is_cos else (second, first)
-    tried = []
-    for dims in dict.fromkeys((cos.shape[-1], 2 * cos.shape[-1])):
+def _rotate_basis(rotary: nn.Module, function: RotaryFunction, position: int, dims: int | None = None) -> torch.Tensor:
+    """Row ``j``: the model's RoPE at ``position`` applied to ``e_j`` (float64 CPU ``[R, R]``).
+
+    ``R`` is ``dims`` or the first width the function accepts: the rotary module's output width or twice it
+    (GPT-J's table holds one entry per pair).
+    """
+    matrices = _rotate_basis_widths(rotary, function, position, None if dims is None else (dims,))
+    return matrices[0]
+
+
+def _rotate_basis_widths(
+    rotary: nn.Module, function: RotaryFunction, position: int, widths: tuple[int, ...] | None = None
+) -> list[torch.Tensor]:
+    """:func:`_rotate_basis` for every width the function accepts (the cos width and twice it)."""
+    cos, sin = _cos_sin(rotary, position)
+    heads_dim = 1 if function.paired else 2
+    if "unsqueeze_dim" in function.signature.parameters:
+        heads_dim = int(function.signature.parameters["unsqueeze_dim"].default)
+    tried, matrices = [], []
+    for dims in widths or tuple(dict.fromkeys((cos.shape[-1], 2 * cos.shape[-1]))):
         basis = torch.eye(dims, dtype=torch.float32, device=cos.device)
-        kwargs = {"cos": cos, "sin": sin}
-        heads_dim = 1 if function.paired else 2
-        if "unsqueeze_dim" in function.signature.parameters:
-            heads_dim = int(function.signature.parameters["unsqueeze_dim"].default)
         probe = basis[None, :, None, :] if heads_dim == 1 else basis[None, None, :, :]
         args = (probe, probe.clone()) if function.paired else (probe,)
         try:
-            out = function.function(*args, **kwargs)
-        except RuntimeError as err:  # the rotary part has another width: try the next
+            out = function.function(*args, cos=cos, sin=sin)
+        except RuntimeError as err:  # the rotary part has another width
             tried.append(str(err).splitlines()[0])
             continue
         rotated = out[0] if isinstance(out, (tuple, list)) else out
+        if rotated.shape != probe.shape:
+            tried.append(f"width {dims} came back as {tuple(rotated.shape)}")
+            continue
         rotated = rotated[0, :, 0, :] if heads_dim == 1 else rotated[0, 0, :, :]
-        return rotated.double().cpu()
-    raise ValueError(
-        f"hf_ropekv could not call {function.module.__name__}.{function.name} on a probe query ({'; '.join(tried)})."
-    )
+        matrices.append(rotated.double().cpu())
+    if not matrices:
+        raise ValueError(
+            f"hf_ropekv could not call {function.module.__name__}.{function.name} on a probe query ({'; '.join(tried)})."
+        )
+    return matrices
 
 
 def _measured_frequencies(
     rotary: nn.Module, function: RotaryFunction, layout: str, dims: int, far: int
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Frequencies read from rotation angles, as ``layout`` pairs dims: at position 1 (angles below pi), then
     refined at doubling positions up to ``far`` (each unwrapped by the previous estimate)."""
     pairs = dims // 2
@@ -226,7 +254,7 @@ def _measured_frequencies(
     imag = real + offset
 
     def angles(position: int) -> torch.Tensor:
-        m = _rotate_basis(rotary, function, position)
+        m = _rotate_basis(rotary, function, position, dims)
         return torch.atan2(m[real, imag], m[real, real])
 
     omega = angles(1)
