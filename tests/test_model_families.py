@@ -45,6 +45,11 @@ FAMILIES = {
     "cohere": ("CohereConfig", dict(num_key_value_heads=2, intermediate_size=128), "interleaved", 16),
     "glm": ("GlmConfig", dict(num_key_value_heads=2, intermediate_size=128, head_dim=16), "interleaved", 8),
     "glm4": ("Glm4Config", dict(num_key_value_heads=2, intermediate_size=128, head_dim=16), "interleaved", 8),
+    "helium": ("HeliumConfig", dict(num_key_value_heads=2, intermediate_size=128, head_dim=16), "interleaved", 16),
+    "phi": ("PhiConfig", dict(intermediate_size=128), "rotate_half", 8),  # partial_rotary_factor 0.5
+    # YaRN attention scaling multiplies cos and sin; sinks; eager only on 5.17.
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, intermediate_size=128, head_dim=16, num_local_experts=4,
+                                     layer_types=["full_attention", "full_attention"]), "rotate_half", 16),
 }
 NAMES = tuple(FAMILIES)
 
@@ -52,7 +57,7 @@ NAMES = tuple(FAMILIES)
 def family_model(name: str, seed: int = 0):
     cls, overrides, _, _ = FAMILIES[name]
     # transformers 5.17's GPT-J and CodeGen have eager attention only.
-    attn_implementation = "eager" if name in ("gptj", "codegen") else "sdpa"
+    attn_implementation = "eager" if name in ("gptj", "codegen", "gpt_oss") else "sdpa"
     kwargs = {**_BASE, **overrides}
     if name in ("gptj", "codegen"):
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
@@ -86,7 +91,8 @@ def _models_own_rope(model, name: str, q: torch.Tensor, position: int) -> torch.
         return module.apply_rotary_pos_emb(q.transpose(1, 2), sin, cos).transpose(1, 2)
     module = importlib.import_module(type(rotary).__module__)
     cos, sin = rotary(q, ids)
-    return module.apply_rotary_pos_emb(q, q.clone(), cos, sin)[0]
+    # YaRN-style attention scaling (GPT-OSS) multiplies cos and sin; it scales every score of a head alike.
+    return module.apply_rotary_pos_emb(q, q.clone(), cos, sin)[0] / getattr(rotary, "attention_scaling", 1.0)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -120,6 +126,8 @@ def _hand_queries(model, name: str, hidden: torch.Tensor, attn) -> torch.Tensor:
         return attn.qkv_proj(hidden)[..., : heads * head_dim].view(B, S, heads, head_dim)
     if name == "gpt_neox":
         return attn.query_key_value(hidden).view(B, S, heads, 3 * head_dim)[..., :head_dim]
+    if name == "gpt_oss" or name == "phi":
+        return attn.q_proj(hidden).view(B, S, heads, head_dim)
     if name.startswith("falcon"):
         return attn._split_heads(attn.query_key_value(hidden))[0].reshape(B, S, heads, head_dim)
     if name == "persimmon":  # QK layernorm on [B, S, H, D] (qk_layernorm is on by default)
@@ -200,3 +208,47 @@ def test_alibi_falcon_is_refused_with_the_reason() -> None:
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="ALiBi"):
         RopeKVCache(model, budget=64)
+
+
+def _cohere2(**overrides):
+    kwargs = {**_BASE, "num_key_value_heads": 2, "intermediate_size": 128, "sliding_window": 8,
+              "layer_types": ["sliding_attention", "full_attention"], **overrides}
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.Cohere2Config(**kwargs)).float().eval()
+
+
+def test_nope_full_attention_layers_refuse_the_rope_scorer_but_work_otherwise() -> None:
+    """Cohere2 rotates only in its sliding layers: its full-attention keys carry no phase to score."""
+    from hf_ropekv import RecencyScorer
+
+    model = _cohere2()
+    geometry = describe(model)
+    assert geometry.rotary_layout is None and "NoPE" in geometry.rotary_problem
+    with pytest.raises(ValueError, match="NoPE.*RecencyScorer"):
+        RopeKVCache(model, budget=20)
+    ids, mask = padded_batch(128, lengths=(12, 9, 6))
+    with torch.no_grad():
+        reference = _generate(model, DynamicCache(config=model.config), ids, mask, 10)
+        assert torch.equal(_generate(model, RopeKVCache(model, budget=None), ids, mask, 10), reference)
+        cache = RopeKVCache(model, budget=20, compress_every=8, scorer=RecencyScorer())
+        _generate(model, cache, ids, mask, 30)
+    assert cache.evicted and cache.tokens_kept <= 28
+
+
+def test_capture_refuses_a_full_attention_layer_that_ran_without_rope() -> None:
+    """The run-time check behind the config-based one: a layer that never called the rotary function."""
+    import dataclasses
+
+    model = _cohere2()
+    geometry = dataclasses.replace(describe(model), rotary_layout="interleaved", rotary_problem=None)
+    with torch.no_grad(), QueryCapture(model, geometry, lambda i, q: None):
+        with pytest.raises(ValueError, match="Layer 1 .* without rotating its query"):
+            model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_multi_head_latent_attention_is_refused_with_the_reason() -> None:
+    config = transformers.DeepseekV3Config(**{**_BASE, "num_key_value_heads": 4, "intermediate_size": 128,
+                                              "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+                                              "qk_nope_head_dim": 8, "v_head_dim": 16})
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        RopeKVCache(config, budget=None)
