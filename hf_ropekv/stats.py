@@ -272,6 +272,7 @@ class FrequencyAccumulator:
         self.layout = geometry.require_rotary_layout()
         self.device = torch.device(device) if device is not None else None
         self._pairs = geometry.rotary_dim // 2
+        self._heads: int | None = None  # query heads the tensors show (fewer than the model's under TP)
         # Per layer: float64 [3, H_q, F] (sum of real parts, imaginary parts, moduli) and an int64 count.
         self._sums: list[torch.Tensor | None] = [None] * geometry.num_layers
         self._counts: list[torch.Tensor | None] = [None] * geometry.num_layers
@@ -281,11 +282,15 @@ class FrequencyAccumulator:
         g = self.geometry
         if not 0 <= layer_idx < g.num_layers:
             raise IndexError(f"layer_idx {layer_idx} is out of range for a model of {g.num_layers} layers.")
-        if queries.ndim != 4 or queries.shape[2] != g.num_q_heads or queries.shape[3] < g.rotary_dim:
+        # Under tensor parallelism a rank sees its share of the heads: take whatever divides the model's count,
+        # the same count on every call.
+        heads = queries.shape[2] if queries.ndim == 4 else -1
+        if heads < 1 or g.num_q_heads % heads or queries.shape[3] < g.rotary_dim or self._heads not in (None, heads):
             raise ValueError(
-                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
-                f"got {tuple(queries.shape)}."
+                f"Expected pre-RoPE queries [batch, seq, {self._heads or g.num_q_heads} heads (or a tensor-parallel "
+                f"share of them), >= {g.rotary_dim} dims], got {tuple(queries.shape)}."
             )
+        self._heads = heads
         device = self.device or queries.device
         if device.type == "mps":  # no float64 there
             device = torch.device("cpu")
@@ -311,6 +316,8 @@ class FrequencyAccumulator:
                 f"Cannot merge query statistics of {len(other._sums)} layers x {other._pairs} pairs into "
                 f"{len(self._sums)} layers x {self._pairs} pairs: they come from different models."
             )
+        if self._heads is None:
+            self._heads = other._heads
         for layer_idx, (sums, count) in enumerate(zip(other._sums, other._counts)):
             if sums is not None:
                 self._add_sums(layer_idx, sums.clone(), count.clone())  # cloned: never alias other's sums

@@ -299,3 +299,34 @@ def test_reference_pt_rope_style_must_match_the_models_layout(tmp_path):
     stats = FrequencyStats.from_reference_pt(path, config)
     assert stats.metadata["rotary_layout"] == "interleaved"
     stats.check_compatible(geometry)
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+def test_accumulator_takes_a_tensor_parallel_share_of_the_heads():
+    """Under tp_plan="auto" a rank's attention shows num_heads / world query heads."""
+    geometry = describe(_qwen3_config())  # 4 query heads
+    acc = FrequencyAccumulator(geometry)
+    q = torch.randn(2, 5, 2, geometry.head_dim, generator=torch.Generator().manual_seed(2))
+    for layer in range(geometry.num_layers):
+        acc.add(layer, q)
+    assert acc.to_stats(source="rank share").q_mean.shape == (2, 2, geometry.rotary_dim // 2)
+    with pytest.raises(ValueError, match="2 heads"):
+        acc.add(0, torch.randn(2, 5, 4, geometry.head_dim))  # then the whole model's heads: inconsistent
+    with pytest.raises(ValueError, match="heads"):
+        FrequencyAccumulator(geometry).add(0, torch.randn(2, 5, 3, geometry.head_dim))  # 3 does not divide 4
+
+
+def test_scorer_slices_whole_model_statistics_to_the_local_kv_heads(monkeypatch):
+    from hf_ropekv.scorers import frequency
+
+    stats = _random_stats(describe(_qwen3_config()))  # 4 query heads, 2 KV heads
+    q_mean, q_abs = stats.for_layer(0)
+    same = frequency._heads_of_this_rank(q_mean, q_abs, 2, stats.metadata)
+    assert same[0] is q_mean
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    for rank in (0, 1):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+        local_mean, local_abs = frequency._heads_of_this_rank(q_mean, q_abs, 1, stats.metadata)
+        assert torch.equal(local_mean, q_mean[2 * rank : 2 * rank + 2]) and torch.equal(local_abs, q_abs[2 * rank : 2 * rank + 2])
+    # Statistics gathered on the rank (online) already hold its share.
+    assert frequency._heads_of_this_rank(q_mean[:2], q_abs[:2], 1, stats.metadata)[0].shape[0] == 2
