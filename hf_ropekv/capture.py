@@ -188,15 +188,14 @@ class _Frame:
         if self.query_call is not None and call % 2 != self.query_call:
             return  # one tensor per call: this one is the key
         fn = self.function
-        bound = fn.signature.bind_partial(*args, **kwargs)
-        q = bound.arguments.get(fn.tensor_param)
+        q, heads_dim = fn.query_and_heads_dim(args, kwargs)
         if not isinstance(q, torch.Tensor) or q.ndim != 4:
             raise ValueError(
                 f"{fn.module.__name__}.{fn.name} received a query of shape "
                 f"{tuple(getattr(q, 'shape', ()))} in layer {self.layer_idx}; hf_ropekv expects a 4-D "
                 "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor."
             )
-        if fn.heads_dim(bound) == 1:
+        if heads_dim == 1:
             q = q.transpose(1, 2)
         self.capture.callback(self.layer_idx, q)
 

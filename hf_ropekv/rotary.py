@@ -55,11 +55,19 @@ class RotaryFunction:
         """Name of the parameter holding the query (paired) or the tensor (one per call)."""
         return next(iter(self.signature.parameters))
 
-    def heads_dim(self, bound: inspect.BoundArguments) -> int:
-        """Dim of the rotated tensor that holds the heads in this call (1: ``[B, H, S, R]``, 2: ``[B, S, H, R]``)."""
-        if "unsqueeze_dim" in self.signature.parameters:
-            return int(bound.arguments.get("unsqueeze_dim", self.signature.parameters["unsqueeze_dim"].default))
-        return 2  # (tensor, sin, cos): sin[:, :, None, :] broadcasts over dim 2
+    def query_and_heads_dim(self, args: tuple, kwargs: dict) -> tuple[Any, int]:
+        """The query (or tensor) of one call and the dim holding its heads (1: ``[B, H, S, R]``, 2: ``[B, S, H, R]``).
+
+        Read from the arguments directly: this runs for every layer of every forward while attached.
+        """
+        params = self.signature.parameters
+        q = args[0] if args else kwargs.get(self.tensor_param)
+        if "unsqueeze_dim" not in params:
+            return q, 2  # (tensor, sin, cos): sin[:, :, None, :] broadcasts over dim 2
+        if "unsqueeze_dim" in kwargs:
+            return q, int(kwargs["unsqueeze_dim"])
+        index = list(params).index("unsqueeze_dim")
+        return q, int(args[index] if len(args) > index else params["unsqueeze_dim"].default)
 
     def cos_sin_names(self) -> tuple[str, str]:
         params = self.signature.parameters

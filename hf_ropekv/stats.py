@@ -64,7 +64,7 @@ class FrequencyStats:
         q_mean: complex64 ``[L, H_q, F]``, mean of ``q[f] + i q[f+F]`` (L = every decoder layer).
         q_abs_mean: float32 ``[L, H_q, F]``, mean modulus of the same pairs.
         metadata: JSON-able dict: ``model_type, num_layers, num_q_heads, num_kv_heads, head_dim, rotary_dim,
-            rope_type, rope_theta, rope_parameters, inv_freq`` (list of floats), ``tokens`` (positions averaged;
+            rope_type, rope_theta, rope_parameters, inv_freq`` (list of floats), ``rotary_layout``, ``tokens`` (positions averaged;
             0 when unknown, e.g. imported reference files), ``source`` (the calibration text) and
             ``format_version``.
     """
@@ -160,7 +160,8 @@ class FrequencyStats:
         That format (``scripts/calibrate.py``, ``save_head_frequency_stats``) is a ``torch.save`` of
         ``{"metadata": {..., "head_dim", "rope_style", "rope_type", "sampled_heads": [[layer, head], ...]},
         "stats": {"layer{LL:02d}_head{HH:02d}": {"q_mean_real": [F], "q_mean_imag": [F], "q_abs_mean": [F]}}}``
-        with ``HH`` the query (attention) head and pairs in the ``rotate_half`` layout (``rope_style="half"``).
+        with ``HH`` the query (attention) head and pairs in the ``rotate_half`` layout (``rope_style="half"``;
+        ``"interleaved"`` is accepted for models that pair dims (2f, 2f + 1), and the style must match the model).
         The file carries no model identity, so the geometry comes from ``model_or_config``; what the file does
         record (head dim, rope type / theta, inv_freq, layer and head counts) is checked against it.
 

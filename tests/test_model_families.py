@@ -201,6 +201,19 @@ def test_default_scorer_evicts_within_bound(name: str) -> None:
     assert cache.scorer.stats.metadata["rotary_layout"] == FAMILIES[name][2]
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_geometry_heads_are_what_the_cache_receives(name: str) -> None:
+    """KV heads of the geometry = heads of the keys handed to the cache (Falcon broadcasts in its new layout)."""
+    model = family_model(name)
+    cache = RopeKVCache(model, budget=None)
+    ids, mask = padded_batch(128, lengths=(5, 3))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): cache})
+    layer = cache._full_layers[0]
+    assert layer.keys.shape[1] == cache.geometry.num_kv_heads
+    assert cache.geometry.num_q_heads % cache.geometry.num_kv_heads == 0
+
+
 def test_alibi_falcon_is_refused_with_the_reason() -> None:
     config = transformers.FalconConfig(**{**_BASE, "alibi": True})
     with pytest.raises(ValueError, match="ALiBi"):
@@ -252,3 +265,48 @@ def test_multi_head_latent_attention_is_refused_with_the_reason() -> None:
                                               "qk_nope_head_dim": 8, "v_head_dim": 16})
     with pytest.raises(ValueError, match="multi-head latent attention"):
         RopeKVCache(config, budget=None)
+
+
+def test_rotary_function_is_restored_and_shared_by_captures() -> None:
+    """The pass-through is installed once per modeling module while any capture is attached, then removed."""
+    model = family_model("llama")
+    geometry = describe(model)
+    module = importlib.import_module(type(find_attention_modules(model)[0]).forward.__module__)
+    original = module.apply_rotary_pos_emb
+    seen: list[list[int]] = [[], []]
+    first = QueryCapture(model, geometry, lambda i, q: seen[0].append(i)).attach()
+    second = QueryCapture(model, geometry, lambda i, q: seen[1].append(i)).attach()
+    assert module.apply_rotary_pos_emb is not original
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    first.detach()
+    assert module.apply_rotary_pos_emb is not original  # the second capture still needs it
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    second.detach()
+    assert module.apply_rotary_pos_emb is original
+    assert seen == [[0, 1], [0, 1, 0, 1]]
+
+
+def test_query_layout_follows_unsqueeze_dim() -> None:
+    """(q, k, cos, sin, position_ids, unsqueeze_dim): heads at dim 1 by default, at dim 2 when unsqueeze_dim=2."""
+    import sys
+    import types
+
+    from hf_ropekv import rotary
+
+    module = types.ModuleType("hf_ropekv_test_fake_modeling")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        return q, k
+
+    module.apply_rotary_pos_emb = apply_rotary_pos_emb
+    sys.modules[module.__name__] = module
+    try:
+        fn = rotary.find_rotary_function(module.__name__)
+        q = torch.randn(1, 2, 3, 4)
+        assert fn.paired and fn.query_and_heads_dim((q, q, None, None), {}) == (q, 1)
+        assert fn.query_and_heads_dim((q, q, None, None, None, 2), {})[1] == 2
+        assert fn.query_and_heads_dim((), dict(q=q, k=q, cos=None, sin=None, unsqueeze_dim=2)) == (q, 2)
+    finally:
+        del sys.modules[module.__name__]
