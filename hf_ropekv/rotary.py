@@ -50,6 +50,9 @@ class RotaryFunction:
     signature: inspect.Signature
     paired: bool
 
+    def __deepcopy__(self, memo: dict) -> "RotaryFunction":
+        return self  # immutable, and modules cannot be copied: a copied cache shares it
+
     @property
     def tensor_param(self) -> str:
         """Name of the parameter holding the query (paired) or the tensor (one per call)."""
