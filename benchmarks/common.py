@@ -1,6 +1,7 @@
 """Shared plumbing of the benchmark suite: importing hf_ropekv from a checkout, run metadata, timing, memory.
 
-Nothing here knows about a particular measurement; ``suite.py`` composes these pieces.
+Nothing here knows about a particular measurement; ``suite.py`` composes these pieces. Importing it also puts
+``examples/`` on ``sys.path``, for ``offline_assets`` (the offline SmolLM2 / Qwen2.5-Coder models and Debian texts).
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from typing import Any, Callable
 
 import torch
 
+# Every benchmark is offline and quiet: set before anything imports transformers (scripts import this module first).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+# The offline model and text helpers (``import offline_assets``) live beside the examples, outside the library.
+if str(EXAMPLES) not in sys.path:
+    sys.path.append(str(EXAMPLES))
 
 
 # ---------------------------------------------------------------------------------------------- import
@@ -52,6 +62,11 @@ def import_hf_ropekv():
     sys.path.insert(0, str(farm))
     importlib.invalidate_caches()
     return importlib.import_module("hf_ropekv")
+
+
+def offline_assets():
+    """``examples/offline_assets.py``: the offline SmolLM2 / Qwen2.5-Coder models and Debian texts (not library API)."""
+    return importlib.import_module("offline_assets")
 
 
 # ---------------------------------------------------------------------------------------------- command line

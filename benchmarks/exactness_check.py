@@ -17,20 +17,11 @@ A divergence is reported with its step and the reference's top-2 margin there (r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-
-import models  # noqa: E402
-from common import (  # noqa: E402
+from common import (  # first: sets the hub defaults before transformers is imported
     add_run_args,
     apply_run_args,
     import_hf_ropekv,
@@ -39,7 +30,12 @@ from common import (  # noqa: E402
     run_metadata,
     write_results,
 )
-from device_map_check import compare, generate, padded_prompts  # noqa: E402
+
+import torch
+from transformers import DynamicCache
+
+import models
+from device_map_check import compare, generate, padded_prompts
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402

@@ -16,21 +16,12 @@ the rest separately, because sdpa's cuDNN backend plans every new length on the 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList  # noqa: E402
-
-import models  # noqa: E402
-from common import (  # noqa: E402
+from common import (  # first: sets the hub defaults before transformers is imported
     Memory,
     Progress,
     add_run_args,
@@ -42,6 +33,11 @@ from common import (  # noqa: E402
     run_metadata,
     write_results,
 )
+
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+import models
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402

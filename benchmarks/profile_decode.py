@@ -6,7 +6,7 @@ the CUDA-event time), and the same configurations ran about 2x faster in an earl
 
 1. the machine's own launch cost, without any model: host microseconds per launch of a tiny kernel, and per
    iteration of a pure-Python loop, measured before and after the decode points (does the host drift?);
-2. for each decode point (cache kind, batch, context; filled as ``suite.decode_point`` fills them), the median
+2. for each decode point (cache kind, batch, context; filled as ``suite_harness.decode_point`` fills them), the median
    step time, host time and, from one ``torch.profiler`` step: the kernels launched, the sum of GPU kernel time
    (how busy the GPU was), and the host operators that took the most self time;
 3. the points run in a fixed order, and the first one is run again at the end: a point that is slow only the first
@@ -19,22 +19,12 @@ the CUDA-event time), and the same configurations ran about 2x faster in an earl
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-import models  # noqa: E402
-import suite  # noqa: E402
-from common import (  # noqa: E402
+from common import (  # first: sets the hub defaults before transformers is imported
     Memory,
     Progress,
     add_run_args,
@@ -46,7 +36,13 @@ from common import (  # noqa: E402
     write_results,
 )
 
-DYNAMIC, ROPE, GATHER = suite.DYNAMIC, suite.ROPE, suite.GATHER
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import models
+import suite_harness
+
+DYNAMIC, ROPE, GATHER = suite_harness.DYNAMIC, suite_harness.ROPE, suite_harness.GATHER
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
             "aten::item", "aten::nonzero")
 
@@ -72,13 +68,13 @@ def launch_cost(device: torch.device, n: int = 2000) -> dict[str, float]:
     return dict(us_per_launch=1e6 * host / n, ns_per_python_iter=1e9 * py / 200_000)
 
 
-def fill(bench: suite.Bench, kind: str, budget: int | None, batch: int, context: int):
-    """A cache at ``context`` tokens in the state ``suite.decode_point`` times it (compacted once, warmed up)."""
+def fill(bench: suite_harness.Bench, kind: str, budget: int | None, batch: int, context: int):
+    """A cache at ``context`` tokens in the state ``suite_harness.decode_point`` times it (compacted once, warmed up)."""
     cache = bench.new_cache(kind, budget)
     return cache, bench.warm_up(cache, kind, budget, batch, context)
 
 
-def profiled_step(bench: suite.Bench, cache, nxt: torch.Tensor, top: int) -> tuple[torch.Tensor, dict[str, Any]]:
+def profiled_step(bench: suite_harness.Bench, cache, nxt: torch.Tensor, top: int) -> tuple[torch.Tensor, dict[str, Any]]:
     """One decode step under the profiler: kernel count, summed GPU kernel time, and the top host operators."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device.type == "cuda" else [])
     bench.timer.sync()
@@ -110,7 +106,7 @@ def profiled_step(bench: suite.Bench, cache, nxt: torch.Tensor, top: int) -> tup
     )
 
 
-def run_point(bench: suite.Bench, kind: str, budget: int | None, batch: int, context: int, top: int) -> dict:
+def run_point(bench: suite_harness.Bench, kind: str, budget: int | None, batch: int, context: int, top: int) -> dict:
     s = bench.s
     cache, nxt = fill(bench, kind, budget, batch, context)
     try:
@@ -138,7 +134,7 @@ def run_point(bench: suite.Bench, kind: str, budget: int | None, batch: int, con
         bench.mem.clean()
 
 
-def run_pair(bench: suite.Bench, batch: int, context: int, steps: int) -> dict:
+def run_pair(bench: suite_harness.Bench, batch: int, context: int, steps: int) -> dict:
     """DynamicCache and RopeKVCache filled side by side, then timed in alternating steps.
 
     The host speed of the GPU machine drifts (the same step took 35 ms in one process and 55 ms in another), and an
@@ -237,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     apply_run_args(args)
 
-    s = suite.Settings.dry() if args.dry_run else suite.Settings()
+    s = suite_harness.Settings.dry() if args.dry_run else suite_harness.Settings()
     if args.contexts:
-        s.contexts = suite._ints(args.contexts)
-    batches = suite._ints(args.batches) if not args.dry_run else s.batches
+        s.contexts = suite_harness.parse_ints(args.contexts)
+    batches = suite_harness.parse_ints(args.batches) if not args.dry_run else s.batches
     device = run_device(args)
     log, mem = Progress(None), Memory(device)
     out = Path(args.out)
@@ -254,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"launch cost before: {result['launch_cost'][-1]}")
     with torch.no_grad():
         model = models.build_random_model(models.make_config(s.shape), dtype=getattr(torch, s.dtype), device=device)
-        bench = suite.Bench(model, s, device, log, mem)
+        bench = suite_harness.Bench(model, s, device, log, mem)
         plan = [(kind, s.budget if kind == ROPE else None, b, c) for b in batches for c in s.contexts
                 for kind in (DYNAMIC, ROPE)]
         plan.append(plan[0])  # the first point again: warm-up or a property of the point?

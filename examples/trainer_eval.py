@@ -81,7 +81,7 @@ def load(args: argparse.Namespace):
     if args.model == "tiny":
         return tiny_model_and_tokenizer()
     if args.model == "smollm2":
-        from hf_ropekv.offline import load_smollm2
+        from offline_assets import load_smollm2  # beside this script
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return load_smollm2(dtype=dtype, device=device)

@@ -2,13 +2,23 @@
 
     from hf_ropekv import RopeKVCache
     cache = RopeKVCache(model, budget=2048)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=4096)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=4096)  # transformers 5.17-5.23: past_key_values=cache
 """
 
 from .cache import RopeKVCache
 from .calibrate import calibrate
 from .enable import disable, enable, enabled, is_enabled
-from .scorers import FrequencyScorer, KeyNormScorer, RandomScorer, RecencyScorer, ScoreContext, Scorer
+from .scorers import (
+    FrequencyScorer,
+    H2OScorer,
+    KeyNormScorer,
+    RandomScorer,
+    RecencyScorer,
+    RKVScorer,
+    ScoreContext,
+    Scorer,
+    SnapKVScorer,
+)
 from .scoring import score_keys
 from .stats import FrequencyStats
 
@@ -22,12 +32,15 @@ __all__ = [
     "is_enabled",
     "FrequencyScorer",
     "FrequencyStats",
+    "H2OScorer",
     "KeyNormScorer",
     "RandomScorer",
     "RecencyScorer",
+    "RKVScorer",
     "RopeKVCache",
     "ScoreContext",
     "Scorer",
+    "SnapKVScorer",
     "__version__",
     "score_keys",
 ]

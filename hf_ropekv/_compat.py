@@ -3,6 +3,9 @@
 - 5.0-5.3 call ``cache.update(k, v, layer_idx, cache_kwargs)`` with a dict; 5.4-5.23 pass nothing more;
   5.24+ pass ``kwargs=`` (the attention module's kwargs, holding ``position_ids``).
 - 5.24 renamed the forward/generate argument ``past_key_values`` to ``cache`` (the old name still works).
+- ``Cache.crop(n)``: ``n < 0`` removes ``-n`` tokens and ``n == 0`` removes none on every version (generate's
+  assisted decoding calls ``crop(-rejected)``, often ``crop(0)``). A positive ``n`` was the length to keep,
+  deprecated through 5.19 (``DynamicLayer`` returns early when ``n >= length``); from 5.20 it raises.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import transformers
 from packaging.version import Version
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+#: First version whose ``DynamicLayer.crop`` refuses a positive ``n`` (checked in the 5.19 and 5.20 wheels).
+_POSITIVE_CROP_REFUSED_FROM = Version("5.20")
 
 #: Keyword names under which a model's forward may receive the cache, newest first.
 CACHE_KWARGS = ("cache", "past_key_values")
@@ -54,6 +60,23 @@ def cache_kwarg(model: Any) -> str:
     except (TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
+
+
+def crop_target(length: int, n: int) -> int:
+    """Tokens a layer holding ``length`` keeps after transformers' ``crop(n)``, under this version's convention.
+
+    Raises:
+        ValueError: for a positive ``n`` on transformers 5.20 and later, as ``DynamicCache`` does.
+    """
+    n = int(n)  # assisted decoding passes a 0-d tensor on some versions
+    if n > 0:
+        if TRANSFORMERS_VERSION >= _POSITIVE_CROP_REFUSED_FROM:
+            raise ValueError(
+                f"crop({n}): transformers {transformers.__version__} takes the number of tokens to remove as a "
+                f"negative int (crop(-k)); a positive length to keep is no longer accepted."
+            )
+        return min(n, length)
+    return max(0, length + n)
 
 
 class SinusoidTableRotary(torch.nn.Module):

@@ -3,8 +3,10 @@
 - A forward pre-hook reads generate's 2-D ``attention_mask``: on transformers 5.4-5.23 the cache never sees
   it otherwise, and it is the only exact source of each row's left padding. It also checks that the mask
   covers exactly the tokens the cache has seen plus the new ones.
-- Query hooks (online statistics only) hand the pre-RoPE queries of multi-token forwards to the cache;
-  the forward hook makes them count once the forward has finished.
+- The same pre-hook hands the model the mask the cache's layers need: once rows compact on their own
+  schedules, each row's holes (slots in front of its real tokens) are hidden in the mask's last columns.
+- Query hooks (online statistics only) hand the pre-RoPE queries of every forward to the cache; the
+  forward hook makes them count once the forward has finished.
 - ``prepare_inputs_for_generation`` is wrapped once per model so that a cache reused for an unrelated batch
   is refused instead of silently continuing another conversation (generate would slice the new inputs by
   the old cache length).
@@ -15,11 +17,13 @@ cache is garbage-collected.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import _compat
 from .capture import QueryCapture
@@ -35,6 +39,8 @@ class ModelAttachment:
 
     def __init__(self, model: nn.Module, cache: "RopeKVCache", collect_queries: bool) -> None:
         self._cache_ref = weakref.ref(cache)
+        self._model_ref = weakref.ref(model)  # for copy_for: a copied cache attaches to the same model
+        self._collect_queries = collect_queries
         self._collecting = False
         self._new_token_mask: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None  # ids seen so far, [B, capacity]
@@ -45,22 +51,44 @@ class ModelAttachment:
             model.register_forward_hook(self._post_forward, with_kwargs=True),
         ]
         capture = None
+        self.attention_modules: list[nn.Module] = []
         if collect_queries:
             capture = QueryCapture(model, cache.geometry, self._on_query)
             capture.attach()
+            self.attention_modules = capture.attention_modules
         weakref.finalize(cache, _release, handles, capture)
         _wrap_prepare_inputs(model)
 
+    def copy_for(self, cache: "RopeKVCache", memo: dict) -> "ModelAttachment":
+        """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, same state.
+
+        Its hooks are new and act only on ``cache``'s forwards. Every attribute that is state (the token log of
+        the continuation check, ...) is deep-copied; those that bind an attachment to its cache, model or hooks
+        (weak references, hook handles, modules) stay as the fresh attachment built them.
+        """
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("Cannot copy this RopeKVCache: the model it was attached to no longer exists.")
+        twin = ModelAttachment(model, cache, collect_queries=self._collect_queries)
+        for name, value in self.__dict__.items():
+            if not _binds_to_owner(value):
+                setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
+
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         cache = self._cache_ref()
         if cache is None or _compat.cache_from_forward_kwargs(kwargs) is not cache:
-            return
+            # Another cache's forward (a copy, or a new cache after this one's forward raised midway): this
+            # cache's query hooks must stay idle through it.
+            self._collecting = False
+            return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         new = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         seen = cache.get_seq_length()
         mask = kwargs.get("attention_mask")
+        replaced = None
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             if mask.shape[-1] != seen + new:
                 raise ValueError(
@@ -68,29 +96,42 @@ class ModelAttachment:
                     "arrive now. The cache belongs to another sequence: create a fresh RopeKVCache per batch "
                     "(or use hf_ropekv.enable(model, ...))."
                 )
-            cache._observe_padding(mask)
             self._new_token_mask = mask[:, -new:].bool()
+            replaced = cache._attention_mask_for(mask, new)
         else:
             self._new_token_mask = None
         if input_ids is None:
             self._tokens_known = False
         else:
             self._log_tokens(input_ids)
-        self._collecting = new > 1 or seen == 0
+        self._collecting = True
         if cache._online is not None:
-            cache._online.begin_forward()
+            cache._online.begin_forward(self._new_token_mask, new)
+        if cache._queries is not None:
+            source = input_ids if input_ids is not None else embeds
+            pads = cache._pads if cache._pads is not None else torch.zeros(source.shape[0], dtype=torch.long, device=source.device)
+            cache._queries.begin_forward(seen, new, pads, self._new_token_mask)
+        if replaced is not None and replaced is not mask:
+            return args, {**kwargs, "attention_mask": replaced}
+        return None
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         cache = self._cache_ref()
         finished_own = cache is not None and _compat.cache_from_forward_kwargs(kwargs) is cache
         if self._collecting and finished_own and cache._online is not None:
             cache._online.end_forward()
+        if self._collecting and finished_own and cache._queries is not None:
+            cache._queries.end_forward()
         self._collecting = False
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         cache = self._cache_ref()
-        if self._collecting and cache is not None and cache._online is not None:
-            cache._online.add(layer_idx, queries, self._new_token_mask)
+        if not self._collecting or cache is None:
+            return
+        if cache._online is not None:
+            cache._online.add(layer_idx, queries)
+        if cache._queries is not None:
+            cache._queries.add(layer_idx, queries)
 
     # ------------------------------------------------------------------ token log (continuation check)
     def _log_tokens(self, input_ids: torch.Tensor) -> None:
@@ -132,6 +173,16 @@ class ModelAttachment:
 
     def reset(self) -> None:
         self._tokens, self._num_tokens, self._tokens_known = None, 0, True
+
+
+def _binds_to_owner(value: Any) -> bool:
+    """Whether an attachment attribute ties it to its own cache, model or hooks (rebuilt, never copied)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_binds_to_owner(item) for item in value)
+    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, nn.Module)
+    return isinstance(value, binding)
 
 
 def _release(handles: list, capture: QueryCapture | None) -> None:

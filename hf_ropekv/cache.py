@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any
 
 import torch
@@ -11,10 +13,11 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from . import _compat
-from .layers import BudgetedLayer
-from .model_info import FULL, ModelGeometry, describe
+from .layers import CANNOT_CROP, CROPPABLE_FIX, BudgetedLayer
+from .model_info import FULL, SLIDING, ModelGeometry, describe
+from .schedule import Plan, plan_forward
 from .scorers.base import ScoreContext, Scorer
-from .selection import Guards, select_keep, slot_masks
+from .selection import Guards, hashed_uniform, select_keep, slot_masks
 from .storage import PagedKV, compact_arenas
 
 logger = logging.get_logger(__name__)
@@ -25,10 +28,11 @@ SELECTIONS = ("global", "per_layer")
 class RopeKVCache(Cache):
     """A KV cache that keeps at most ``budget + compress_every`` tokens per full-attention layer.
 
-    When a full-attention layer would hold more than ``budget + compress_every`` tokens, the cache scores
-    the kept keys, keeps the best ``budget`` per (row, KV head) and compacts them in place. Sliding-window
-    layers stay plain windows. With ``budget=None`` nothing is ever evicted and outputs equal
-    ``DynamicCache``'s.
+    When a batch row would hold more than ``budget + compress_every`` real tokens, the cache scores its kept
+    keys, keeps the best ``budget`` per KV head and compacts them in place. Every row counts only its own
+    real tokens (padding never counts) and compacts on its own schedule, so a row's output does not depend on
+    its padding or its batch-mates (``hf_ropekv.schedule``). Sliding-window layers stay plain windows. With
+    ``budget=None`` nothing is ever evicted and outputs equal ``DynamicCache``'s.
 
     In steady state the kept length cycles through the same ``compress_every`` or so values, so attention
     backends that plan per K/V length (torch's cuDNN sdpa) reuse their plans after the first cycle; a growing
@@ -47,8 +51,10 @@ class RopeKVCache(Cache):
             counts toward the budget and must fit in it.
         scorer: the eviction policy (see ``hf_ropekv.scorers``); default: RoPE frequency scoring.
         stats: query statistics for the RoPE scorer (``FrequencyStats`` or a path); ``None`` gathers them
-            online from the queries of every multi-token forward (the prompt, later user turns; needs the
-            model). A forward's queries count from the next forward on.
+            online, per batch row, from every query the model computes with this cache (the prompt, later
+            turns and every decoding step; needs the model). A forward's queries count once it has finished.
+        stats_half_life: with online statistics, the number of tokens after which a query's weight halves;
+            ``None`` weighs all queries alike.
         selection: ``"global"`` ranks once per (row, KV head) with scores averaged over layers (the paper's
             operating point); ``"per_layer"`` lets every layer rank its own keys.
         seed: seed of the tie-breaking noise (and of the random scorer's default).
@@ -68,9 +74,11 @@ class RopeKVCache(Cache):
         stats: Any = None,
         selection: str = "global",
         seed: int = 0,
+        stats_half_life: float | None = None,
     ) -> None:
         _check_options(budget, compress_every, page_size, window, sink, selection)
         self.geometry: ModelGeometry = describe(model_or_config)
+        _check_sliding_windows(self.geometry, budget)
         self.budget = budget
         self.compress_every = compress_every
         self.page_size = page_size
@@ -79,6 +87,7 @@ class RopeKVCache(Cache):
         self.protect_prompt = protect_prompt
         self.selection = selection
         self.seed = seed
+        self.stats_half_life = stats_half_life
 
         hint = None if budget is None else budget + compress_every
         layers: list[Any] = []
@@ -92,17 +101,30 @@ class RopeKVCache(Cache):
 
         model = model_or_config if isinstance(model_or_config, nn.Module) else None
         self.scorer = self._resolve_scorer(scorer, stats, model)
+        self._queries = self._query_window(model)
         self._attachment = None
         if model is not None:
             from .attach import ModelAttachment  # local: attach imports this module
 
-            self._attachment = ModelAttachment(model, self, collect_queries=self._online is not None)
+            collect = self._online is not None or self._queries is not None
+            self._attachment = ModelAttachment(model, self, collect_queries=collect)
+            if self._queries is not None:
+                modules = self._attachment.attention_modules
+                self._queries.scales = [getattr(module, "scaling", None) for module in modules]
 
+        self._reset_rows()
+
+    def _reset_rows(self) -> None:
+        """Forget everything known about the batch rows (a fresh sequence)."""
         self._batch_size: int | None = None
-        self._pads: torch.Tensor | None = None  # left padding per row among the tokens seen + new
+        self._pads: torch.Tensor | None = None  # left padding per row among the tokens seen + new (device)
         self._pads_total = -1  # token count the current `_pads` describes
+        self._pads_host: tuple[int, ...] | None = None  # the same, on the host (planning never syncs)
+        self._holes: tuple[int, ...] | None = None  # slots before each row's real tokens; None: its padding
+        self._evicted_rows: list[bool] = []
+        self._plan: Plan | None = None  # this forward's compaction plan (memoised by seen, new, slots)
+        self._decode_steps = 0  # single-token forwards finished: the compaction clock (hf_ropekv.schedule)
         self._prompt_tokens: int | None = None  # pinned prompt length once decoding started
-        self._generator: torch.Generator | None = None
 
     # ------------------------------------------------------------------ public introspection
     @property
@@ -112,8 +134,15 @@ class RopeKVCache(Cache):
 
     @property
     def tokens_kept(self) -> int:
-        """Tokens per row, KV head and full-attention layer currently held."""
+        """Slots per row, KV head and full-attention layer currently held: the longest row's real tokens (rows
+        with fewer sit behind masked holes). Bounded by ``budget + compress_every``."""
         return self._full_layers[0].tokens_kept if self._full_layers else self.tokens_seen
+
+    @property
+    def tokens_kept_per_row(self) -> tuple[int, ...]:
+        """Real tokens each batch row holds (padding and holes excluded)."""
+        slots = self.tokens_kept
+        return tuple(slots - hole for hole in self._current_holes())
 
     @property
     def num_compactions(self) -> int:
@@ -153,8 +182,8 @@ class RopeKVCache(Cache):
 
     @property
     def evicted(self) -> bool:
-        """Whether any token was evicted (then ``crop`` is no longer possible)."""
-        return any(layer.tokens_seen != layer.tokens_kept for layer in self._full_layers)
+        """Whether any real token was evicted (then ``crop`` is no longer possible)."""
+        return any(self._evicted_rows)
 
     def __repr__(self) -> str:
         return (
@@ -166,75 +195,222 @@ class RopeKVCache(Cache):
         )
 
     # ------------------------------------------------------------------ the compaction plan
-    def planned_kept(self, kept: int, query_length: int) -> int:
-        """Tokens a full-attention layer holding ``kept`` keeps before appending ``query_length`` new ones.
+    def _current_holes(self) -> tuple[int, ...]:
+        """Slots in front of each row's real tokens now: its left padding until the first compaction."""
+        if self._holes is not None:
+            return self._holes
+        if self._pads_host is not None:
+            return self._pads_host
+        return (0,) * (self._batch_size or 1)
 
-        A pure function of the cache state: the mask (built before any layer runs) and the layers' updates
-        both call it, so they always agree.
-        """
-        if self.budget is None or kept + query_length <= self.budget + self.compress_every:
-            return kept
-        target = self.budget - max(0, query_length - self.compress_every)
-        return max(0, min(kept, target))
+    def _plan_for(self, new: int) -> Plan:
+        """This forward's plan; a pure function of the cache's state, so the mask and the layers agree."""
+        # Read from the first full-attention layer, which no update of this forward has reached yet (sliding
+        # layers in front of it may already have counted the new tokens).
+        first = self._full_layers[0] if self._full_layers else None
+        seen = first.tokens_seen if first is not None else self.get_seq_length()
+        slots = first.storage.length if first is not None else seen
+        plan = self._plan
+        if plan is None or (plan.seen, plan.new, plan.slots_before) != (seen, new, slots):
+            step = self._decode_steps if new == 1 else None
+            plan = plan_forward(seen, new, slots, self._current_holes(), self.budget, self.compress_every, step)
+            self._plan = plan
+        return plan
+
+    def planned_slots(self, new: int) -> int:
+        """Slots every full-attention layer holds once this forward's compaction (if any) is done."""
+        return self._plan_for(new).slots_after
 
     # ------------------------------------------------------------------ transformers hooks
     def reset(self) -> None:
         super().reset()
-        self._batch_size = None
-        self._pads, self._pads_total = None, -1
-        self._prompt_tokens = None
+        self._reset_rows()
+        if self._queries is not None:
+            self._queries.reset()
+        self._rollback_expected = False
         if self._online is not None:
             self._online.reset()
         if self._attachment is not None:
             self._attachment.reset()
 
-    def crop(self, max_length: int) -> None:
-        """Roll back to fewer tokens; only possible until the first eviction (then it raises)."""
-        super().crop(max_length)
+    def crop(self, n: int) -> None:
+        """Roll back as transformers' ``crop(n)`` does (``n < 0`` removes ``-n`` tokens; see ``_compat.crop_target``).
+
+        Only possible until the first eviction: after it, any crop that would remove tokens raises.
+        """
+        super().crop(n)
+        seen = self.tokens_seen
+        if self._prompt_tokens is not None and self._prompt_tokens > seen:
+            self._prompt_tokens = seen  # the rollback reached into the pinned prompt
         if self._attachment is not None:
-            self._attachment.truncate(self.tokens_seen)
+            self._attachment.truncate(seen)
+
+    #: Set once generate announced a decoding mode that rolls the cache back (``activate_past_recording``).
+    _rollback_expected = False
+
+    def activate_past_recording(self) -> None:
+        """Called by generate before a decoding mode that rolls the cache back (assisted/speculative decoding).
+
+        From then on the cache refuses, with the "cannot crop" error, any forward that would evict or pin more
+        than ``budget`` tokens; a cache that already evicted refuses here.
+        """
+        if not all(layer.is_croppable for layer in self._full_layers):
+            raise ValueError(CANNOT_CROP)
+        super().activate_past_recording()
+        self._rollback_expected = True
+
+    def _refuse_eviction_before_rollback(self, seen: int, q: int) -> None:
+        """In a rolling-back decoding mode, raise the "cannot crop" error instead of evicting.
+
+        Assisted decoding sends the prompt and then each draft as multi-token forwards; the prompt-pinning check
+        would take them all for prompt and fail first with a misleading message.
+        """
+        if not self._rollback_expected or self.budget is None:
+            return
+        real = seen + q - min(self._pads_host)
+        pins_too_much = self._prompt_tokens is None and self.protect_prompt and real > self.budget
+        if pins_too_much or self._plan_for(q).compacts:
+            raise ValueError(
+                f"RopeKVCache cannot crop once it evicts, and this decoding mode rolls the cache back: this step "
+                f"would take it to {real} tokens, past budget={self.budget}. {CROPPABLE_FIX}"
+            )
+
+    def __deepcopy__(self, memo: dict) -> "RopeKVCache":
+        """An independent cache that continues exactly like this one (transformers' prompt-reuse recipe).
+
+        Every attribute is deep-copied (storage, statistics, padding, scorer, RNG), so state added to the cache
+        later is copied too. Two things are rebound instead: the layers' back-references point to the copy, and
+        the copy gets its own model attachment (hooks that act only when the forward's cache is the copy).
+        """
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for layer in self.layers:  # BudgetedLayer holds a weakref.proxy to its cache: make it the copy's
+            back = getattr(layer, "_cache", None)
+            if isinstance(back, weakref.ProxyTypes):
+                memo[id(back)] = weakref.proxy(twin)
+        for name, value in self.__dict__.items():
+            if name != "_attachment":
+                setattr(twin, name, copy.deepcopy(value, memo))
+        twin._attachment = None if self._attachment is None else self._attachment.copy_for(twin, memo)
+        return twin
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self._pads is not None:
-            self._pads = self._pads.index_select(0, beam_idx.to(self._pads.device))
-        if self._attachment is not None:
-            self._attachment.select_batch(beam_idx)
+        self._select_rows(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
+        self._select_rows(indices)
         self._batch_size = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         self._batch_size = None
+        self._pads = None if self._pads is None else self._pads.repeat_interleave(repeats)
+        self._pads_host, self._holes = (
+            None if rows is None else tuple(v for v in rows for _ in range(repeats)) for rows in (self._pads_host, self._holes)
+        )
+        self._evicted_rows = [v for v in self._evicted_rows for _ in range(repeats)]
+        self._plan = None
+        if self._queries is not None:
+            self._queries.repeat_batch(repeats)
+        if self._online is not None:
+            self._online.repeat_batch(repeats)
+
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Rows were reordered or selected (beam search): follow them in every per-row state."""
+        if self._pads is not None:
+            self._pads = self._pads.index_select(0, index.to(self._pads.device))
+        per_row = (self._pads_host, self._holes, tuple(self._evicted_rows))
+        if any(rows and len(set(rows)) > 1 for rows in per_row):  # rows differ: where each goes matters (syncs)
+            order = index.tolist()
+            self._pads_host, self._holes, evicted = (
+                None if rows is None else tuple(rows[i] for i in order) for rows in per_row
+            )
+            self._evicted_rows = list(evicted)
+        elif len(index) != len(self._evicted_rows):  # a selection of uniform rows: only the count changes
+            self._pads_host, self._holes, evicted = (
+                None if not rows else (rows[0],) * len(index) for rows in per_row
+            )
+            self._evicted_rows = list(evicted or ())
+        self._plan = None
+        if self._queries is not None:
+            self._queries.select_batch(index)
+        if self._online is not None:
+            self._online.select_batch(index)
+        if self._attachment is not None:
+            self._attachment.select_batch(index)
 
     # ------------------------------------------------------------------ called by the model attachment
-    def _observe_padding(self, attention_mask: torch.Tensor) -> None:
-        """Record left padding from generate's 2-D attention mask (covers tokens seen + new)."""
+    def _observe_padding(self, attention_mask: torch.Tensor, new: int) -> None:
+        """Record left padding from generate's 2-D attention mask (covers tokens seen + new).
+
+        The host copy (one synchronisation) is refreshed only when new tokens may be padding: in multi-token
+        forwards (a prompt or its chunks). Decoding steps append real tokens, so the padding stays as it was.
+        """
+        self._check_batch(attention_mask.shape[0])
         self._pads = (attention_mask == 0).sum(-1)
         self._pads_total = attention_mask.shape[-1]
+        if self._pads_host is None or new > 1 or len(self._pads_host) != attention_mask.shape[0]:
+            self._pads_host = tuple(self._pads.tolist())
+
+    def _attention_mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor:
+        """The 2-D mask this forward must use: generate's own, with each row's holes hidden once rows differ.
+
+        The full-attention layers read the mask's last ``slots + new`` columns (the geometry
+        ``get_mask_sizes`` reports). Until the first compaction every row's holes are its left padding, which
+        the mask already hides; after it, the rows' holes come from the plan.
+        """
+        self._observe_padding(attention_mask, new)
+        plan = self._plan_for(new)
+        if self._holes is None and not plan.compacts:
+            return attention_mask
+        holes = torch.tensor(plan.holes_after, device=attention_mask.device)
+        region = torch.arange(plan.slots_after + new, device=attention_mask.device)[None, :] >= holes[:, None]
+        mask = attention_mask.clone()
+        mask[:, mask.shape[1] - region.shape[1] :] = region.to(mask.dtype)
+        return mask
 
     # ------------------------------------------------------------------ called by BudgetedLayer.update
     def _before_layer_update(self, layer: BudgetedLayer, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        seen, kept, q = layer.tokens_seen, layer.storage.length, key_states.shape[-2]
+        seen, q = layer.tokens_seen, key_states.shape[-2]
         self._check_batch(key_states.shape[0])
-        if layer is self._full_layers[0]:
+        first = layer is self._full_layers[0]
+        if first:
             self._begin_step(seen, q, key_states, args, kwargs)
-        target = self.planned_kept(kept, q)
-        if target >= kept:
+        # The first layer fixes the forward's plan; later layers follow it (the state it depends on has moved).
+        plan = self._plan_for(q) if first else self._plan
+        if first and q == 1:
+            self._decode_steps += 1
+        if not plan.compacts:
             return
+        if first:
+            self._record_compaction(plan)
         if self.selection == "per_layer":
-            layer.storage.compact(self._select([layer], seen, target))
-        else:
+            layer.storage.compact(*self._select([layer], plan))
+        elif first:
             # One ranking for all layers: compact them all now, in one launch per device. Safe here: this is
             # the first layer of the forward, so no tensor returned in this forward aliases any arena yet.
-            keep = self._select(self._full_layers, seen, target)
-            compact_arenas([full.storage for full in self._full_layers], keep)
+            compact_arenas([full.storage for full in self._full_layers], *self._select(self._full_layers, plan))
+
+    def _record_compaction(self, plan: Plan) -> None:
+        """Per-row bookkeeping of a compaction (host only)."""
+        if self._attachment is None and any(self._pads_host or ()):
+            natural = tuple(max(0, pad - (plan.seen - plan.slots_after)) for pad in self._pads_host)
+            if plan.holes_after != natural:  # the unmodified mask could not hide these holes
+                raise ValueError(
+                    "RopeKVCache was built from a config, so it cannot hide the rows' evicted slots in the "
+                    "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...)."
+                )
+        for row in plan.evicting_rows:
+            self._evicted_rows[row] = True
+        self._holes = plan.holes_after
 
     def _check_batch(self, batch: int) -> None:
         if self._batch_size is None:
             self._batch_size = batch
+            if len(self._evicted_rows) != batch:
+                self._evicted_rows = [False] * batch
         elif batch != self._batch_size:
             raise ValueError(
                 f"This RopeKVCache holds a batch of {self._batch_size} rows but got {batch}. A cache belongs to one "
@@ -242,12 +418,13 @@ class RopeKVCache(Cache):
             )
 
     def _begin_step(self, seen: int, q: int, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        self._refresh_padding(seen + q, key_states.device, args, kwargs)
+        self._refresh_padding(seen + q, q, key_states.device, args, kwargs)
+        self._refuse_eviction_before_rollback(seen, q)
         if self._prompt_tokens is None:
             if q == 1 and seen > 0:
                 self._prompt_tokens = seen  # first decoding step: the prompt is complete
             elif self.protect_prompt and self.budget is not None:
-                real = seen + q - int(self._pads.min())
+                real = seen + q - min(self._pads_host)
                 if real > self.budget:
                     raise ValueError(
                         f"The prompt has {real} tokens but budget={self.budget}; a pinned prompt must fit in the "
@@ -255,13 +432,15 @@ class RopeKVCache(Cache):
                         "`protect_prompt=False` to let prompt tokens be evicted too."
                     )
 
-    def _refresh_padding(self, total: int, device: torch.device, args: tuple, kwargs: dict) -> None:
+    def _refresh_padding(self, total: int, new: int, device: torch.device, args: tuple, kwargs: dict) -> None:
         if self._pads is not None and self._pads_total == total:
             return  # the model attachment saw this forward's attention mask
         position_ids = _compat.position_ids_from_update(args, kwargs)
         if position_ids is not None:
             last = position_ids[..., -1].reshape(-1).to(device)
             self._pads = (total - 1 - last).clamp_min(0).expand(self._batch_size).clone()
+            if self._pads_host is None or new > 1:
+                self._pads_host = tuple(self._pads.tolist())
         elif self._pads is None or self._pads.shape[0] != self._batch_size:
             if self._batch_size > 1 and self._attachment is None:
                 raise ValueError(
@@ -270,16 +449,24 @@ class RopeKVCache(Cache):
                     "RopeKVCache(model, ...)."
                 )
             self._pads = torch.zeros(self._batch_size, dtype=torch.long, device=device)
+            self._pads_host = (0,) * self._batch_size
         self._pads_total = total
 
-    def _select(self, layers: list[BudgetedLayer], seen: int, target: int) -> torch.Tensor:
-        """Score ``layers`` (all holding the same tokens), average their scores, keep the best ``target``."""
+    def _select(self, layers: list[BudgetedLayer], plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score ``layers`` (all holding the same tokens), average their scores, pick each row's survivors.
+
+        Returns ``(keep, start)`` for :func:`~hf_ropekv.storage.compact_arenas`: row ``b`` keeps
+        ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``.
+        """
         first = layers[0].storage
         device = first.keys.device
+        seen = plan.seen
         pads = self._pads.to(device)
+        holes = torch.tensor([plan.slots_before - k for k in plan.kept_before], device=device)
         guards = Guards(pinned=self._pinned_tokens(seen), sink=self.sink, window=self.window)
-        is_pad, protected = slot_masks(first.live_positions(), pads, seen, guards)
-        candidates = ~(is_pad | protected)
+        slot_positions = first.live_positions()
+        is_hole, protected = slot_masks(slot_positions, holes, pads, seen, guards)
+        candidates = ~(is_hole | protected)
         position = seen - pads
         self._prepare_scorer()
         total = None
@@ -293,13 +480,28 @@ class RopeKVCache(Cache):
                 slot_positions=storage.live_positions(),
                 # In global mode every layer kept the same slots, so one mask serves all of them.
                 candidates=candidates.to(layer_device),
+                **self._query_fields(layer.layer_idx, is_hole, layer_device),
             )
             scores = self.scorer.score(storage.live_keys(), ctx).to(device, torch.float32)
             total = scores if total is None else total + scores
+            if self._queries is not None:
+                self._queries.compacted(layer.layer_idx)
         total = total / len(layers)
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
-        return select_keep(total, is_pad, protected, target, self._generator)
+        # Tie-break noise that depends on the token (real index) and head only, never on the batch.
+        heads = torch.arange(slot_positions.shape[1], device=device).view(1, -1, 1)
+        noise = hashed_uniform(self.seed, slot_positions - pads.view(-1, 1, 1), heads)
+        targets = torch.tensor(plan.kept_after, device=device)
+        return select_keep(total, is_hole, protected, targets, plan.slots_after, noise)
+
+    def _query_fields(self, layer_idx: int, is_hole: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        """The ``ScoreContext`` fields of an attention-based scorer (empty for the others)."""
+        if self._queries is None:
+            return {}
+        queries, positions, new = self._queries.take(layer_idx)
+        return dict(
+            queries=queries, query_positions=positions, new_queries=new, valid=~is_hole.to(device),
+            attention_scale=self._queries.scales[layer_idx],
+        )
 
     def _pinned_tokens(self, seen: int) -> int:
         if not self.protect_prompt:
@@ -322,7 +524,7 @@ class RopeKVCache(Cache):
         if stats is not None:
             from .stats import FrequencyStats
 
-            return FrequencyScorer(FrequencyStats.resolve(stats, self.geometry))
+            return FrequencyScorer(FrequencyStats.resolve(stats, self.geometry, model))
         if self.budget is None:
             return FrequencyScorer(None)  # never called: nothing is evicted
         if model is None:
@@ -333,12 +535,38 @@ class RopeKVCache(Cache):
             )
         from .online import OnlineStatistics
 
-        self._online = OnlineStatistics(self.geometry)
+        self._online = OnlineStatistics(self.geometry, half_life=self.stats_half_life)
         return FrequencyScorer(None)
+
+    def _query_window(self, model: nn.Module | None) -> "QueryWindow | None":
+        """Recent queries for a scorer that asks for them (``query_window``); they need the model's hooks."""
+        window = getattr(self.scorer, "query_window", None)
+        if window is None or self.budget is None:
+            return None
+        if model is None:
+            raise ValueError(
+                f"{type(self.scorer).__name__} recomputes attention from the model's queries: build the cache from "
+                "the model (RopeKVCache(model, ...)), not from its config."
+            )
+        from .query_window import QueryWindow
+
+        return QueryWindow(self.geometry, window)
 
     def _prepare_scorer(self) -> None:
         if self._online is not None:
             self.scorer.stats = self._online.snapshot()
+
+
+def _check_sliding_windows(geometry: ModelGeometry, budget: int | None) -> None:
+    """Sliding layers read the last ``window`` columns of the same mask as the full layers, where rows with
+    fewer real tokens than the longest have holes; a budget of at least the window keeps them out of reach."""
+    windows = [w for kind, w in zip(geometry.layer_types, geometry.sliding_windows) if kind == SLIDING and w]
+    if budget is not None and windows and FULL in geometry.layer_types and budget < max(windows):
+        raise ValueError(
+            f"budget={budget} is smaller than the sliding window ({max(windows)}) of '{geometry.model_type}''s "
+            f"sliding-window layers. Use budget >= {max(windows)}: the full-attention layers then always keep at "
+            "least as many tokens as a window holds."
+        )
 
 
 def _check_options(

@@ -25,6 +25,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .capture import QueryCapture
+from .fingerprint import calibration_metadata
 from .model_info import describe
 from .stats import FrequencyAccumulator, FrequencyStats
 
@@ -99,6 +100,7 @@ def calibrate(
     if source is None:
         source = f"{kind}, {total} tokens"
     stats = accumulator.to_stats(source=source)
+    stats.metadata.update(calibration_metadata(model))  # which weights: checked when the statistics are loaded
     logger.info("hf_ropekv: calibrated %s on %d tokens (%s).", geometry.model_type, stats.tokens, source)
     return stats
 

@@ -227,7 +227,7 @@ def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[
     if stats is not None:
         from .stats import FrequencyStats
 
-        stats = FrequencyStats.resolve(stats, geometry)  # loaded once; every cache shares the object
+        stats = FrequencyStats.resolve(stats, geometry, model)  # loaded once; every cache shares the object
     return _Config({"budget": budget, "stats": stats, **options}, geometry)
 
 
@@ -354,7 +354,8 @@ def _prepare_cache_call(original: Callable[..., Any], args: tuple, kwargs: dict)
     if generation_config is None or not isinstance(model_kwargs, dict):
         logger.warning_once(
             "hf_ropekv.enable: this transformers version calls `_prepare_cache_for_generation` in an unknown way; "
-            "generate() uses transformers' own cache. Pass past_key_values=RopeKVCache(model, ...) explicitly."
+            "generate() uses transformers' own cache. Pass cache=RopeKVCache(model, ...) explicitly "
+            "(past_key_values= before transformers 5.24)."
         )
         return None
     mode = bound.get("generation_mode")

@@ -12,10 +12,21 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import _compat
 from .storage import PagedKV
 
 if TYPE_CHECKING:
     from .cache import RopeKVCache
+
+#: How to get a croppable cache: the end of every "cannot crop" error.
+CROPPABLE_FIX = (
+    "Assisted/speculative decoding (assistant_model=, prompt_lookup_num_tokens=) and DoLa need a croppable "
+    "cache; use a plain DynamicCache for them, or a budget larger than the whole generation."
+)
+#: The error of a rollback after an eviction.
+CANNOT_CROP = (
+    "RopeKVCache cannot crop: tokens were already evicted, so the cache cannot be rolled back. " + CROPPABLE_FIX
+)
 
 
 class BudgetedLayer(CacheLayerMixin):
@@ -68,7 +79,7 @@ class BudgetedLayer(CacheLayerMixin):
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kept = self._cache.planned_kept(self.storage.length, query_length)
+        kept = self._cache.planned_slots(query_length)
         return kept + query_length, self.tokens_seen - kept
 
     def get_seq_length(self) -> int:
@@ -92,19 +103,14 @@ class BudgetedLayer(CacheLayerMixin):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.storage.repeat_batch(repeats)
 
-    def crop(self, max_length: int) -> None:
-        """Drop tokens from the end; only possible while nothing was evicted (eviction is not reversible).
-
-        A negative value removes that many tokens; a non-negative one is the length to keep (both conventions
-        exist across transformers 5.x).
+    def crop(self, n: int) -> None:
+        """Drop tokens from the end, as transformers' ``crop(n)`` does (``_compat.crop_target``: ``n < 0`` removes
+        ``-n``, ``0`` removes none). Possible only while nothing was evicted: eviction is not reversible.
         """
+        target = _compat.crop_target(self.tokens_seen, n)
+        if target == self.tokens_seen:
+            return  # nothing to undo, which an evicted layer can honour too (generate calls crop(0) often)
         if not self.is_croppable:
-            raise ValueError(
-                "RopeKVCache cannot crop: tokens were already evicted, so the cache cannot be rolled back. "
-                "Assisted/speculative decoding and DoLa need a croppable cache; use a plain DynamicCache for "
-                "them, or a budget larger than the whole generation."
-            )
-        target = self.tokens_seen + max_length if max_length < 0 else max_length
-        target = max(0, min(self.tokens_seen, target))
+            raise ValueError(CANNOT_CROP)
         self.storage.truncate(target)
         self.tokens_seen = target

@@ -1,57 +1,217 @@
-"""Query statistics gathered from the prompt's own queries (``RopeKVCache(model, stats=None)``)."""
+"""Query statistics gathered while the cache runs (``RopeKVCache(model, stats=None)``), one set per batch row.
+
+Every forward adds its pre-RoPE queries: the prompt, later user turns and prefill chunks, and every decoding
+step, so the statistics follow the generation instead of describing the prompt alone. A row's statistics
+hold that row's real (unpadded) queries only, so its evictions do not depend on its batch-mates.
+
+Cost per decoding step: the query hooks keep a reference to each layer's ``[B, 1, H, D]`` query; when the
+forward has finished, all layers of a device are folded into running float64 sums in a handful of kernel
+launches and no host synchronisation. A forward's queries count once that forward has finished, so a
+compaction (which runs at the first layer of a forward) always scores every layer with the same tokens.
+
+With ``half_life`` set, older queries weigh less: before a forward's queries are added, the sums decay by
+``0.5 ** (new_tokens / half_life)`` (the tokens of one multi-token forward weigh alike).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .model_info import ModelGeometry
-from .stats import FrequencyAccumulator, FrequencyStats
+
+
+@dataclass(frozen=True)
+class RowStatistics:
+    """Per-row query statistics in the shape :class:`~hf_ropekv.scorers.FrequencyScorer` reads.
+
+    ``for_layer(i)`` returns ``(q_mean [B, H_q, F] complex64, q_abs_mean [B, H_q, F] float32)`` on the
+    layer's device; ``metadata["inv_freq"]`` the model's rotary frequencies.
+    """
+
+    q_mean: tuple[torch.Tensor, ...]
+    q_abs_mean: tuple[torch.Tensor, ...]
+    metadata: dict
+    tokens: torch.Tensor  # float64 [B]: queries counted per row (decayed weight with a half-life)
+
+    def for_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_mean[layer_idx], self.q_abs_mean[layer_idx]
 
 
 class OnlineStatistics:
-    """Accumulates pre-RoPE queries of every multi-token forward (the prompt, later user turns).
+    """Running per-row sums of pre-RoPE query pairs, per layer and query head, on the queries' devices.
 
-    A forward's queries count once that forward has finished. A compaction runs inside a forward, at its
-    first layer's cache update, when only that layer's queries of the forward exist; counting finished
-    forwards only gives every layer statistics over the same tokens (those of the earlier forwards).
-
-    Offline calibration on a large, varied text is better when prompts are short (a few hundred tokens give
-    noisy means) or unlike the generated text; online statistics need no setup and match the prompt's domain.
+    Args:
+        geometry: the model's attention geometry.
+        half_life: tokens after which a query's weight halves; ``None`` weighs every query alike.
     """
 
-    def __init__(self, geometry: ModelGeometry) -> None:
+    def __init__(self, geometry: ModelGeometry, half_life: float | None = None) -> None:
+        if half_life is not None and not half_life > 0:
+            raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
+        self.half_life = half_life
+        self._pairs = geometry.rotary_dim // 2
         self.reset()
 
     def reset(self) -> None:
-        self._accumulator = FrequencyAccumulator(self.geometry)
-        self._pending: FrequencyAccumulator | None = None  # the running forward's queries
-        self._snapshot: FrequencyStats | None = None
+        # Per device: float64 [L_device, B, 3, H_q, F] sums (real, imaginary, modulus) and [B] counts.
+        self._sums: dict[torch.device, torch.Tensor] = {}
+        self._counts: dict[torch.device, torch.Tensor] = {}
+        self._slot: dict[int, tuple[torch.device, int]] = {}  # layer -> (device, index in that device's sums)
+        self._pending: dict[int, torch.Tensor] = {}  # this forward's multi-token sums per layer [B, 3, H, F]
+        self._stash: list[tuple[int, torch.Tensor]] = []  # this forward's single-token queries
+        self._mask: torch.Tensor | None = None  # this forward's new-token mask [B, S] (True = real)
+        self._new = 0
+        self._snapshot: RowStatistics | None = None
 
-    def begin_forward(self) -> None:
-        """Start a forward: drop queries of a forward that never finished (it raised)."""
-        self._pending = None
+    # ------------------------------------------------------------------ one forward
+    def begin_forward(self, new_token_mask: torch.Tensor | None, new_tokens: int) -> None:
+        """Start a forward of ``new_tokens`` tokens; drop queries of a forward that never finished (it raised)."""
+        self._pending, self._stash = {}, []
+        self._mask, self._new = new_token_mask, new_tokens
 
-    def add(self, layer_idx: int, queries: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Add pre-RoPE queries ``[B, S, H_q, D]`` of one layer; ``mask`` ``[B, S]`` False for padding."""
-        if self._pending is None:
-            self._pending = FrequencyAccumulator(self.geometry)
-        self._pending.add(layer_idx, queries, mask)
+    def add(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """Take one layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
+        g = self.geometry
+        if queries.ndim != 4 or queries.shape[2] != g.num_q_heads or queries.shape[3] < g.rotary_dim:
+            raise ValueError(
+                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
+                f"got {tuple(queries.shape)}."
+            )
+        if queries.shape[1] == 1:
+            self._stash.append((layer_idx, queries.detach()))  # folded with the other layers at the end
+        else:
+            self._pending[layer_idx] = self._row_sums(queries.detach(), self._mask_on(queries.device, queries.shape[:2]))
 
     def end_forward(self) -> None:
         """The forward finished: its queries now count."""
-        if self._pending is not None:
-            self._accumulator.merge(self._pending)
-            self._pending = None
-            self._snapshot = None
+        if not self._pending and not self._stash:
+            return
+        self._decay(self._new)
+        for layer_idx, sums in self._pending.items():
+            device, index = self._place(layer_idx, sums)
+            self._sums[device][index] += sums
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for layer_idx, q in self._stash:
+            by_device.setdefault(q.device, []).append((layer_idx, q))
+        for device, items in by_device.items():
+            stacked = torch.stack([q[:, 0] for _, q in items])  # [L, B, H, D]
+            parts = self._parts(stacked)  # [L, B, 3, H, F]
+            mask = self._mask_on(device, stacked.shape[1:2] + (1,))
+            if mask is not None:
+                parts = torch.where(mask[None, :, :, None, None], parts, 0.0)
+            for layer_idx, _ in items:
+                self._place(layer_idx, parts[0])
+            index = [self._slot[layer_idx][1] for layer_idx, _ in items]
+            sums = self._sums[device]
+            if index == list(range(sums.shape[0])):  # the usual case: every layer of the device, in order
+                sums.add_(parts)
+            else:
+                sums.index_add_(0, torch.tensor(index, device=device), parts.to(torch.float64))
+        for device in self._devices_touched():
+            self._counts[device] += self._count_on(device)
+        self._pending, self._stash = {}, []
+        self._snapshot = None
 
-    def snapshot(self) -> FrequencyStats:
-        """Statistics of every finished forward's queries (cached until another forward finishes)."""
+    # ------------------------------------------------------------------ reading
+    @property
+    def has_queries(self) -> bool:
+        return bool(self._counts)
+
+    def snapshot(self) -> RowStatistics:
+        """Per-row means of every finished forward's queries (cached until another forward finishes)."""
         if self._snapshot is None:
-            if self._accumulator.tokens == 0:
+            if not self._counts or len(self._slot) < len(self.geometry.full_attention_layers):
                 raise RuntimeError(
                     "RopeKVCache has no query statistics: no prompt went through the model with the cache "
                     "attached. Pass stats= (hf_ropekv.calibrate) or build the cache from the model."
                 )
-            self._snapshot = self._accumulator.to_stats(source="online: prompt queries")
+            q_mean, q_abs = [], []
+            for layer_idx in range(self.geometry.num_layers):
+                if layer_idx not in self._slot:  # a layer that never gave queries (sliding layers are never scored)
+                    q_mean.append(None)
+                    q_abs.append(None)
+                    continue
+                device, index = self._slot[layer_idx]
+                means = self._sums[device][index] / self._counts[device].clamp_min(1e-12).view(-1, 1, 1, 1)
+                q_mean.append(torch.complex(means[:, 0].float(), means[:, 1].float()))
+                q_abs.append(means[:, 2].float())
+            first = next(iter(self._counts.values()))
+            self._snapshot = RowStatistics(
+                q_mean=tuple(q_mean),
+                q_abs_mean=tuple(q_abs),
+                metadata={"inv_freq": self.geometry.inv_freq.tolist(), "source": "online: the cache's own queries"},
+                tokens=first.clone(),
+            )
         return self._snapshot
+
+    # ------------------------------------------------------------------ batch reshuffles (beam search)
+    def select_batch(self, index: torch.Tensor) -> None:
+        for table in (self._sums, self._counts):
+            for device, value in table.items():
+                dim = 1 if value.ndim > 1 else 0
+                table[device] = value.index_select(dim, index.to(device))
+        self._snapshot = None
+
+    def repeat_batch(self, repeats: int) -> None:
+        for table in (self._sums, self._counts):
+            for device, value in table.items():
+                table[device] = value.repeat_interleave(repeats, dim=1 if value.ndim > 1 else 0)
+        self._snapshot = None
+
+    # ------------------------------------------------------------------ internals
+    def _parts(self, q: torch.Tensor) -> torch.Tensor:
+        """``[..., H, D]`` queries -> float32 ``[..., 3, H, F]``: real parts, imaginary parts, moduli."""
+        pairs = self._pairs
+        q = q[..., : 2 * pairs].float()
+        real, imag = q[..., :pairs], q[..., pairs:]
+        return torch.stack((real, imag, torch.hypot(real, imag)), dim=-3)
+
+    def _row_sums(self, queries: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        parts = self._parts(queries)  # [B, S, 3, H, F]
+        if mask is not None:
+            parts = torch.where(mask[:, :, None, None, None], parts, 0.0)  # where: padding may hold NaN
+        return parts.sum(dim=1, dtype=torch.float64)
+
+    def _mask_on(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor | None:
+        if self._mask is None:
+            return None
+        if tuple(self._mask.shape) != tuple(shape):
+            raise ValueError(f"new-token mask {tuple(self._mask.shape)} does not fit queries of [batch, seq] = {tuple(shape)}")
+        return self._mask.to(device=device, dtype=torch.bool)
+
+    def _count_on(self, device: torch.device) -> torch.Tensor:
+        if self._mask is None:
+            batch = self._counts[device].shape[0]
+            return torch.full((batch,), float(self._new), dtype=torch.float64, device=device)
+        return self._mask.to(device).sum(dim=1, dtype=torch.float64)
+
+    def _place(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.device, int]:
+        """Where ``layer_idx``'s sums live (allocated at its first queries, beside the other layers of its device)."""
+        if layer_idx not in self._slot:
+            device = like.device
+            batch = like.shape[0]
+            zeros = torch.zeros((1, batch) + tuple(like.shape[1:]), dtype=torch.float64, device=device)
+            if device in self._sums:
+                self._slot[layer_idx] = (device, self._sums[device].shape[0])
+                self._sums[device] = torch.cat([self._sums[device], zeros])
+            else:
+                self._slot[layer_idx] = (device, 0)
+                self._sums[device] = zeros
+                self._counts[device] = torch.zeros(batch, dtype=torch.float64, device=device)
+        return self._slot[layer_idx]
+
+    def _devices_touched(self) -> set[torch.device]:
+        devices = {self._slot[i][0] for i in self._pending}
+        devices |= {q.device for _, q in self._stash}
+        return devices
+
+    def _decay(self, new_tokens: int) -> None:
+        if self.half_life is None or not self._counts:
+            return
+        factor = 0.5 ** (new_tokens / self.half_life)
+        for table in (self._sums, self._counts):
+            for value in table.values():
+                value.mul_(factor)

@@ -1,4 +1,4 @@
-"""Turning scores into the slots to keep: guards, padding, seeded tie-break, top-k in original order."""
+"""Turning scores into the slots to keep: guards, holes, tie-break noise, per-row top-k in original order."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ TIE_BREAK_NOISE = 1e-6
 
 @dataclass(frozen=True)
 class Guards:
-    """Tokens that are never evicted (except padding, which always goes first).
+    """Tokens that are never evicted.
 
     Attributes:
         pinned: token indices (padding included) below this are the pinned prompt.
@@ -25,43 +25,78 @@ class Guards:
 
 
 def slot_masks(
-    slot_positions: torch.Tensor, pads: torch.Tensor, tokens_seen: int, guards: Guards
+    slot_positions: torch.Tensor, holes: torch.Tensor, pads: torch.Tensor, tokens_seen: int, guards: Guards
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(is_pad, protected)`` bool masks ``[B, H, S]`` for slots holding token indices ``slot_positions``.
+    """``(is_hole, protected)`` bool masks ``[B, H, S]`` of the live slots.
 
-    ``pads`` ``[B]``: left-padding tokens of each row among the first ``tokens_seen`` tokens.
+    Args:
+        slot_positions: int64 ``[B, H, S]``, token index (padding included) held by each slot.
+        holes: int64 ``[B]``, slots in front of each row's real tokens (its left padding, or room left by a
+            compaction): they hold no real token.
+        pads: int64 ``[B]``, each row's left padding among the tokens seen (real index = token index - pads).
+        tokens_seen: tokens seen per row, padding included.
     """
-    real_index = slot_positions - pads.to(slot_positions.device).view(-1, 1, 1)
-    is_pad = real_index < 0
+    device = slot_positions.device
+    slot = torch.arange(slot_positions.shape[-1], device=device)
+    is_hole = (slot[None, None, :] < holes.to(device).view(-1, 1, 1)).expand(slot_positions.shape)
+    real_index = slot_positions - pads.to(device).view(-1, 1, 1)
     protected = (slot_positions < guards.pinned) | (real_index < guards.sink)
     if guards.window:
         protected |= slot_positions >= tokens_seen - guards.window
-    return is_pad, protected & ~is_pad
+    return is_hole, protected & ~is_hole
+
+
+def hashed_uniform(*parts: torch.Tensor | int) -> torch.Tensor:
+    """Uniform numbers in [0, 1) that depend only on the integer ``parts`` (broadcast), float32.
+
+    A row's random draws must not depend on its batch-mates or its padding, so they are a hash of what
+    identifies the token (real index, head, layer, seed) instead of a stream position.
+    """
+    x = torch.zeros((), dtype=torch.int64)
+    for i, part in enumerate(parts):
+        part = torch.as_tensor(part, dtype=torch.int64)
+        x = x.to(part.device) * 1_000_003 + part + 0x9E3779B9 * (i + 1)
+    x = x & 0xFFFFFFFF
+    for _ in range(2):  # integer finaliser (xorshift-multiply): neighbouring inputs decorrelate
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (x >> 16) ^ x
+    return (x & 0xFFFFFF).to(torch.float32) / float(1 << 24)
 
 
 def select_keep(
     scores: torch.Tensor,
-    is_pad: torch.Tensor,
+    is_hole: torch.Tensor,
     protected: torch.Tensor,
-    keep: int,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Indices ``[B, H, keep]`` (int64, ascending) of the slots to keep.
+    targets: torch.Tensor,
+    slots_after: int,
+    noise: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots each row keeps, right-aligned: ``(keep [B, H, slots_after], start [B])``.
 
-    Padding is dropped first, protected slots are kept, the rest by score; ``1e-6``-scale seeded noise breaks
-    ties so equal scores do not always favour the same end of the sequence.
+    Row ``b`` keeps its ``targets[b]`` best real slots (protected ones first) in their original order, in
+    ``keep[b, :, start[b]:]`` with ``start[b] = slots_after - targets[b]``; entries before ``start[b]`` are -1
+    (holes). ``noise`` (broadcastable to ``scores``, in [0, 1)) breaks ties at the ``1e-6`` scale.
 
     Raises:
-        ValueError: if more slots are protected than ``keep`` (the budget cannot honour the guards).
+        ValueError: if a row has more protected slots than it may keep (the budget cannot honour the guards).
     """
-    num_protected = int(protected.sum(-1).max())
-    if num_protected > keep:
+    targets = targets.to(scores.device)
+    num_protected = protected.sum(-1)  # [B, H]
+    if bool((num_protected > targets[:, None]).any()):
+        row = int((num_protected > targets[:, None]).any(-1).nonzero()[0, 0])
         raise ValueError(
-            f"{num_protected} tokens are protected (pinned prompt, sink and window) but only {keep} can be kept. "
-            "Raise `budget`, shrink `window`/`sink`, or pass `protect_prompt=False`."
+            f"{int(num_protected[row].max())} tokens of row {row} are protected (pinned prompt, sink and window) but "
+            f"only {int(targets[row])} can be kept. Raise `budget`, shrink `window`/`sink`, or pass "
+            "`protect_prompt=False`."
         )
-    noise = torch.rand(scores.shape, generator=generator, device=generator.device if generator else "cpu")
-    ranked = scores.float() + TIE_BREAK_NOISE * noise.to(scores.device)
-    ranked = ranked.masked_fill(protected, float("inf")).masked_fill(is_pad, float("-inf"))
-    indices = ranked.topk(keep, dim=-1, sorted=False).indices
-    return indices.sort(dim=-1).values
+    ranked = scores.float() + TIE_BREAK_NOISE * noise
+    ranked = ranked.masked_fill(protected, float("inf")).masked_fill(is_hole, float("-inf"))
+    order = ranked.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    chosen = rank < targets.view(-1, 1, 1)
+    slot = torch.arange(scores.shape[-1], device=scores.device).expand_as(rank)
+    # Unchosen slots sort to the front as -1; the last `slots_after` entries are the row's survivors, ascending.
+    ordered = torch.where(chosen, slot, torch.full_like(slot, -1)).sort(dim=-1).values
+    keep = ordered[..., ordered.shape[-1] - slots_after :]
+    start = slots_after - targets
+    return keep, start

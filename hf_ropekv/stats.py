@@ -66,7 +66,8 @@ class FrequencyStats:
         metadata: JSON-able dict: ``model_type, num_layers, num_q_heads, num_kv_heads, head_dim, rotary_dim,
             rope_type, rope_theta, rope_parameters, inv_freq`` (list of floats), ``rotary_layout``, ``tokens`` (positions averaged;
             0 when unknown, e.g. imported reference files), ``source`` (the calibration text) and
-            ``format_version``.
+            ``format_version``; from ``calibrate``, also ``weights_fingerprint`` and ``weights_source`` (the
+            calibrated weights, see ``hf_ropekv.fingerprint``; absent from older files).
     """
 
     q_mean: torch.Tensor
@@ -206,9 +207,11 @@ class FrequencyStats:
         return cls(q_mean=stats[0], q_abs_mean=stats[1], metadata=_jsonable(metadata))
 
     @classmethod
-    def resolve(cls, stats_or_path: "FrequencyStats | str | os.PathLike", geometry: ModelGeometry) -> "FrequencyStats":
+    def resolve(
+        cls, stats_or_path: "FrequencyStats | str | os.PathLike", geometry: ModelGeometry, model: nn.Module | None = None
+    ) -> "FrequencyStats":
         """Statistics from an object or a file (``.safetensors`` from :meth:`save`, or a reference ``.pt``),
-        checked against the model's geometry."""
+        checked against the model's geometry and, given ``model``, its weights' fingerprint (a warning)."""
         if isinstance(stats_or_path, FrequencyStats):
             stats = stats_or_path
         elif isinstance(stats_or_path, (str, os.PathLike)):
@@ -224,6 +227,11 @@ class FrequencyStats:
                 f"stats must be a FrequencyStats or the path of a statistics file, got {type(stats_or_path).__name__}."
             )
         stats.check_compatible(geometry)
+        if model is not None:
+            from .fingerprint import warn_if_other_weights
+
+            where = str(stats_or_path) if isinstance(stats_or_path, (str, os.PathLike)) else None
+            warn_if_other_weights(stats, model, where)
         return stats
 
     # ------------------------------------------------------------------ checks

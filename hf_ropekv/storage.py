@@ -71,14 +71,21 @@ class PagedKV:
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def compact(self, keep: torch.Tensor) -> None:
-        """Keep slots ``keep`` ([B, H, K'] ascending per row and head), moved in order to ``[0, K')``."""
-        compact_arenas([self], keep)
+    def compact(self, keep: torch.Tensor, start: torch.Tensor | None = None) -> None:
+        """Keep slots ``keep[b, :, start[b]:]`` (ascending per row and head), moved in order to ``[start[b], K')``.
 
-    def _after_compaction(self, keep: torch.Tensor) -> None:
+        ``K' = keep.shape[-1]``; slots before ``start[b]`` become holes (their position reads -1).
+        """
+        compact_arenas([self], keep, start)
+
+    def _after_compaction(self, keep: torch.Tensor, start: torch.Tensor | None) -> None:
         kept = keep.shape[-1]
         # Positions are 8 bytes a slot: a small gather is cheaper than another kernel launch path.
-        self.positions[:, :, :kept] = self.positions.gather(2, keep)
+        moved = self.positions.gather(2, keep.clamp_min(0))
+        if start is not None:
+            slot = torch.arange(kept, device=keep.device)
+            moved = moved.masked_fill(slot[None, None, :] < start.view(-1, 1, 1), -1)
+        self.positions[:, :, :kept] = moved
         self.length = self._positions_valid = kept
         self.num_compactions += 1
         self._shrink_to_hint()
@@ -158,18 +165,20 @@ class PagedKV:
         self.keys, self.values, self.positions = keys, values, positions
 
 
-def compact_arenas(arenas: list[PagedKV], keep: torch.Tensor) -> None:
+def compact_arenas(arenas: list[PagedKV], keep: torch.Tensor, start: torch.Tensor | None = None) -> None:
     """Compact several arenas that keep the same slots, one kernel launch per device.
 
     At batch 1 a single layer gives the kernel only ``kv_heads`` programs; all layers together fill the GPU.
+    ``start`` [B] (optional): first destination slot of each row (see :func:`hf_ropekv.kernels.compact.compact_`).
     """
     by_device: dict[torch.device, list[PagedKV]] = {}
     for arena in arenas:
         by_device.setdefault(arena.keys.device, []).append(arena)
     for device, group in by_device.items():
         keep_here = keep.to(device)
+        start_here = None if start is None else start.to(device)
         for arena in group:
             arena._write_positions()
-        compact_([t for arena in group for t in (arena.keys, arena.values)], keep_here)
+        compact_([t for arena in group for t in (arena.keys, arena.values)], keep_here, start_here)
         for arena in group:
-            arena._after_compaction(keep_here)
+            arena._after_compaction(keep_here, start_here)

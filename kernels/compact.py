@@ -1,18 +1,24 @@
 """In-place, order-preserving compaction of KV storage (DESIGN.md §4), and its PyTorch twin.
 
-For every tensor ``t`` [B, H, C, D] and ``keep`` [B, H, K] (strictly ascending
-slot indices per (b, h), all < C)::
+For every tensor ``t`` [B, H, C, D], ``keep`` [B, H, K] and an optional first
+destination ``start`` [B] (0 when omitted)::
 
-    t[b, h, j, :] = t_old[b, h, keep[b, h, j], :]    for j < K
+    t[b, h, j, :] = t_old[b, h, keep[b, h, j], :]    for start[b] <= j < K
 
-Slots ``>= K`` are left as they were.  No full-size temporary is made.
+``keep[b, h, start[b]:]`` is strictly ascending; entries before ``start[b]``
+are ignored and those slots, like slots ``>= K``, are left as they were (the
+cache masks them: they are a row's "holes"). No full-size temporary is made.
 
-Why walking ascending blocks is race-free: ``keep`` is strictly ascending, so
-``keep[j] >= j``; sources are never behind destinations.  A block's
-destinations are therefore below every later block's sources, so once a
-block's loads have completed its stores cannot clobber anything still to be
-read.  Within one Triton program the threads run out of step, hence the
-barrier between a block's loads and its stores.
+Why this is race-free in place. With ``start = 0``, ``keep[j] >= j``: every
+move goes left (towards slot 0). A row with ``start > 0`` (its survivors are
+right-aligned behind holes) may also move tokens right. Because ``keep`` is
+strictly ascending, ``keep[j] - j`` never decreases along ``j``: the right
+movers form a prefix of ``[start, K)`` and the left movers a suffix, and the
+two sets never touch each other's sources or destinations. Left movers are
+walked in ascending blocks (a block's destinations lie below every later
+block's sources), right movers in descending blocks (the mirror argument).
+Within one Triton program the threads run out of step, hence the barrier
+between a block's loads and its stores.
 """
 from __future__ import annotations
 
@@ -29,11 +35,18 @@ __all__ = ["compact_", "compact_triton_", "compact_reference_", "check_compact_a
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_compact_args(tensors: Sequence[torch.Tensor], keep: torch.Tensor, *, validate_keep: bool = False) -> None:
-    """Raise ``ValueError`` unless ``tensors`` and ``keep`` fit ``compact_``'s contract.
+def check_compact_args(
+    tensors: Sequence[torch.Tensor],
+    keep: torch.Tensor,
+    start: Optional[torch.Tensor] = None,
+    *,
+    validate_keep: bool = False,
+) -> None:
+    """Raise ``ValueError`` unless ``tensors``, ``keep`` and ``start`` fit ``compact_``'s contract.
 
     Shape, dtype and device checks are free; ``validate_keep=True`` also checks
-    that ``keep`` is strictly ascending and in range (a device sync on CUDA).
+    that ``keep`` is strictly ascending from ``start`` on and in range (a device
+    sync on CUDA).
     """
     if keep.dim() != 3:
         raise ValueError(f"keep must be [B, H, K], got shape {tuple(keep.shape)}")
@@ -56,11 +69,27 @@ def check_compact_args(tensors: Sequence[torch.Tensor], keep: torch.Tensor, *, v
         if t.numel() and t.data_ptr() in ptrs:
             raise ValueError("the same storage is passed twice: it would be compacted twice")
         ptrs.add(t.data_ptr())
+    if start is not None:
+        if start.dim() != 1 or start.shape[0] != keep.shape[0]:
+            raise ValueError(f"start must be [B] = [{keep.shape[0]}], got shape {tuple(start.shape)}")
+        if start.dtype not in (torch.int32, torch.int64) or start.device != keep.device:
+            raise ValueError(f"start must be an int32/int64 tensor on {keep.device}, got {start.dtype} on {start.device}")
     if validate_keep and keep.numel():
-        if bool((keep[..., 0] < 0).any()) or bool((keep[..., -1] >= tensors[0].shape[2]).any()):
+        used = _used_entries(keep, start)
+        if bool(((keep < 0) & used).any()) or bool(((keep >= tensors[0].shape[2]) & used).any()):
             raise ValueError("keep holds slot indices outside [0, C)")
-        if keep.shape[2] > 1 and not bool((keep[..., 1:] > keep[..., :-1]).all()):
-            raise ValueError("keep must be strictly ascending along its last dimension")
+        if keep.shape[2] > 1 and not bool(((keep[..., 1:] > keep[..., :-1]) | ~used[..., :-1]).all()):
+            raise ValueError("keep must be strictly ascending along its last dimension (from start on)")
+        if start is not None and bool(((start < 0) | (start > keep.shape[2])).any()):
+            raise ValueError("start must lie in [0, K]")
+
+
+def _used_entries(keep: torch.Tensor, start: Optional[torch.Tensor]) -> torch.Tensor:
+    """bool [B, H, K]: the entries of ``keep`` that name a source (``j >= start[b]``)."""
+    j = torch.arange(keep.shape[2], device=keep.device)
+    if start is None:
+        return torch.ones(keep.shape, dtype=torch.bool, device=keep.device)
+    return (j[None, :] >= start[:, None])[:, None, :].expand(keep.shape)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -69,10 +98,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _compact_kernel(
-        ptrs_ptr, like_ptr, keep_ptr,
+        ptrs_ptr, like_ptr, keep_ptr, start_ptr,
         H, K, D,
         stride_b, stride_h, stride_c,
         stride_kb, stride_kh, stride_kk,
+        HAS_START: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_D: tl.constexpr,
         ALIGN: tl.constexpr,
@@ -92,16 +122,31 @@ if HAS_TRITON:
         keep_row = keep_ptr + b * stride_kb + h * stride_kh
         offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
+        first = 0
+        if HAS_START:
+            first = tl.load(start_ptr + b).to(tl.int32)
 
+        # Left movers (and the untouched prefix, which moves no bytes), ascending.
         for j0 in range(0, K, BLOCK_K):
             j = j0 + tl.arange(0, BLOCK_K)
-            valid = j < K
+            valid = (j < K) & (j >= first)
             src = tl.load(keep_row + j * stride_kk, mask=valid, other=0).to(tl.int64)
-            # Slots that stay where they are (the untouched prefix) move no bytes.
-            m = (valid & (src != j))[:, None] & mask_d[None, :]
+            m = (valid & (src > j))[:, None] & mask_d[None, :]
             vals = tl.load(base + src[:, None] * stride_c + offs_d[None, :], mask=m)
             tl.debug_barrier()  # every thread's loads of this block before any store
             tl.store(base + j.to(tl.int64)[:, None] * stride_c + offs_d[None, :], vals, mask=m)
+        if HAS_START:
+            # Right movers (only rows whose survivors sit behind holes), descending.
+            tl.debug_barrier()
+            n_blocks = tl.cdiv(K, BLOCK_K)
+            for i in range(0, n_blocks):
+                j = (n_blocks - 1 - i) * BLOCK_K + tl.arange(0, BLOCK_K)
+                valid = (j < K) & (j >= first)
+                src = tl.load(keep_row + j * stride_kk, mask=valid, other=0).to(tl.int64)
+                m = (valid & (src < j))[:, None] & mask_d[None, :]
+                vals = tl.load(base + src[:, None] * stride_c + offs_d[None, :], mask=m)
+                tl.debug_barrier()
+                tl.store(base + j.to(tl.int64)[:, None] * stride_c + offs_d[None, :], vals, mask=m)
 
 
 def _interpreting() -> bool:
@@ -133,6 +178,7 @@ def _pointer_table(ptrs: Tuple[int, ...], device: torch.device) -> torch.Tensor:
 def compact_triton_(
     tensors: Sequence[torch.Tensor],
     keep: torch.Tensor,
+    start: Optional[torch.Tensor] = None,
     *,
     block_k: int = 64,
     num_warps: int = 4,
@@ -146,7 +192,7 @@ def compact_triton_(
     """
     if not HAS_TRITON:
         raise RuntimeError("compact_triton_ needs Triton, which is not installed")
-    check_compact_args(tensors, keep)
+    check_compact_args(tensors, keep, start)
     if not keep.is_cuda and not _interpreting():
         raise RuntimeError("compact_triton_ needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     for t in tensors:
@@ -171,10 +217,11 @@ def compact_triton_(
             block_d //= 2
         grid = (B * H, len(ts), triton.cdiv(D, block_d))
         _compact_kernel[grid](
-            ptrs, ts[0], keep,
+            ptrs, ts[0], keep, keep if start is None else start,
             H, K, D,
             strides[0], strides[1], strides[2],
             keep.stride(0), keep.stride(1), keep.stride(2),
+            HAS_START=start is not None,
             BLOCK_K=block_k,
             BLOCK_D=block_d,
             ALIGN=16 if all(t.data_ptr() % 16 == 0 for t in ts) else 1,
@@ -185,15 +232,26 @@ def compact_triton_(
 # --------------------------------------------------------------------------- PyTorch twin
 
 
-def compact_reference_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, *, chunk: int = 256) -> None:
+def compact_reference_(
+    tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: Optional[torch.Tensor] = None, *, chunk: int = 256
+) -> None:
     """Pure-PyTorch twin of :func:`compact_triton_`, also in place.
 
-    Walks ascending chunks of ``chunk`` slots: a chunk's sources are gathered
-    into a small temporary, then written; correct because a chunk's
-    destinations lie below every later chunk's sources.
+    Without ``start`` it walks ascending chunks of ``chunk`` slots: a chunk's
+    sources are gathered into a small temporary, then written; correct because
+    a chunk's destinations lie below every later chunk's sources. With
+    ``start`` (rows with holes) each row's used entries are gathered whole and
+    written back: simple, and a row's survivors are at most ``K`` slots.
     """
-    check_compact_args(tensors, keep)
+    check_compact_args(tensors, keep, start)
     B, H, K = keep.shape
+    if start is not None:
+        used = _used_entries(keep, start)
+        index = torch.where(used, keep.long(), torch.arange(K, device=keep.device).expand(B, H, K))
+        for t in tensors:
+            src = torch.gather(t, 2, index.unsqueeze(-1).expand(-1, -1, -1, t.shape[3]))
+            t[:, :, :K] = src  # unused entries gathered their own slot: unchanged
+        return
     idx_all = keep.long()
     # Same result either way; measured: advanced indexing is ~2x faster than
     # gather on CPU, gather ~2x faster on CUDA.
@@ -212,25 +270,27 @@ def compact_reference_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, *, c
 def compact_(
     tensors: Sequence[torch.Tensor],
     keep: torch.Tensor,
+    start: Optional[torch.Tensor] = None,
     *,
     backend: Optional[str] = None,
     validate_keep: bool = False,
 ) -> None:
-    """Compact every storage tensor in place: ``t[b, h, j] = t_old[b, h, keep[b, h, j]]`` for ``j < K``.
+    """Compact every storage tensor in place: ``t[b, h, j] = t_old[b, h, keep[b, h, j]]`` for ``start[b] <= j < K``.
 
     ``tensors``: [B, H, C, D] storages (fp16/bf16/fp32, unit last stride for
-    Triton); ``keep``: int32/int64 [B, H, K], strictly ascending per (b, h),
-    values < C. ``backend``: ``"triton"``, ``"torch"`` or ``None`` (Triton on
-    CUDA when installed, PyTorch elsewhere). ``validate_keep`` checks ordering
-    and range first (costs a device sync).
+    Triton); ``keep``: int32/int64 [B, H, K], strictly ascending per (b, h)
+    from ``start[b]`` on, values < C; ``start``: int [B] first destination of
+    each row (``None``: 0). ``backend``: ``"triton"``, ``"torch"`` or ``None``
+    (Triton on CUDA when installed, PyTorch elsewhere). ``validate_keep``
+    checks ordering and range first (costs a device sync).
     """
     if validate_keep:
-        check_compact_args(tensors, keep, validate_keep=True)
+        check_compact_args(tensors, keep, start, validate_keep=True)
     if backend is None:
         backend = "triton" if HAS_TRITON and keep.is_cuda else "torch"
     if backend == "triton":
-        compact_triton_(tensors, keep)
+        compact_triton_(tensors, keep, start)
     elif backend == "torch":
-        compact_reference_(tensors, keep)
+        compact_reference_(tensors, keep, start)
     else:
         raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")

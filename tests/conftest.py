@@ -27,12 +27,18 @@ only run their kernels on the CPU if it is set before anything imports Triton.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():  # see the module docstring
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The offline model and text helpers live beside the examples: ``import offline_assets``.
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.append(str(EXAMPLES))
 # Tests never reach the hub: fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -124,15 +130,15 @@ def smollm2():
     """
     import importlib.util
 
-    from hf_ropekv import offline
+    import offline_assets
 
     try:
-        offline.smollm2_gguf_path()
-    except offline.OfflineAssetMissing as err:
+        offline_assets.smollm2_gguf_path()
+    except offline_assets.OfflineAssetMissing as err:
         pytest.skip(str(err))
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("the gguf package is missing: pip install gguf")
-    return offline.load_smollm2(dtype=torch.float32, hub_fallback=None)
+    return offline_assets.load_smollm2(dtype=torch.float32, hub_fallback=None)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

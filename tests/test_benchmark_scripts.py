@@ -79,3 +79,13 @@ def test_exactness_check_dry_run_finds_cpu_runs_identical(tmp_path: Path) -> Non
     rows = json.loads((tmp_path / "exactness.json").read_text())["rows"]
     assert len(rows) == 6  # one dtype x two backend settings x three variants
     assert all(r["identical"] and r["max_logit_diff"] == 0.0 for r in rows), [r["summary"] for r in rows]
+
+
+def test_stats_overhead_dry_run(tmp_path: Path) -> None:
+    run_script("stats_overhead.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "stats_overhead.json").read_text())
+    per_cache = result["per_cache"]
+    assert sorted(per_cache) == ["calibrated", "online"]
+    for row in per_cache.values():
+        assert row["median_step_ms"] > 0 and row["compaction_steps"] >= 1  # both evicted on the same clock
+        assert row["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]

@@ -16,7 +16,8 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def kept_positions(cache: RopeKVCache) -> torch.Tensor:
-    """Token indices held by the full-attention layers [B, H_kv, K]; identical across layers in global mode."""
+    """Token indices held by the full-attention layers [B, H_kv, K] (-1 at a row's holes once it compacted);
+    identical across layers in global mode."""
     layers = cache._full_layers
     first = layers[0].storage.live_positions()
     for layer in layers[1:]:
@@ -30,8 +31,9 @@ def reference_mask(
     """Additive 4-D mask [B, H_q, new, total]: each query sees the kept tokens of its KV head, causally."""
     batch, kv_heads, _ = kept.shape
     total, device = mask2d.shape[1], kept.device
-    allowed = torch.zeros(batch, kv_heads, total, dtype=torch.bool, device=device)
-    allowed.scatter_(2, kept, True)
+    allowed = torch.zeros(batch, kv_heads, total + 1, dtype=torch.bool, device=device)
+    allowed.scatter_(2, torch.where(kept < 0, total, kept), True)  # holes (-1) land in a column then dropped
+    allowed = allowed[..., :total]
     query_pos = torch.arange(total - new, total, device=device).view(1, 1, new, 1)
     columns = torch.arange(total, device=device).view(1, 1, 1, total)
     allowed = allowed[:, :, None, :] & (columns <= query_pos)
@@ -97,19 +99,24 @@ def test_chunked_prefill_with_eviction_matches_masked_reference(scorer) -> None:
     assert max_kept <= 12 + 4
 
 
-def test_left_padding_is_evicted_first() -> None:
+def test_padding_never_counts_toward_the_budget() -> None:
+    """A padded row keeps every real token until it holds budget + compress_every of them itself."""
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 4))  # row 1 has 8 pads
     cache = RopeKVCache(model, budget=14, compress_every=2, scorer=RecencyScorer())
     run_and_compare(model, cache, [ids], mask, decode_steps=5)
     kept = kept_positions(cache)
-    assert cache.evicted
+    assert cache.evicted and cache.num_compactions == 1
+    # Row 0 (12 real tokens) went over the budget of 14 at decoding step 3; at the next tick of the clock (every
+    # 2 steps: before steps 1, 3, 5) it came back to 14, then took step 5's token. Row 1 (4 real + 5 new) kept all 9 of its
+    # real tokens, right-aligned behind 6 holes (its padding is gone and was never counted).
+    assert cache.tokens_kept_per_row == (15, 9)
+    seen = cache.tokens_seen
     for head in range(kept.shape[1]):
-        evicted = set(range(cache.tokens_seen)) - set(kept[1, head].tolist())
-        # Row 1 had its 8 pad tokens at indices 0..7: only padding may have gone so far ...
-        assert evicted and all(index < 8 for index in evicted)
-        # ... and the surviving padding sits in front of the real tokens (the mask's rightmost columns).
-        assert kept[1, head, : 8 - len(evicted)].max() < 8
+        assert kept[1, head, :6].tolist() == [-1] * 6
+        assert kept[1, head, 6:].tolist() == list(range(8, seen))
+        # The pinned prompt (12) and, by recency, the 2 newest at the last compaction, then the new token.
+        assert kept[0, head].tolist() == list(range(12)) + list(range(seen - 3, seen))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])

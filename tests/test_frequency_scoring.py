@@ -10,6 +10,7 @@ from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
 from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.calibrate import calibrate
 from hf_ropekv.model_info import describe
+from hf_ropekv.online import RowStatistics
 from hf_ropekv.scorers.base import ScoreContext
 from hf_ropekv.scoring import query_weights, score_keys
 from hf_ropekv.stats import geometry_metadata
@@ -152,36 +153,42 @@ def test_generate_with_calibrated_and_online_statistics(arch: str) -> None:
     assert runs["online"].shape == runs["calibrated"].shape == (3, ids.shape[1] + 40)
 
 
-def test_online_statistics_come_from_the_prompt() -> None:
-    """stats=None: the statistics the scorer uses are those of the prompt's real (unpadded) queries."""
+def test_online_statistics_of_the_prompt_are_each_rows_own() -> None:
+    """stats=None: after the prompt, each row's statistics are those of its own real (unpadded) queries."""
     model = tiny_model("qwen3")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 7))
     cache = RopeKVCache(model, budget=14, compress_every=4)
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, pad_token_id=0)
-    online = cache.scorer.stats
-    rows = [ids[0, :], ids[1, 5:]]  # the real tokens of each row, each calibrated on its own
-    offline = calibrate(model, None, [r.tolist() for r in rows], progress=False)
-    assert online.tokens == 12 + 7
-    torch.testing.assert_close(online.q_mean, offline.q_mean, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(online.q_abs_mean, offline.q_abs_mean, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): cache})
+    online = cache._online.snapshot()
+    assert online.tokens.tolist() == [12.0, 7.0]
+    for row, real in enumerate([ids[0, :], ids[1, 5:]]):
+        offline = calibrate(model, None, [real.tolist()], progress=False)
+        for layer in range(model.config.num_hidden_layers):
+            q_mean, q_abs = online.for_layer(layer)
+            torch.testing.assert_close(q_mean[row], offline.q_mean[layer], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(q_abs[row], offline.q_abs_mean[layer], atol=1e-5, rtol=1e-4)
 
 
-def test_every_compaction_scores_with_the_statistics_of_the_finished_turns(caplog) -> None:
-    """Online statistics across a multi-turn conversation: each user turn (a multi-token forward) adds its
-    queries once its forward has finished. Every compaction, also one inside a turn's forward, scores all
-    layers with the snapshot of the turns finished before it, and with the statistics the cache holds."""
+def test_every_compaction_scores_with_the_statistics_of_the_finished_forwards(caplog) -> None:
+    """Online statistics across a multi-turn conversation: every forward (a user turn, each answer token) adds
+    its queries once it has finished. Every compaction, also one inside a turn's forward, scores all layers
+    with the snapshot of the forwards finished before it, and with the statistics the cache holds."""
     model = tiny_model("llama")
     cache = RopeKVCache(model, budget=16, compress_every=4)
     scorer = cache.scorer
-    calls: list[tuple[torch.Tensor, object, FrequencyStats, torch.Tensor, int]] = []
-    finished_turn_tokens, compactions_inside_a_turn = 0, 0
+    calls: list[tuple[torch.Tensor, object, RowStatistics, torch.Tensor, int]] = []
+    finished_tokens, compactions_inside_a_turn = 0, 0
     score = scorer.score
 
     def recording_score(keys, ctx):
         out = score(keys, ctx)
         stats = scorer.stats  # copied, not held: holding it would keep the cache's old snapshots alive
-        copy = FrequencyStats(stats.q_mean.clone(), stats.q_abs_mean.clone(), dict(stats.metadata))
-        calls.append((keys.clone(), ctx, copy, out.clone(), finished_turn_tokens))
+        copy = RowStatistics(
+            tuple(t.clone() for t in stats.q_mean), tuple(t.clone() for t in stats.q_abs_mean),
+            dict(stats.metadata), stats.tokens.clone(),
+        )
+        calls.append((keys.clone(), ctx, copy, out.clone(), finished_tokens))
         nonlocal compactions_inside_a_turn
         compactions_inside_a_turn += in_turn
         return out
@@ -195,14 +202,15 @@ def test_every_compaction_scores_with_the_statistics_of_the_finished_turns(caplo
             ids = torch.randint(3, 128, (1, 6 + turn), generator=gen)
             seen, in_turn = cache.get_seq_length(), True
             model(input_ids=ids, position_ids=torch.arange(seen, seen + ids.shape[1])[None], **cache_kw)
-            finished_turn_tokens, in_turn = finished_turn_tokens + ids.shape[1], False
+            finished_tokens, in_turn = finished_tokens + ids.shape[1], False
             for _ in range(5):  # a short answer, token by token
                 seen = cache.get_seq_length()
                 step = torch.randint(3, 128, (1, 1), generator=gen)
                 model(input_ids=step, position_ids=torch.tensor([[seen]]), **cache_kw)
-    assert len({stats.tokens for _, _, stats, _, _ in calls}) >= 6
+                finished_tokens += 1
+    assert len({float(stats.tokens[0]) for _, _, stats, _, _ in calls}) >= 6
     assert compactions_inside_a_turn >= 3
     for keys, ctx, stats, got, tokens in calls:
-        assert stats.tokens == tokens  # every layer counted the same finished turns (answer tokens do not count)
+        assert stats.tokens.tolist() == [float(tokens)]  # every finished forward, answer tokens included
         torch.testing.assert_close(got, FrequencyScorer(stats).score(keys, ctx), atol=0, rtol=0)
     assert "different numbers of positions" not in caplog.text

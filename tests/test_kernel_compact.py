@@ -163,3 +163,62 @@ def test_dispatch_on_cpu_and_errors():
         compact_([t[:, :, :2]], keep)
     with pytest.raises(ValueError, match="backend"):
         compact_([t], keep, backend="cuda")
+
+
+def _right_aligned_keep(B: int, H: int, C: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows keeping different numbers of slots, right-aligned in [start, K) behind holes (the cache's layout).
+
+    Each row keeps n_b <= K slots, a different random ascending set per head; row 0 keeps its first slots, so
+    all of them move right (the hazard of an ascending walk); the others mix left and right movers.
+    """
+    counts = [K] + [int(torch.randint(1, K + 1, (1,), generator=gen)) for _ in range(B - 1)]
+    counts[1 % B] = max(1, K // 3)
+    keep = torch.full((B, H, K), -7, dtype=torch.int64)  # entries before start are ignored: poison them
+    for b, n in enumerate(counts):
+        for h in range(H):
+            idx = torch.arange(n) if b == 0 and n < K else torch.sort(torch.randperm(C, generator=gen)[:n]).values
+            keep[b, h, K - n :] = idx
+    counts[0] = K if counts[0] == K else counts[0]
+    start = torch.tensor([K - n for n in counts], dtype=torch.int64)
+    return keep, start
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compact_with_row_starts_right_aligns_survivors(backend):
+    """``start``: row b's survivors land in [start_b, K); slots before start_b are untouched."""
+    gen = _gen()
+    B, H, C, K, D = 4, 2, 60, 37, 32
+    keep, start = _right_aligned_keep(B, H, C, K, gen)
+    keep[0, :, :] = torch.arange(K)  # row 0: first K slots ...
+    start[0] = 9
+    keep[0, :, 9:] = torch.arange(K - 9)  # ... shifted right by 9: every move goes right
+    ts = [torch.randn(B, H, C, D, generator=gen) for _ in range(2)]
+    before = [t.clone() for t in ts]
+    want = []
+    for t in ts:
+        w = t[:, :, :K].clone()
+        for b in range(B):
+            s = int(start[b])
+            w[b, :, s:] = torch.gather(t[b], 1, keep[b, :, s:].unsqueeze(-1).expand(-1, -1, D))
+        want.append(w)
+    if backend == "triton":
+        compact_triton_(ts, keep, start, block_k=8)
+    else:
+        compact_reference_(ts, keep, start, chunk=8)
+    for t, w, b0 in zip(ts, want, before):
+        assert torch.equal(t[:, :, :K], w)
+        assert torch.equal(t[:, :, K:], b0[:, :, K:])  # slots >= K untouched
+
+
+def test_row_start_validation():
+    gen = _gen()
+    B, H, C, K = 2, 1, 20, 8
+    keep, start = _right_aligned_keep(B, H, C, K, gen)
+    t = torch.randn(B, H, C, 4, generator=gen)
+    compact_([t], keep, start, validate_keep=True)  # poisoned entries before start are not checked
+    with pytest.raises(ValueError, match=r"start must be \[B\]"):
+        compact_([t], keep, start[:1])
+    bad = keep.clone()
+    bad[1, 0, -1] = bad[1, 0, -2]
+    with pytest.raises(ValueError, match="ascending"):
+        compact_([t], bad, start, validate_keep=True)

@@ -156,8 +156,9 @@ def test_chunked_equals_token_by_token(model, stats, policy: str, budget: int) -
                                atol=1e-5, rtol=0)
 
 
-def test_aligned_chunks_do_not_match_decoding_when_budget_is_not_a_multiple(model) -> None:
-    """Why segment_bounds adds the compaction points: fixed chunks compact at other times."""
+def test_aligned_chunks_match_decoding_whatever_the_budget(model) -> None:
+    """Decoding compacts on a clock of compress_every steps, so fixed aligned chunks reproduce it for any
+    budget (with per-count thresholds they did not when the budget was not a multiple of compress_every)."""
     c, budget, length = 16, 37, 128
     ids = torch.tensor(make_sample(length, seed=3).ids).unsqueeze(0)
     decoded = make_cache(model, "keynorm", budget, c)
@@ -166,10 +167,10 @@ def test_aligned_chunks_do_not_match_decoding_when_budget_is_not_a_multiple(mode
     aligned = make_cache(model, "keynorm", budget, c)
     for s in range(0, 64, c):
         step(model, aligned, ids, s, s + c)
-    # decoding compacted once (before token 53) and holds 37 + 11; aligned chunks compacted before 48
-    assert decoded.tokens_kept == budget + 11
-    assert aligned.tokens_kept == budget + c
-    assert decoded.tokens_kept != aligned.tokens_kept
+    # Both compacted before token 48 (the first multiple of 16 past 37) and hold 37 + 16.
+    assert decoded.num_compactions == aligned.num_compactions == 1
+    assert decoded.tokens_kept == aligned.tokens_kept == budget + c
+    assert torch.equal(kept(decoded), kept(aligned))
 
 
 # --------------------------------------------------------------------------- the prefix-sharing speed-up

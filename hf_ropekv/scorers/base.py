@@ -20,6 +20,23 @@ class ScoreContext:
         slot_positions: int64 ``[B, H_kv, S]``, the index (padding included) of the token in each slot.
         candidates: bool ``[B, H_kv, S]``, slots the selection may evict (not padding, not protected);
             normalisation statistics should be taken over these.
+
+    Attention-based scorers (``hf_ropekv.scorers.attention``) also need the layer's queries. The cache fills
+    the fields below only for a scorer with a ``query_window: int`` attribute (the number of most recent
+    queries it needs at least); for the others they stay ``None``.
+
+    Query attributes:
+        queries: ``[B, H_q, N, D]`` (float32 or the model dtype), post-RoPE queries of this layer, oldest
+            first: every query since this layer's previous compaction (at the first one: since the start,
+            prompt included), plus earlier ones if needed to reach the scorer's ``query_window``.
+        query_positions: int64 ``[B, N]``, the token index of each query (padding included, the indexing of
+            ``slot_positions``); -1 where there is no query (padding tokens, unused buffer entries). A query
+            at position ``p`` attends only to slots with ``slot_positions <= p``.
+        new_queries: how many of the last ``N`` queries are new since this layer's previous compaction.
+        valid: bool ``[B, H_kv, S]``, slots that hold a real token (False for padding and unused slots:
+            attention never goes there); ``None`` means every slot is valid.
+        attention_scale: the factor the model multiplies ``q·k`` by before the softmax; ``None`` means
+            ``D ** -0.5``.
     """
 
     layer_idx: int
@@ -27,6 +44,11 @@ class ScoreContext:
     tokens_seen: int
     slot_positions: torch.Tensor
     candidates: torch.Tensor
+    queries: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    new_queries: int | None = None
+    valid: torch.Tensor | None = None
+    attention_scale: float | None = None
 
 
 @runtime_checkable

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from ..selection import hashed_uniform
 from .base import ScoreContext
 
 
 @dataclass
 class RandomScorer:
-    """Uniform random scores from a seeded generator (reproducible run to run)."""
+    """Uniform random scores, reproducible and independent of the batch.
+
+    A token's score is a hash of (seed, layer, KV head, the token's real index in its row), not a draw from a
+    stream: the same row gets the same scores alone, with more left padding, or beside other rows.
+    """
 
     seed: int = 0
-    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
-        if self._generator is None:
-            self._generator = torch.Generator(device="cpu").manual_seed(self.seed)
-        shape = keys.shape[:-1]
-        return torch.rand(shape, generator=self._generator).to(keys.device)
+        pads = (ctx.tokens_seen - ctx.position).to(ctx.slot_positions.device)  # left padding per row
+        real_index = ctx.slot_positions - pads.view(-1, 1, 1)
+        heads = torch.arange(keys.shape[1], device=real_index.device).view(1, -1, 1)
+        return hashed_uniform(self.seed, ctx.layer_idx, heads, real_index).to(keys.device)

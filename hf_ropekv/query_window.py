@@ -1,0 +1,113 @@
+"""The recent post-RoPE queries of each layer, for attention-based scorers (SnapKV, H2O, R-KV).
+
+Those policies need attention weights, which fused attention (sdpa, flash) never materialises. The cache
+keeps the queries instead, captured before RoPE by the same hooks as the online statistics and rotated here
+to their absolute positions, and the scorer recomputes the attention it needs at compaction time
+(``hf_ropekv.scorers.attention``). A layer holds every query since its last compaction plus, after it, the
+``window`` most recent ones. As with the statistics, a forward's queries count once it has finished.
+
+Rotation follows the model's ``rotate_half`` pairing and frequencies; a RoPE ``attention_scaling`` other
+than 1 (YaRN) scales every logit of a query alike and is left out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model_info import ModelGeometry
+
+
+def rotate(queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE (``rotate_half`` pairs ``(f, f + F)``) to ``queries [B, S, H, D]`` at ``positions [B, S]``.
+
+    Dimensions beyond ``2F`` (partial rotary) pass through. Phases are computed in float64.
+    """
+    pairs = inv_freq.numel()
+    angle = positions.to(torch.float64)[..., None] * inv_freq.to(queries.device, torch.float64)  # [B, S, F]
+    cos, sin = angle.cos().float()[:, :, None, :], angle.sin().float()[:, :, None, :]
+    q = queries.float()
+    x, y = q[..., :pairs], q[..., pairs : 2 * pairs]
+    return torch.cat([x * cos - y * sin, y * cos + x * sin, q[..., 2 * pairs :]], dim=-1)
+
+
+class QueryWindow:
+    """Per-layer post-RoPE queries ``[B, H_q, N, D]`` and their token indices ``[B, N]`` (-1: no query).
+
+    Args:
+        geometry: the model's geometry (rotary frequencies).
+        window: queries kept after a compaction (the scorer's ``query_window``).
+    """
+
+    def __init__(self, geometry: ModelGeometry, window: int) -> None:
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"query_window must be a positive int; got {window!r}.")
+        self.geometry = geometry
+        self.window = window
+        self.scales: list[float | None] = [None] * geometry.num_layers
+        self.reset()
+
+    def reset(self) -> None:
+        self._queries: dict[int, list[torch.Tensor]] = {}
+        self._positions: dict[int, list[torch.Tensor]] = {}
+        self._new: dict[int, int] = {}
+        self._pending: dict[int, torch.Tensor] = {}
+        self._forward: tuple[torch.Tensor, torch.Tensor] | None = None  # (token index, RoPE position) [B, S]
+
+    # ------------------------------------------------------------------ one forward
+    def begin_forward(self, seen: int, new: int, pads: torch.Tensor, new_token_mask: torch.Tensor | None) -> None:
+        """A forward of ``new`` tokens after ``seen``; ``pads`` [B] left padding, ``new_token_mask`` [B, new]."""
+        index = torch.arange(seen, seen + new, device=pads.device).expand(pads.shape[0], new)
+        rope = index - pads.view(-1, 1)
+        if new_token_mask is not None:
+            index = index.masked_fill(~new_token_mask.to(pads.device), -1)
+        self._forward = (index, rope)
+        self._pending = {}
+
+    def add(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """One layer's pre-RoPE queries ``[B, S, H, D]`` of the running forward."""
+        if self._forward is None:
+            return
+        index, rope = self._forward
+        rotated = rotate(queries.detach(), rope.to(queries.device), self.geometry.inv_freq)
+        self._pending[layer_idx] = rotated.to(queries.dtype).transpose(1, 2)  # [B, H, S, D]
+
+    def end_forward(self) -> None:
+        """The forward finished: its queries now count."""
+        if self._forward is None:
+            return
+        index = self._forward[0]
+        for layer_idx, queries in self._pending.items():
+            self._queries.setdefault(layer_idx, []).append(queries)
+            self._positions.setdefault(layer_idx, []).append(index.to(queries.device))
+            self._new[layer_idx] = self._new.get(layer_idx, 0) + queries.shape[2]
+        self._pending, self._forward = {}, None
+
+    # ------------------------------------------------------------------ reading
+    def take(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """``(queries [B, H, N, D], positions [B, N], new)`` of one layer; ``(None, None, 0)`` before any."""
+        chunks = self._queries.get(layer_idx)
+        if not chunks:
+            return None, None, 0
+        if len(chunks) > 1:  # one tensor from now on
+            self._queries[layer_idx] = [torch.cat(chunks, dim=2)]
+            self._positions[layer_idx] = [torch.cat(self._positions[layer_idx], dim=1)]
+        return self._queries[layer_idx][0], self._positions[layer_idx][0], self._new.get(layer_idx, 0)
+
+    def compacted(self, layer_idx: int) -> None:
+        """The layer was compacted: keep its ``window`` most recent queries, none of them new."""
+        queries, positions, _ = self.take(layer_idx)
+        if queries is not None:
+            self._queries[layer_idx] = [queries[:, :, -self.window :].clone()]
+            self._positions[layer_idx] = [positions[:, -self.window :].clone()]
+        self._new[layer_idx] = 0
+
+    # ------------------------------------------------------------------ batch reshuffles (beam search)
+    def select_batch(self, index: torch.Tensor) -> None:
+        for table in (self._queries, self._positions):
+            for layer_idx, chunks in table.items():
+                table[layer_idx] = [c.index_select(0, index.to(c.device)) for c in chunks]
+
+    def repeat_batch(self, repeats: int) -> None:
+        for table in (self._queries, self._positions):
+            for layer_idx, chunks in table.items():
+                table[layer_idx] = [c.repeat_interleave(repeats, dim=0) for c in chunks]

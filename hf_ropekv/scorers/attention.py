@@ -1,0 +1,195 @@
+"""Attention recomputed from captured queries: what attention-based eviction policies score with.
+
+Under sdpa or flash attention the model never materialises its attention weights. The peers that rank keys
+by attention (SnapKV, H2O, R-KV) get them here instead, at compaction time, from the layer's post-RoPE
+queries (``ScoreContext.queries``) and the cached post-RoPE keys. Plain PyTorch, float32, chunked over the
+queries so the ``[B, H_q, n, S]`` intermediate stays bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ScoreContext
+
+# Upper bound on the elements of one chunk's logits (float32: 4 bytes each -> 256 MiB).
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def attention_from_queries(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    slot_positions: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention of each query over the valid, causal slots.
+
+    Args:
+        queries: ``[B, H_q, N, D]`` post-RoPE queries.
+        keys: ``[B, H_kv, S, D]`` post-RoPE keys; ``H_q`` must be a multiple of ``H_kv`` (GQA: query head
+            ``h`` reads KV head ``h // (H_q // H_kv)``, as transformers' ``repeat_kv`` does).
+        query_positions: int64 ``[B, N]`` token index of each query, -1 for "no query".
+        slot_positions: int64 ``[B, H_kv, S]`` token index held by each slot.
+        valid: bool ``[B, H_kv, S]`` or ``None`` (all valid).
+        scale: logit scale (``D ** -0.5`` for most models).
+
+    Returns:
+        float32 ``[B, H_q, N, S]``: per (row, query head, query) a probability distribution over the slots
+        with ``valid`` and ``slot_positions <= query_positions``; all zeros where no slot qualifies (and
+        for queries at -1).
+    """
+    _check_shapes(queries, keys, query_positions, slot_positions, valid)
+    batch, q_heads, n_queries, _ = queries.shape
+    slots = keys.shape[2]
+    out = torch.empty(batch, q_heads, n_queries, slots, dtype=torch.float32, device=keys.device)
+    step = _chunk_length(batch, q_heads, slots)
+    for start in range(0, n_queries, step):
+        stop = min(start + step, n_queries)
+        probs = _chunk_probabilities(queries[:, :, start:stop], keys, query_positions[:, start:stop],
+                                     slot_positions, valid, scale)
+        out[:, :, start:stop] = probs.flatten(1, 2)
+    return out
+
+
+def summed_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    slot_positions: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """``attention_from_queries(...).sum(dim=2)`` without holding all queries' weights at once.
+
+    Returns float32 ``[B, H_q, S]``: the attention mass each slot received from the given queries.
+    """
+    _check_shapes(queries, keys, query_positions, slot_positions, valid)
+    batch, q_heads, n_queries, _ = queries.shape
+    slots = keys.shape[2]
+    total = torch.zeros(batch, q_heads, slots, dtype=torch.float32, device=keys.device)
+    step = _chunk_length(batch, q_heads, slots)
+    for start in range(0, n_queries, step):
+        stop = min(start + step, n_queries)
+        probs = _chunk_probabilities(queries[:, :, start:stop], keys, query_positions[:, start:stop],
+                                     slot_positions, valid, scale)
+        total += probs.sum(dim=3).flatten(1, 2)
+    return total
+
+
+def group_mean(per_query_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, H_q, S]`` -> ``[B, H_kv, S]``: mean over the query heads of each GQA group (as kvpress does)."""
+    batch, q_heads, slots = per_query_head.shape
+    return per_query_head.view(batch, kv_heads, q_heads // kv_heads, slots).mean(dim=2)
+
+
+def require_queries(ctx: ScoreContext, scorer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context's queries and their positions, or a clear error when the cache did not provide them."""
+    if ctx.queries is None or ctx.query_positions is None:
+        raise RuntimeError(
+            f"{scorer} ranks keys by attention and needs the layer's post-RoPE queries, but the ScoreContext has "
+            "none (ctx.queries is None). Use it with a RopeKVCache that captures queries for scorers with a "
+            "`query_window` attribute, or pick a query-free scorer (FrequencyScorer, RecencyScorer, ...)."
+        )
+    return ctx.queries, ctx.query_positions
+
+
+def context_scale(ctx: ScoreContext, head_dim: int) -> float:
+    """The model's attention scale from the context, ``head_dim ** -0.5`` when not given."""
+    return ctx.attention_scale if ctx.attention_scale is not None else head_dim**-0.5
+
+
+def _chunk_probabilities(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    slot_positions: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Probabilities of a chunk of queries, ``[B, H_kv, G, n, S]`` float32 (G = query heads per KV head)."""
+    batch, q_heads, n, dim = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = queries.to(device=keys.device, dtype=torch.float32).view(batch, kv_heads, q_heads // kv_heads, n, dim)
+    logits = torch.matmul(grouped, keys.to(torch.float32).unsqueeze(2).transpose(-1, -2)) * scale
+    q_pos = query_positions.to(keys.device)[:, None, None, :, None]  # [B, 1, 1, n, 1]
+    allowed = (slot_positions.to(keys.device)[:, :, None, None, :] <= q_pos) & (q_pos >= 0)
+    if valid is not None:
+        allowed = allowed & valid.to(keys.device)[:, :, None, None, :]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    # A query with no allowed slot softmaxes to NaN: it attends nowhere, so it contributes nothing.
+    return torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros((), device=probs.device))
+
+
+def _chunk_length(batch: int, q_heads: int, slots: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, batch * q_heads * slots))
+
+
+def _check_shapes(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    slot_positions: torch.Tensor,
+    valid: torch.Tensor | None,
+) -> None:
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(
+            f"queries must be [B, H_q, N, D] and keys [B, H_kv, S, D]; got {tuple(queries.shape)} and "
+            f"{tuple(keys.shape)}."
+        )
+    batch, q_heads, n_queries, dim = queries.shape
+    k_batch, kv_heads, slots, k_dim = keys.shape
+    if batch != k_batch or dim != k_dim:
+        raise ValueError(
+            f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} must agree on batch size and head dim."
+        )
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads}) for GQA.")
+    if tuple(query_positions.shape) != (batch, n_queries):
+        raise ValueError(f"query_positions must be [B, N] = {(batch, n_queries)}; got {tuple(query_positions.shape)}.")
+    if tuple(slot_positions.shape) != (batch, kv_heads, slots):
+        raise ValueError(
+            f"slot_positions must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(slot_positions.shape)}."
+        )
+    if valid is not None and tuple(valid.shape) != (batch, kv_heads, slots):
+        raise ValueError(f"valid must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(valid.shape)}.")
+
+
+def last_queries(ctx: ScoreContext, count: int, scorer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` most recent queries of the context and their positions (fewer if fewer exist)."""
+    queries, positions = require_queries(ctx, scorer)
+    return queries[:, :, -count:], positions[:, -count:]
+
+
+def pool_along_tokens(
+    scores: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None, kernel_size: int, mode: str
+) -> torch.Tensor:
+    """1-D pooling of ``[B, H, S]`` scores over neighbouring tokens, stride 1, same length.
+
+    Slots are visited in token order (``slot_positions``), so neighbours are the adjacent kept tokens
+    whatever the storage order; invalid slots sit at the end and are zeroed before pooling. ``mode`` is
+    ``"avgpool"`` (zero padding counted, like ``avg_pool1d``'s default) or ``"maxpool"``.
+    """
+    if kernel_size == 1:
+        return scores
+    batch, heads, slots = scores.shape
+    if valid is not None:
+        scores = scores.masked_fill(~valid, 0.0)
+        order_key = slot_positions.masked_fill(~valid, torch.iinfo(torch.int64).max)
+    else:
+        order_key = slot_positions
+    order = torch.argsort(order_key, dim=-1, stable=True)
+    ordered = scores.gather(-1, order).reshape(batch * heads, 1, slots)
+    pool = torch.nn.functional.avg_pool1d if mode == "avgpool" else torch.nn.functional.max_pool1d
+    pooled = pool(ordered, kernel_size=kernel_size, stride=1, padding=kernel_size // 2).reshape(batch, heads, slots)
+    return torch.empty_like(pooled).scatter_(-1, order, pooled)
+
+
+def check_pooling(kernel_size: int, pooling: str) -> None:
+    """Validate a (kernel_size, pooling) pair of SnapKV / R-KV."""
+    if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be a positive odd int (pooling keeps the length); got {kernel_size!r}.")
+    if pooling not in ("avgpool", "maxpool"):
+        raise ValueError(f"pooling must be 'avgpool' or 'maxpool'; got {pooling!r}.")

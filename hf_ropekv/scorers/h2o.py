@@ -1,0 +1,91 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from .attention import context_scale, group_mean, require_queries, summed_attention
+from .base import ScoreContext, standardize
+
+
+@dataclass
+class _LayerAccumulator:
+    """Attention received so far by each token of one layer, indexed by the token's absolute index."""
+
+    totals: torch.Tensor  # float32 [B, H_kv, T]
+    tokens_seen: int
+
+
+@dataclass
+class H2OScorer:
+    """H2O heavy hitters: keep the keys with the largest attention accumulated over every query so far.
+
+    Each call adds the attention of the ``ctx.new_queries`` queries that arrived since this layer's previous
+    compaction (recomputed from the captured post-RoPE queries; mean over the query heads of each GQA group)
+    to a per-layer running total indexed by the token's absolute index (``slot_positions``), so totals
+    follow a token when compaction moves it. The score is the total, z-scored over the candidates. Over
+    the whole run each surviving token has the sum of the attention of every query that could see it while
+    it was kept, which is H2O's accumulated attention. H2O splits its budget between heavy hitters and the
+    most recent tokens: pass ``RopeKVCache(..., window=...)`` for the recent half.
+
+    State and resets: the totals of a layer start over when a call shows a new sequence: its new queries
+    reach back to the first token (``new_queries >= tokens_seen``: the first compaction of a sequence),
+    ``tokens_seen`` went down, or the batch / head shape or device changed. A second call for the same layer
+    at the same ``tokens_seen`` adds nothing (those queries were already counted), so scoring a layer twice
+    per compaction is harmless. One scorer serves one cache at a time. Beam search reorders the cache's
+    rows between compactions; the totals do not follow that reordering (each row keeps its slot's totals).
+    """
+
+    query_window: ClassVar[int] = 1  # H2O needs the new queries only; the cache provides at least those.
+    _layers: dict[int, _LayerAccumulator] = field(default_factory=dict, init=False, repr=False)
+
+    def reset(self) -> None:
+        """Forget every layer's totals."""
+        self._layers.clear()
+
+    def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
+        queries, positions = require_queries(ctx, type(self).__name__)
+        new = queries.shape[2] if ctx.new_queries is None else ctx.new_queries
+        if not 0 <= new <= queries.shape[2]:
+            raise ValueError(f"ctx.new_queries={new} must lie in [0, {queries.shape[2]}] (the queries provided).")
+        state = self._state_for(keys, ctx, new)
+        if ctx.tokens_seen != state.tokens_seen and new > 0:
+            scale = context_scale(ctx, keys.shape[-1])
+            fresh_queries, fresh_positions = queries[:, :, -new:], positions[:, -new:]
+            mass = summed_attention(fresh_queries, keys, fresh_positions, ctx.slot_positions, ctx.valid, scale)
+            self._add(state, group_mean(mass, keys.shape[1]), ctx)
+        state.tokens_seen = ctx.tokens_seen
+        index = ctx.slot_positions.clamp(0, state.totals.shape[-1] - 1)
+        return standardize(state.totals.gather(-1, index), ctx.candidates)
+
+    def _state_for(self, keys: torch.Tensor, ctx: ScoreContext, new: int) -> _LayerAccumulator:
+        state = self._layers.get(ctx.layer_idx)
+        batch, kv_heads = keys.shape[:2]
+        fresh = (
+            state is None
+            or new >= ctx.tokens_seen
+            or ctx.tokens_seen < state.tokens_seen
+            or state.totals.shape[:2] != (batch, kv_heads)
+            or state.totals.device != keys.device
+        )
+        if fresh:
+            totals = torch.zeros(batch, kv_heads, max(ctx.tokens_seen, 1), dtype=torch.float32, device=keys.device)
+            state = _LayerAccumulator(totals=totals, tokens_seen=-1)
+            self._layers[ctx.layer_idx] = state
+        return state
+
+    @staticmethod
+    def _add(state: _LayerAccumulator, mass: torch.Tensor, ctx: ScoreContext) -> None:
+        needed = ctx.tokens_seen  # slot positions are token indices < tokens_seen (no host sync needed)
+        if needed > state.totals.shape[-1]:
+            grown = torch.zeros(*state.totals.shape[:2], max(needed, 2 * state.totals.shape[-1]),
+                                dtype=torch.float32, device=state.totals.device)
+            grown[..., : state.totals.shape[-1]] = state.totals
+            state.totals = grown
+        keep = ctx.slot_positions >= 0
+        if ctx.valid is not None:
+            keep = keep & ctx.valid
+        state.totals.scatter_add_(-1, ctx.slot_positions.clamp_min(0), mass.masked_fill(~keep, 0.0))

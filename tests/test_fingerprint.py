@@ -1,0 +1,154 @@
+"""Statistics remember the weights they were calibrated on; statistics of other weights get a warning.
+
+Two tiny models of one config and different seeds stand for a model and its fine-tune: same geometry, every
+shape check passes, only the fingerprint tells them apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers.utils import logging as hf_logging
+
+import hf_ropekv
+from hf_ropekv import FrequencyStats, RopeKVCache, fingerprint
+from hf_ropekv.model_info import describe
+
+TEXT = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def warned():
+    """Warnings of the fingerprint check (its once-per-pair memory cleared)."""
+    fingerprint._warned.clear()
+    handler = _Warnings()
+    hf_logging.get_logger("hf_ropekv.fingerprint").addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        hf_logging.get_logger("hf_ropekv.fingerprint").removeHandler(handler)
+
+
+def calibrated(model) -> FrequencyStats:
+    return hf_ropekv.calibrate(model, None, TEXT, progress=False)
+
+
+def reference_fingerprint(model) -> str:
+    """The documented recipe, written out independently of the module."""
+    layers = model.model.layers
+    digest = hashlib.sha256()
+    for layer in (layers[0], layers[len(layers) // 2], layers[-1]):
+        weight = layer.self_attn.q_proj.weight.detach()
+        rows = [round(i * (weight.shape[0] - 1) / 7) for i in range(8)]
+        cols = [round(i * (weight.shape[1] - 1) / 7) for i in range(8)]
+        sample = weight[rows][:, cols].to(torch.bfloat16)
+        sample[sample.abs() < 2.0**-13] = 0
+        digest.update(repr(tuple(weight.shape)).encode())
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+def test_fingerprint_follows_the_documented_recipe() -> None:
+    model = tiny_model("llama", num_hidden_layers=3)
+    assert fingerprint.weights_fingerprint(model) == reference_fingerprint(model)
+    other = tiny_model("llama", num_hidden_layers=3, seed=1)
+    assert fingerprint.weights_fingerprint(other) != fingerprint.weights_fingerprint(model)
+
+
+def test_fingerprint_survives_dtype_changes_and_tracks_in_place_updates() -> None:
+    model = tiny_model("qwen2")  # attention biases: only the weights count
+    with torch.no_grad():  # a bfloat16 checkpoint loaded in float32, as most are
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    before = fingerprint.weights_fingerprint(model)
+    assert fingerprint.weights_fingerprint(tiny_model("qwen2").to(torch.bfloat16)) == before
+    assert fingerprint.weights_fingerprint(model.to(torch.float16)) == before
+    model.float()
+    with torch.no_grad():  # an optimizer step: the cached fingerprint must not be reused
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+    assert fingerprint.weights_fingerprint(model) != before
+
+
+def test_calibrate_records_the_fingerprint(tmp_path) -> None:
+    model = tiny_model("llama")
+    stats = calibrated(model)
+    assert stats.metadata["weights_fingerprint"] == fingerprint.weights_fingerprint(model)
+    assert stats.metadata["weights_source"] == fingerprint.model_source(model)
+    stats.save(tmp_path / "s.safetensors")
+    assert FrequencyStats.load(tmp_path / "s.safetensors").metadata["weights_fingerprint"] == (
+        stats.metadata["weights_fingerprint"]
+    )
+
+
+def test_statistics_of_other_weights_warn_naming_both(tmp_path, warned) -> None:
+    model, finetune = tiny_model("llama"), tiny_model("llama", seed=1)
+    path = tmp_path / "finetune.safetensors"
+    calibrated(finetune).save(path)
+    ours, theirs = fingerprint.weights_fingerprint(model), fingerprint.weights_fingerprint(finetune)
+
+    cache = RopeKVCache(model, budget=16, compress_every=4, stats=path)  # geometry fits: it still loads
+    assert len(warned) == 1
+    message = warned[0]
+    assert ours in message and theirs in message and str(path) in message
+    assert "input_ids" in message  # the statistics' source (calibration text)
+    assert cache.scorer.stats.metadata["weights_fingerprint"] == theirs
+
+    RopeKVCache(model, budget=16, compress_every=4, stats=path)  # once per pair, not per cache
+    hf_ropekv.enable(model, budget=16, compress_every=4, stats=path)
+    hf_ropekv.disable(model)
+    assert len(warned) == 1
+
+
+def test_matching_and_unfingerprinted_statistics_load_silently(tmp_path, warned) -> None:
+    model = tiny_model("llama")
+    stats = calibrated(model)
+    RopeKVCache(model, budget=16, stats=stats)
+    RopeKVCache(tiny_model("llama"), budget=16, stats=stats)  # the same weights loaded again
+
+    older = calibrated(tiny_model("llama", seed=1))
+    for key in ("weights_fingerprint", "weights_source"):
+        del older.metadata[key]
+    older.save(tmp_path / "older.safetensors")  # a file written before fingerprints existed
+    RopeKVCache(model, budget=16, stats=tmp_path / "older.safetensors")
+    FrequencyStats.resolve(calibrated(tiny_model("llama", seed=1)), describe(model))  # no model: nothing to compare
+    assert warned == []
+
+
+def test_models_without_readable_weights_have_no_fingerprint(warned) -> None:
+    model = tiny_model("llama")
+    stats = calibrated(tiny_model("llama", seed=1))
+    with torch.device("meta"):
+        offloaded = tiny_model("llama")
+    assert fingerprint.weights_fingerprint(offloaded) is None
+    assert not fingerprint.warn_if_other_weights(stats, offloaded)
+    assert fingerprint.warn_if_other_weights(stats, model)
+
+
+def test_quantized_weights_are_read_dequantized(warned) -> None:
+    """optimum-quanto int8: sampled through dequantization, so a fingerprint of its own (documented)."""
+    quanto = pytest.importorskip("optimum.quanto")
+    model, original = tiny_model("llama"), tiny_model("llama")
+    quanto.quantize(model, weights=quanto.qint8)
+    quanto.freeze(model)
+    projection = model.model.layers[0].self_attn.q_proj
+    dense = fingerprint._dense_weight(projection)
+    want = original.model.layers[0].self_attn.q_proj.weight
+    assert type(dense) is torch.Tensor and dense.shape == want.shape
+    assert 0 < (dense - want).abs().max() < 0.01 * want.abs().max()  # int8 rounding, no more
+    ours = fingerprint.weights_fingerprint(model)
+    assert ours is not None and ours != fingerprint.weights_fingerprint(original)
+    assert fingerprint.warn_if_other_weights(calibrated(original), model)
+    assert "quantized copy" in warned[0]
