@@ -197,8 +197,11 @@ def test_default_scorer_evicts_within_bound(name: str) -> None:
     assert cache.evicted and cache.num_compactions >= 1
     assert cache.tokens_kept <= 20 + 8
     assert cache.tokens_seen == 12 + 30 - 1
-    assert cache.scorer.stats is not None and math.isfinite(float(cache.scorer.stats.q_abs_mean.sum()))
-    assert cache.scorer.stats.metadata["rotary_layout"] == FAMILIES[name][2]
+    stats = cache.scorer.stats
+    q_mean, q_abs_mean = stats.for_layer(cache.geometry.full_attention_layers[0])
+    assert math.isfinite(float(q_abs_mean.sum())) and float(q_abs_mean.sum()) > 0
+    # The scorer reads the pair layout from the statistics (absent means rotate_half): it must be the model's.
+    assert stats.metadata.get("rotary_layout", "rotate_half") == FAMILIES[name][2]
 
 
 @pytest.mark.parametrize("name", NAMES)
