@@ -8,8 +8,9 @@ GPT-NeoX, Falcon, Persimmon, CodeGen). Nothing is recomputed and no linear is ho
 linears (bitsandbytes, quanto) work unchanged; head counts are those the tensors show (tensor parallelism
 gives each rank its own heads).
 
-Every query is handed to the callback as ``[B, S, H, R]``: ``R`` is the whole head, or only its rotary part
-when the model passes only that (partial rotary); the rotary pairs are always the first dims.
+Every query is handed to the callback as ``[B, S, H, D]``, the whole head: where a partial-rotary model hands
+RoPE only a slice ``q[..., :R]`` of its query, the slice is widened back to the head it was cut from (the
+model's own tensor, no copy). The rotary pairs are always the first ``R`` dims.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _from_layer_idx(model: nn.Module) -> list[nn.Module]:
 
 
 class QueryCapture:
-    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, R]`` during forwards.
+    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]`` during forwards.
 
     The tensor handed over is the model's own (or a view of it): read it, do not modify it.
 
@@ -121,7 +122,7 @@ class QueryCapture:
             for attn, fn in zip(self.attention_modules, self._functions)
         ]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._installed: list[rotary.RotaryFunction] = []
+        self._installed: list[rotary._Patch] = []
 
     @property
     def attached(self) -> bool:
@@ -132,8 +133,7 @@ class QueryCapture:
         if self._handles:
             return self
         for fn in dict.fromkeys(self._functions):
-            rotary.install(fn)
-            self._installed.append(fn)
+            self._installed.append(rotary.install(fn))
         for layer_idx, attention in enumerate(self.attention_modules):
             frame = _Frame(self, attention, layer_idx, self._functions[layer_idx], self._query_calls[layer_idx])
             self._handles.append(attention.register_forward_pre_hook(frame.enter))
@@ -145,8 +145,8 @@ class QueryCapture:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for fn in self._installed:
-            rotary.uninstall(fn)
+        for patch in self._installed:
+            rotary.uninstall(patch)
         self._installed = []
 
     def __enter__(self) -> "QueryCapture":
@@ -197,7 +197,21 @@ class _Frame:
             )
         if heads_dim == 1:
             q = q.transpose(1, 2)
-        self.capture.callback(self.layer_idx, q)
+        self.capture.callback(self.layer_idx, _whole_head(q, self.capture.geometry.head_dim))
+
+
+def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The whole query head when the model handed RoPE only its rotary part as a slice (``q[..., :R]``:
+    Persimmon, StableLM, Phi, GPT-J): the same storage seen ``head_dim`` wide. The view is widened only when
+    every other stride leaves room for ``head_dim`` elements and the storage holds them; otherwise ``q``."""
+    if q.shape[-1] >= head_dim or q.stride(-1) != 1:
+        return q
+    if any(stride < head_dim for size, stride in zip(q.shape[:-1], q.stride()[:-1]) if size > 1):
+        return q  # a compact copy of the rotary part: nothing beyond it belongs to this head
+    last = q.storage_offset() + sum((size - 1) * stride for size, stride in zip(q.shape[:-1], q.stride()[:-1]))
+    if (last + head_dim) * q.element_size() > q.untyped_storage().nbytes():
+        return q
+    return q.as_strided((*q.shape[:-1], head_dim), q.stride(), q.storage_offset())
 
 
 def _finished(output: Any) -> bool:

@@ -65,12 +65,13 @@ class RotaryFunction:
         """
         params = self.signature.parameters
         q = args[0] if args else kwargs.get(self.tensor_param)
-        if "unsqueeze_dim" not in params:
-            return q, 2  # (tensor, sin, cos): sin[:, :, None, :] broadcasts over dim 2
         if "unsqueeze_dim" in kwargs:
             return q, int(kwargs["unsqueeze_dim"])
-        index = list(params).index("unsqueeze_dim")
-        return q, int(args[index] if len(args) > index else params["unsqueeze_dim"].default)
+        if "unsqueeze_dim" in params:
+            index = list(params).index("unsqueeze_dim")
+            return q, int(args[index] if len(args) > index else params["unsqueeze_dim"].default)
+        # (q, k, cos, sin): HF's [B, H, S, R]; (tensor, sin, cos): sin[:, :, None, :] broadcasts over dim 2.
+        return q, 1 if self.paired else 2
 
     def cos_sin_names(self) -> tuple[str, str]:
         params = self.signature.parameters
@@ -280,27 +281,32 @@ def _measured_frequencies(
 
 # ---------------------------------------------------------------------- intercepting it during a forward
 class _Patch:
-    """One modeling module's rotary global replaced by a pass-through that shows calls to active frames."""
+    """A modeling module's rotary global replaced by a pass-through that shows calls to active frames."""
 
-    def __init__(self, function: RotaryFunction) -> None:
-        self.function = function
+    def __init__(self, module: Any, name: str, original: Callable) -> None:
+        self.module, self.name, self.original = module, name, original
         self.users = 0
-        original = function.function
 
         def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
-            frames = _active().get(id(function.module))
-            if frames:
-                innermost = frames[-1].attention
-                for frame in frames:  # every capture attached to this attention module sees the call
-                    if frame.attention is innermost:
-                        frame.see(args, kwargs)
-            return original(*args, **kwargs)
+            # Only the outermost pass-through delivers: another may sit inside `original` (the global was
+            # wrapped again by someone else, then by us).
+            if getattr(_LOCAL, "depth", 0) == 0:
+                frames = _active().get(id(module))
+                if frames:
+                    innermost = frames[-1].attention
+                    for frame in frames:  # every capture attached to this attention module sees the call
+                        if frame.attention is innermost:
+                            frame.see(args, kwargs)
+            _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _LOCAL.depth -= 1
 
         apply_rotary_pos_emb._hf_ropekv_original = original  # type: ignore[attr-defined]
         self.wrapper = apply_rotary_pos_emb
 
 
-_PATCHES: dict[tuple[int, str], _Patch] = {}
 _LOCAL = threading.local()
 
 
@@ -311,27 +317,28 @@ def _active() -> dict[int, list[Any]]:
     return _LOCAL.active
 
 
-def install(function: RotaryFunction) -> None:
-    """Replace the module global by the pass-through (counted: one install per user)."""
-    key = (id(function.module), function.name)
-    patch = _PATCHES.get(key)
+def install(function: RotaryFunction) -> "_Patch":
+    """Make the module global a pass-through; returns the patch to hand to :func:`uninstall`.
+
+    Users share the pass-through that is in place; if the global is something else (first use, or someone
+    replaced it since, e.g. a test's monkeypatch), a new pass-through wraps whatever is there now.
+    """
+    current = getattr(function.module, function.name)
+    patch = getattr(current, "_hf_ropekv_patch", None)
     if patch is None:
-        patch = _PATCHES[key] = _Patch(function)
+        patch = _Patch(function.module, function.name, current)
+        patch.wrapper._hf_ropekv_patch = patch  # type: ignore[attr-defined]
         setattr(function.module, function.name, patch.wrapper)
     patch.users += 1
+    return patch
 
 
-def uninstall(function: RotaryFunction) -> None:
-    """Undo one :func:`install`; the original function is back once no user is left."""
-    key = (id(function.module), function.name)
-    patch = _PATCHES.get(key)
-    if patch is None:
-        return
+def uninstall(patch: "_Patch") -> None:
+    """Undo one :func:`install`; the wrapped function is back once the patch has no user left (unless the
+    global was replaced since: then it is left alone)."""
     patch.users -= 1
-    if patch.users <= 0:
-        if getattr(function.module, function.name, None) is patch.wrapper:
-            setattr(function.module, function.name, function.function)
-        del _PATCHES[key]
+    if patch.users <= 0 and getattr(patch.module, patch.name, None) is patch.wrapper:
+        setattr(patch.module, patch.name, patch.original)
 
 
 def push_frame(function: RotaryFunction, frame: Any) -> None:
