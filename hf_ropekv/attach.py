@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,17 +27,34 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _compat
 from .capture import QueryCapture
+from .model_info import ModelGeometry
 
-if TYPE_CHECKING:
-    from .cache import RopeKVCache
+
+class AttachedCache(Protocol):
+    """What the hooks need from the cache that installed them (``RopeKVCache``; no import of it here)."""
+
+    geometry: ModelGeometry
+
+    def get_seq_length(self) -> int: ...
+
+    def _forward_starts(
+        self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """A forward of ``new`` tokens starts; returns the 2-D mask the model must use instead, or None."""
+
+    def _forward_ends(self) -> None:
+        """The forward started last finished without raising."""
+
+    def _take_queries(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """One layer's pre-RoPE queries ``[B, S, H, D]`` of the running forward."""
 
 _WRAPPED_MARK = "_hf_ropekv_continuation_check"
 
 
 class ModelAttachment:
-    """Hooks of one :class:`RopeKVCache` on one model."""
+    """Hooks of one cache (a :class:`~hf_ropekv.RopeKVCache`) on one model."""
 
-    def __init__(self, model: nn.Module, cache: "RopeKVCache", collect_queries: bool) -> None:
+    def __init__(self, model: nn.Module, cache: AttachedCache, collect_queries: bool) -> None:
         self._cache_ref = weakref.ref(cache)
         self._model_ref = weakref.ref(model)  # for copy_for: a copied cache attaches to the same model
         self._collect_queries = collect_queries
@@ -59,7 +76,7 @@ class ModelAttachment:
         weakref.finalize(cache, _release, handles, capture)
         _wrap_prepare_inputs(model)
 
-    def copy_for(self, cache: "RopeKVCache", memo: dict) -> "ModelAttachment":
+    def copy_for(self, cache: AttachedCache, memo: dict) -> "ModelAttachment":
         """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, same state.
 
         Its hooks are new and act only on ``cache``'s forwards. Every attribute that is state (the token log of
@@ -88,7 +105,6 @@ class ModelAttachment:
         new = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         seen = cache.get_seq_length()
         mask = kwargs.get("attention_mask")
-        replaced = None
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             if mask.shape[-1] != seen + new:
                 raise ValueError(
@@ -96,42 +112,29 @@ class ModelAttachment:
                     "arrive now. The cache belongs to another sequence: create a fresh RopeKVCache per batch "
                     "(or use hf_ropekv.enable(model, ...))."
                 )
-            self._new_token_mask = mask[:, -new:].bool()
-            replaced = cache._attention_mask_for(mask, new)
         else:
-            self._new_token_mask = None
+            mask = None
         if input_ids is None:
             self._tokens_known = False
         else:
             self._log_tokens(input_ids)
+        source = input_ids if input_ids is not None else embeds
         self._collecting = True
-        if cache._online is not None:
-            cache._online.begin_forward(self._new_token_mask, new)
-        if cache._queries is not None:
-            source = input_ids if input_ids is not None else embeds
-            pads = cache._pads if cache._pads is not None else torch.zeros(source.shape[0], dtype=torch.long, device=source.device)
-            cache._queries.begin_forward(seen, new, pads, self._new_token_mask)
+        replaced = cache._forward_starts(mask, new, source.shape[0], source.device)
         if replaced is not None and replaced is not mask:
             return args, {**kwargs, "attention_mask": replaced}
         return None
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         cache = self._cache_ref()
-        finished_own = cache is not None and _compat.cache_from_forward_kwargs(kwargs) is cache
-        if self._collecting and finished_own and cache._online is not None:
-            cache._online.end_forward()
-        if self._collecting and finished_own and cache._queries is not None:
-            cache._queries.end_forward()
+        if self._collecting and cache is not None and _compat.cache_from_forward_kwargs(kwargs) is cache:
+            cache._forward_ends()
         self._collecting = False
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         cache = self._cache_ref()
-        if not self._collecting or cache is None:
-            return
-        if cache._online is not None:
-            cache._online.add(layer_idx, queries)
-        if cache._queries is not None:
-            cache._queries.add(layer_idx, queries)
+        if self._collecting and cache is not None:
+            cache._take_queries(layer_idx, queries)
 
     # ------------------------------------------------------------------ token log (continuation check)
     def _log_tokens(self, input_ids: torch.Tensor) -> None:

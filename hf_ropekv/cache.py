@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from . import _compat
+from .attach import ModelAttachment
 from .layers import CANNOT_CROP, CROPPABLE_FIX, BudgetedLayer
 from .model_info import FULL, SLIDING, ModelGeometry, describe
 from .schedule import Plan, plan_forward
@@ -104,8 +105,6 @@ class RopeKVCache(Cache):
         self._queries = self._query_window(model)
         self._attachment = None
         if model is not None:
-            from .attach import ModelAttachment  # local: attach imports this module
-
             collect = self._online is not None or self._queries is not None
             self._attachment = ModelAttachment(model, self, collect_queries=collect)
             if self._queries is not None:
@@ -353,6 +352,33 @@ class RopeKVCache(Cache):
         self._pads_total = attention_mask.shape[-1]
         if self._pads_host is None or new > 1 or len(self._pads_host) != attention_mask.shape[0]:
             self._pads_host = tuple(self._pads.tolist())
+
+    def _forward_starts(
+        self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Called by the model attachment before a forward with this cache: returns the mask to use, or None."""
+        new_token_mask = None if attention_mask is None else attention_mask[:, -new:].bool()
+        replaced = None if attention_mask is None else self._attention_mask_for(attention_mask, new)
+        if self._online is not None:
+            self._online.begin_forward(new_token_mask, new)
+        if self._queries is not None:
+            pads = self._pads if self._pads is not None else torch.zeros(batch, dtype=torch.long, device=device)
+            self._queries.begin_forward(self.get_seq_length(), new, pads, new_token_mask)
+        return replaced
+
+    def _forward_ends(self) -> None:
+        """Called by the model attachment when a forward with this cache finished: its queries now count."""
+        if self._online is not None:
+            self._online.end_forward()
+        if self._queries is not None:
+            self._queries.end_forward()
+
+    def _take_queries(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """One layer's pre-RoPE queries of the running forward, from the model attachment's hooks."""
+        if self._online is not None:
+            self._online.add(layer_idx, queries)
+        if self._queries is not None:
+            self._queries.add(layer_idx, queries)
 
     def _attention_mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor:
         """The 2-D mask this forward must use: generate's own, with each row's holes hidden once rows differ.

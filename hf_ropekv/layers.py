@@ -7,7 +7,7 @@ already bounded and stay transformers' own ``DynamicSlidingWindowLayer``.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -15,8 +15,16 @@ from transformers.cache_utils import CacheLayerMixin
 from . import _compat
 from .storage import PagedKV
 
-if TYPE_CHECKING:
-    from .cache import RopeKVCache
+
+
+class LayerOwner(Protocol):
+    """What a :class:`BudgetedLayer` asks the cache that owns it (``RopeKVCache``; no import of it here)."""
+
+    def _before_layer_update(self, layer: "BudgetedLayer", key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Compact this forward's layers if its plan says so (called before the layer writes its new tokens)."""
+
+    def planned_slots(self, new: int) -> int:
+        """Slots every full-attention layer holds once this forward's compaction (if any) is done."""
 
 #: How to get a croppable cache: the end of every "cannot crop" error.
 CROPPABLE_FIX = (
@@ -41,7 +49,7 @@ class BudgetedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: "RopeKVCache", layer_idx: int, storage: PagedKV) -> None:
+    def __init__(self, cache: LayerOwner, layer_idx: int, storage: PagedKV) -> None:
         super().__init__()
         # A proxy, not a reference: a cache and its layers must not form a cycle, or the arenas (and the
         # model hooks) would wait for the cyclic garbage collector instead of going when the cache does.
