@@ -77,3 +77,41 @@ def crop_target(length: int, n: int) -> int:
             )
         return min(n, length)
     return max(0, length + n)
+
+
+class SinusoidTableRotary(torch.nn.Module):
+    """Stands in for the rotary module of GPT-J and CodeGen before transformers 5.2x gave them one: their
+    attention modules hold an ``embed_positions`` table (``[max_positions, R]``: sines, then cosines). Called
+    like the newer ``GPTJRotaryEmbedding``: ``(x, position_ids) -> (sin, cos)``."""
+
+    def __init__(self, table: torch.Tensor, modeling_module: str) -> None:
+        super().__init__()
+        self.register_buffer("embed_positions", table, persistent=False)
+        self.modeling_module = modeling_module  # where the family's apply_rotary_pos_emb lives
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sincos = self.embed_positions[position_ids].to(x.dtype)
+        return tuple(torch.split(sincos, sincos.shape[-1] // 2, dim=-1))  # type: ignore[return-value]
+
+
+def sinusoid_table_rotary(model_or_config: Any, config: Any) -> SinusoidTableRotary | None:
+    """A :class:`SinusoidTableRotary` for models whose attention keeps a sin/cos table (GPT-J / CodeGen on
+    transformers < 5.2x), from the model or, given a config, from the modeling module's table builder."""
+    import importlib
+
+    if isinstance(model_or_config, torch.nn.Module):
+        for module in model_or_config.modules():
+            table = getattr(module, "embed_positions", None)
+            if isinstance(table, torch.Tensor) and table.ndim == 2 and hasattr(module, "rotary_dim"):
+                return SinusoidTableRotary(table, type(module).__module__)
+        return None
+    name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        modeling = importlib.import_module(name)
+    except ImportError:
+        return None
+    build = getattr(modeling, "create_sinusoidal_positions", None)
+    if build is None or not hasattr(config, "rotary_dim"):
+        return None
+    dim = config.rotary_dim or config.hidden_size
+    return SinusoidTableRotary(build(config.max_position_embeddings, dim), name)

@@ -1,25 +1,31 @@
-"""Deliver each decoder layer's query exactly as RoPE receives it, from forward hooks (no recomputation).
+"""Deliver each decoder layer's query exactly as RoPE receives it: at the model's own rotary function.
 
-The query RoPE rotates is the output of the attention module's query norm on QK-norm models (``q_norm``:
-Qwen3, Gemma3, OLMo2; ``q_layernorm``: StableLM), else the output of ``q_proj``. Hooks sit on those
-modules' outputs only, so weight-quantized linears (bitsandbytes, quanto) work unchanged.
+One mechanism for every family: while a capture is attached, the modeling module's ``apply_rotary_pos_emb``
+global is replaced by a pass-through (``hf_ropekv.rotary``), and a pre-hook on each attention module tells it
+which layer is running. The query it receives is the pre-RoPE query whatever produced it: ``q_proj``, a
+query norm (Qwen3, Gemma3, OLMo2, StableLM), or a fused QKV projection split by the model itself (Phi-3,
+GPT-NeoX, Falcon, Persimmon, CodeGen). Nothing is recomputed and no linear is hooked, so weight-quantized
+linears (bitsandbytes, quanto) work unchanged; head counts are those the tensors show (tensor parallelism
+gives each rank its own heads).
 
-Layouts seen in transformers 5.17 / 5.24: ``q_proj`` gives ``[B, S, H*D]``; Qwen3 applies ``q_norm`` to
-``[B, S, H, D]``; Gemma3 and StableLM apply it after ``transpose(1, 2)``, to ``[B, H, S, D]``; OLMo2 to
-``[B, S, H*D]``. Every one is handed to the callback as ``[B, S, H, D]``.
+Every query is handed to the callback as ``[B, S, H, D]``, the whole head: where a partial-rotary model hands
+RoPE only a slice ``q[..., :R]`` of its query, the slice is widened back to the head it was cut from (the
+model's own tensor, no copy). The rotary pairs are always the first ``R`` dims.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .model_info import ModelGeometry
+from . import rotary
+from .model_info import FULL, ModelGeometry
 
 QUERY_NORM_NAMES = ("q_norm", "q_layernorm")
-_ATTENTION_NAMES = ("self_attn", "attention", "attn")
+_ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
+_LAYER_LIST_NAMES = ("layers", "h")
 
 QueryCallback = Callable[[int, torch.Tensor], None]
 
@@ -27,8 +33,8 @@ QueryCallback = Callable[[int, torch.Tensor], None]
 def find_attention_modules(model: nn.Module, geometry: ModelGeometry | None = None) -> list[nn.Module]:
     """The self-attention module of every decoder layer, in layer order.
 
-    Looks at the decoder's ``layers`` first (``model.get_decoder().layers[i].self_attn``), then at any module
-    with a ``q_proj`` and an integer ``layer_idx``.
+    Looks at the decoder's layer list (``layers`` or ``h``) and each layer's ``self_attn`` / ``attention`` /
+    ``attn`` / ``self_attention``, then at any ``...Attention`` module with an integer ``layer_idx``.
 
     Raises:
         ValueError: if no such modules are found, or not one per decoder layer of ``geometry``.
@@ -37,14 +43,14 @@ def find_attention_modules(model: nn.Module, geometry: ModelGeometry | None = No
     name = type(model).__name__
     if not modules:
         raise ValueError(
-            f"hf_ropekv could not find the query projection of {name}: no decoder layer has an attention module "
-            "with a `q_proj` linear (fused QKV projections are not supported). Supported: Llama, Qwen2/3, "
-            "Mistral, Gemma3 and other models whose attention has q_proj."
+            f"hf_ropekv could not find the attention modules of {name}: no decoder layer list (`layers` or `h`) "
+            "whose layers hold a `self_attn` / `attention` / `attn` / `self_attention` module. The RoPE scorer "
+            "needs them for query statistics; RecencyScorer, KeyNormScorer and RandomScorer do not."
         )
     if geometry is not None and len(modules) != geometry.num_layers:
         raise ValueError(
-            f"hf_ropekv could not find the query projection of every layer of {name}: found {len(modules)} "
-            f"attention modules with `q_proj` for {geometry.num_layers} decoder layers."
+            f"hf_ropekv could not find the attention module of every layer of {name}: found {len(modules)} "
+            f"for {geometry.num_layers} decoder layers."
         )
     return modules
 
@@ -57,19 +63,21 @@ def _from_decoder_layers(model: nn.Module) -> list[nn.Module]:
             candidates.append(get_decoder())
         except (AttributeError, NotImplementedError, ValueError):
             pass
-    candidates += [model, getattr(model, "model", None)]
+    candidates += [model, getattr(model, "model", None), getattr(model, "transformer", None)]
+    candidates += [getattr(model, "gpt_neox", None)]
     for owner in candidates:
-        layers = getattr(owner, "layers", None)
-        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-            continue
-        found = []
-        for layer in layers:
-            attn = next((getattr(layer, n) for n in _ATTENTION_NAMES if hasattr(layer, n)), None)
-            if attn is None or not isinstance(getattr(attn, "q_proj", None), nn.Module):
-                break
-            found.append(attn)
-        else:
-            return found
+        for list_name in _LAYER_LIST_NAMES:
+            layers = getattr(owner, list_name, None)
+            if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+                continue
+            found = []
+            for layer in layers:
+                attn = next((getattr(layer, n) for n in _ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None)
+                if attn is None:
+                    break
+                found.append(attn)
+            else:
+                return found
     return []
 
 
@@ -77,10 +85,10 @@ def _from_layer_idx(model: nn.Module) -> list[nn.Module]:
     by_index: dict[int, nn.Module] = {}
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
-        if isinstance(getattr(module, "q_proj", None), nn.Module) and isinstance(idx, int):
+        if type(module).__name__.endswith("Attention") and isinstance(idx, int):
             if idx in by_index:
                 raise ValueError(
-                    f"hf_ropekv could not find the query projection of {type(model).__name__} unambiguously: "
+                    f"hf_ropekv could not find the attention modules of {type(model).__name__} unambiguously: "
                     f"several attention modules claim layer_idx {idx}."
                 )
             by_index[idx] = module
@@ -89,56 +97,57 @@ def _from_layer_idx(model: nn.Module) -> list[nn.Module]:
     return [by_index[i] for i in range(len(by_index))]
 
 
-def query_source(attention: nn.Module) -> tuple[str, nn.Module]:
-    """``(attribute name, module)`` whose output is the pre-RoPE query: the query norm if any, else q_proj."""
-    for name in QUERY_NORM_NAMES:
-        module = getattr(attention, name, None)
-        if isinstance(module, nn.Module):
-            return name, module
-    return "q_proj", attention.q_proj
-
-
 class QueryCapture:
-    """Forward hooks that call ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H_q, D]``.
+    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]`` during forwards.
 
-    The tensor handed over is the module's own output (or a view of it): read it, do not modify it.
+    The tensor handed over is the model's own (or a view of it): read it, do not modify it.
 
     Example::
 
         with QueryCapture(model, describe(model), lambda i, q: acc.add(i, q)):
             model(input_ids, use_cache=False)
+
+    Raises (at construction, with the reason): ``ValueError`` when the attention modules, the rotary function
+    or the rotary layout of the model cannot be found.
     """
 
     def __init__(self, model: nn.Module, geometry: ModelGeometry, callback: QueryCallback) -> None:
         self.geometry = geometry
         self.callback = callback
+        geometry.require_rotary_layout()
         self.attention_modules = find_attention_modules(model, geometry)
+        self._functions = [_rotary_function_of(model, attn) for attn in self.attention_modules]
+        self._query_calls = [
+            None if fn.paired else _query_call_of(model, attn, fn)
+            for attn, fn in zip(self.attention_modules, self._functions)
+        ]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._installed: list[rotary._Patch] = []
 
     @property
     def attached(self) -> bool:
         return bool(self._handles)
 
     def attach(self) -> "QueryCapture":
-        """Register the hooks (idempotent)."""
+        """Install the pass-through and the attention hooks (idempotent)."""
         if self._handles:
             return self
+        for fn in dict.fromkeys(self._functions):
+            self._installed.append(rotary.install(fn))
         for layer_idx, attention in enumerate(self.attention_modules):
-            name, source = query_source(attention)
-            if name == "q_proj":
-                self._handles.append(source.register_forward_hook(self._projection_hook(layer_idx)))
-            else:
-                where = f"{type(attention).__name__}.{name}"
-                layout = _NormLayout(self.geometry.num_q_heads, self.geometry.head_dim, where)
-                self._handles.append(source.register_forward_pre_hook(layout.see_input))
-                self._handles.append(source.register_forward_hook(self._norm_hook(layer_idx, layout)))
+            frame = _Frame(self, attention, layer_idx, self._functions[layer_idx], self._query_calls[layer_idx])
+            self._handles.append(attention.register_forward_pre_hook(frame.enter))
+            self._handles.append(attention.register_forward_hook(frame.leave, always_call=True))
         return self
 
     def detach(self) -> None:
-        """Remove the hooks (idempotent)."""
+        """Remove the hooks and give the rotary function back (idempotent)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for patch in self._installed:
+            rotary.uninstall(patch)
+        self._installed = []
 
     def __enter__(self) -> "QueryCapture":
         return self.attach()
@@ -146,56 +155,89 @@ class QueryCapture:
     def __exit__(self, *exc_info: object) -> None:
         self.detach()
 
-    def _projection_hook(self, layer_idx: int) -> Callable:
-        heads, head_dim = self.geometry.num_q_heads, self.geometry.head_dim
 
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            if output.shape[-1] != heads * head_dim:
-                raise ValueError(
-                    f"q_proj of layer {layer_idx} returned {tuple(output.shape)}; expected last dim "
-                    f"{heads} heads x {head_dim} = {heads * head_dim}."
-                )
-            self.callback(layer_idx, output.unflatten(-1, (heads, head_dim)))
+class _Frame:
+    """One layer's attention forward in progress: picks its query out of the rotary calls it makes."""
 
-        return hook
+    def __init__(
+        self, capture: QueryCapture, attention: nn.Module, layer_idx: int, function: rotary.RotaryFunction,
+        query_call: int | None,
+    ) -> None:
+        self.capture, self.attention, self.layer_idx = capture, attention, layer_idx
+        self.function, self.query_call = function, query_call
+        self.calls = 0
+        self.full_attention = capture.geometry.layer_types[layer_idx] == FULL
 
-    def _norm_hook(self, layer_idx: int, layout: "_NormLayout") -> Callable:
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            self.callback(layer_idx, layout.to_bshd(output))
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self.calls = 0
+        rotary.push_frame(self.function, self)
 
-        return hook
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        rotary.pop_frame(self.function, self)
+        if self.calls == 0 and self.full_attention and _finished(output):
+            name = type(self.attention).__name__
+            raise ValueError(
+                f"Layer {self.layer_idx} ({name}) ran without rotating its query through "
+                f"{self.function.module.__name__}.{self.function.name}: it applies no RoPE (NoPE) or applies it "
+                "elsewhere, so hf_ropekv cannot gather its query statistics. Use RecencyScorer, KeyNormScorer or "
+                "RandomScorer (hf_ropekv.scorers), which need none."
+            )
+
+    def see(self, args: tuple, kwargs: dict) -> None:
+        call, self.calls = self.calls, self.calls + 1
+        if self.query_call is not None and call % 2 != self.query_call:
+            return  # one tensor per call: this one is the key
+        fn = self.function
+        q, heads_dim = fn.query_and_heads_dim(args, kwargs)
+        if not isinstance(q, torch.Tensor) or q.ndim != 4:
+            raise ValueError(
+                f"{fn.module.__name__}.{fn.name} received a query of shape "
+                f"{tuple(getattr(q, 'shape', ()))} in layer {self.layer_idx}; hf_ropekv expects a 4-D "
+                "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor."
+            )
+        if heads_dim == 1:
+            q = q.transpose(1, 2)
+        self.capture.callback(self.layer_idx, _whole_head(q, self.capture.geometry.head_dim))
 
 
-class _NormLayout:
-    """Turns a query-norm output into ``[B, S, H, D]`` whichever layout the model normalises in.
+def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The whole query head when the model handed RoPE only its rotary part as a slice (``q[..., :R]``:
+    Persimmon, StableLM, Phi, GPT-J): the same storage seen ``head_dim`` wide. The view is widened only when
+    every other stride leaves room for ``head_dim`` elements and the storage holds them; otherwise ``q``."""
+    if q.shape[-1] >= head_dim or q.stride(-1) != 1:
+        return q
+    if any(stride < head_dim for size, stride in zip(q.shape[:-1], q.stride()[:-1]) if size > 1):
+        return q  # a compact copy of the rotary part: nothing beyond it belongs to this head
+    last = q.storage_offset() + sum((size - 1) * stride for size, stride in zip(q.shape[:-1], q.stride()[:-1]))
+    if (last + head_dim) * q.element_size() > q.untyped_storage().nbytes():
+        return q
+    return q.as_strided((*q.shape[:-1], head_dim), q.stride(), q.storage_offset())
 
-    ``[B, S, H, D]`` and ``[B, H, S, D]`` are told apart by which of dims 1 and 2 has ``H`` entries. When both
-    do (``S == H``) the layout found on an earlier call is used, else the strides of the norm's input: the
-    input is a view of the ``q_proj`` output, so heads-first means ``transpose(1, 2)`` was applied.
-    """
 
-    def __init__(self, heads: int, head_dim: int, name: str) -> None:
-        self.heads, self.head_dim, self.name = heads, head_dim, name
-        self.heads_first: bool | None = None  # learned from the first unambiguous call
-        self._input_heads_first = False
+def _finished(output: Any) -> bool:
+    """False when the forward raised (the hook runs anyway, with no output): do not mask that error."""
+    return output is not None
 
-    def see_input(self, module: nn.Module, args: tuple) -> None:
-        x = args[0] if args else None
-        if isinstance(x, torch.Tensor) and x.ndim == 4:
-            self._input_heads_first = x.stride(1) < x.stride(2)
 
-    def to_bshd(self, q: torch.Tensor) -> torch.Tensor:
-        h, d = self.heads, self.head_dim
-        if q.ndim == 3 and q.shape[-1] == h * d:  # normalised before the head split (OLMo2)
-            return q.unflatten(-1, (h, d))
-        if q.ndim == 4 and q.shape[-1] == d and h in (q.shape[1], q.shape[2]):
-            if q.shape[1] == h and q.shape[2] == h:
-                heads_first = self.heads_first if self.heads_first is not None else self._input_heads_first
-            else:
-                heads_first = q.shape[1] == h
-                self.heads_first = heads_first
-            return q.transpose(1, 2) if heads_first else q
+def _rotary_function_of(model: nn.Module, attention: nn.Module) -> rotary.RotaryFunction:
+    # The module whose globals the forward resolves the function name in (the forward may be inherited).
+    fn = rotary.find_rotary_function(type(attention).forward.__module__)
+    if fn is None:
         raise ValueError(
-            f"{self.name} returned a query of shape {tuple(q.shape)}; hf_ropekv expects [batch, seq, {h}, {d}], "
-            f"[batch, {h}, seq, {d}] or [batch, seq, {h * d}]."
+            f"hf_ropekv could not find where {type(model).__name__} applies RoPE to its queries: "
+            f"{type(attention).forward.__module__} has no apply_rotary_pos_emb(q, k, cos, sin) or "
+            "apply_rotary_pos_emb(tensor, sin, cos). The RoPE scorer needs the queries; RecencyScorer, "
+            "KeyNormScorer and RandomScorer (hf_ropekv.scorers) do not, and budget=None never evicts."
         )
+    return fn
+
+
+def _query_call_of(model: nn.Module, attention: nn.Module, fn: rotary.RotaryFunction) -> int:
+    index = rotary.query_call_index(type(attention), fn)
+    if index is None:
+        raise ValueError(
+            f"hf_ropekv could not tell which call of {fn.module.__name__}.{fn.name} rotates the query in "
+            f"{type(attention).__name__}.forward of {type(model).__name__}. Use RecencyScorer, KeyNormScorer or "
+            "RandomScorer (hf_ropekv.scorers), which need no query statistics."
+        )
+    return index

@@ -1,7 +1,10 @@
 """What the cache needs to know about a model: attention geometry, layer kinds and RoPE frequencies.
 
 Everything is read from the model's own config and its own rotary-embedding module, so llama3 / YaRN /
-linear scaling and partial rotary dims come out exactly as the model applies them.
+linear scaling and partial rotary dims come out exactly as the model applies them. How the model pairs
+dimensions (``rotate_half`` or interleaved) is learned by calling its own rotary function on probe vectors
+(``hf_ropekv.rotary``), which also measures the frequencies of families whose rotary module keeps only a
+sin/cos table (GPT-J, CodeGen).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+
+from . import _compat
+from .rotary import find_rotary_function, probe_rotary
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -33,6 +39,10 @@ class ModelGeometry:
         rope_type / rope_theta / rope_parameters: the RoPE setting of the full-attention layers.
         inv_freq: float32 CPU tensor ``[F]``, the rotary frequencies of the full-attention layers;
             ``rotary_dim = 2 * F`` may be smaller than ``head_dim`` (partial rotary).
+        rotary_layout: how RoPE pairs dims, ``"rotate_half"`` (f, f + F) or ``"interleaved"`` (2f, 2f + 1)
+            (``hf_ropekv.layouts``); ``None`` when it could not be learned, with the reason in
+            ``rotary_problem`` (such a model works with nothing evicted and with scorers that need no
+            query statistics).
     """
 
     model_type: str
@@ -46,6 +56,17 @@ class ModelGeometry:
     rope_theta: float | None
     rope_parameters: dict[str, Any] = field(hash=False)
     inv_freq: torch.Tensor = field(hash=False, repr=False)
+    rotary_layout: str | None = "rotate_half"
+    rotary_problem: str | None = None
+
+    def require_rotary_layout(self) -> str:
+        """The rotary layout, or ``ValueError`` with the reason it is unknown and the scorers that still work."""
+        if self.rotary_layout is None:
+            raise ValueError(
+                f"{self.rotary_problem} The RoPE scorer needs it; RecencyScorer, KeyNormScorer, RandomScorer "
+                "(hf_ropekv.scorers) work without query statistics, and budget=None never evicts."
+            )
+        return self.rotary_layout
 
     @property
     def rotary_dim(self) -> int:
@@ -97,9 +118,19 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
             f"'{name}' is configured with cross-attention (add_cross_attention=True); hf_ropekv only compresses "
             "self-attention caches of decoder-only models."
         )
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            f"'{name}' uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}: DeepSeek-V2/V3 style), "
+            "whose keys hold a non-rotary part before a shared rotary part; hf_ropekv does not support it yet."
+        )
+    if getattr(config, "alibi", False):
+        raise ValueError(
+            f"'{name}' is configured with ALiBi position biases (alibi=True), not rotary position embeddings; "
+            "hf_ropekv scores keys from RoPE geometry and needs a RoPE model (Falcon with alibi=False, Llama, ...)."
+        )
     num_layers = config.num_hidden_layers
     num_q_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    num_kv_heads = _kv_heads(config, num_q_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
 
     layer_types = tuple(getattr(config, "layer_types", None) or _infer_layer_types(config, num_layers))
@@ -113,7 +144,13 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
     sliding_windows = tuple(window if t == SLIDING else None for t in layer_types)
 
     rotary = _rotary_module(model_or_config, config, name)
-    inv_freq = _full_attention_inv_freq(rotary, name).detach().to("cpu", torch.float32).contiguous()
+    inv_freq, layout, problem = _frequencies_and_layout(rotary, config, name)
+    nope = [i for i in _layers_without_rope(config, layer_types) if layer_types[i] == FULL]
+    if nope and layout is not None:
+        layout, problem = None, (
+            f"'{name}' applies no RoPE in its full-attention layers {nope} (NoPE layers), so their keys carry no "
+            "rotary phase for the RoPE scorer to read."
+        )
     if 2 * inv_freq.numel() > head_dim:
         raise ValueError(f"'{name}': rotary dim {2 * inv_freq.numel()} exceeds head_dim {head_dim}.")
     rope = _full_attention_rope_parameters(config)
@@ -129,7 +166,59 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
         rope_theta=rope.get("rope_theta"),
         rope_parameters=_jsonable(rope),
         inv_freq=inv_freq,
+        rotary_layout=layout,
+        rotary_problem=problem,
     )
+
+
+def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...]) -> list[int]:
+    """Layers whose attention skips RoPE, as the config tells it (checked at run time too, by the capture)."""
+    flags = getattr(config, "no_rope_layers", None)  # SmolLM3, Llama 4: 1 = RoPE, 0 = NoPE
+    if isinstance(flags, (list, tuple)) and len(flags) == len(layer_types):
+        return [i for i, use in enumerate(flags) if not use]
+    # Cohere2 and EXAONE 4 rotate only in their sliding-window layers once a window is configured.
+    if getattr(config, "model_type", None) in ("cohere2", "exaone4") and getattr(config, "sliding_window", None):
+        return [i for i, kind in enumerate(layer_types) if kind != SLIDING]
+    return []
+
+
+def _kv_heads(config: PretrainedConfig, num_q_heads: int) -> int:
+    if getattr(config, "model_type", None) == "falcon":  # the KV heads the cache receives, per layout
+        if getattr(config, "new_decoder_architecture", False):
+            return num_q_heads  # the attention broadcasts its num_kv_heads keys to every query head first
+        return 1 if getattr(config, "multi_query", False) else config.num_kv_heads
+    return getattr(config, "num_key_value_heads", None) or num_q_heads
+
+
+def _frequencies_and_layout(
+    rotary: nn.Module, config: PretrainedConfig, name: str
+) -> tuple[torch.Tensor, str | None, str | None]:
+    """``(inv_freq, layout, problem)`` from the rotary module's buffer and a probe of the model's own RoPE."""
+    buffer = _full_attention_inv_freq(rotary)
+    if any(b.is_meta for b in rotary.buffers()):  # weights not materialised here: rebuild it from the config
+        cls = _rotary_class(config)
+        if cls is not None:
+            with torch.device("cpu"):
+                rotary = cls(config=config)
+            buffer = _full_attention_inv_freq(rotary)
+    function = find_rotary_function(getattr(rotary, "modeling_module", type(rotary).__module__))
+    problem = None
+    if function is None:
+        problem = (
+            f"hf_ropekv could not find how '{name}' applies RoPE: {type(rotary).__module__} has no "
+            "apply_rotary_pos_emb(q, k, cos, sin) or apply_rotary_pos_emb(tensor, sin, cos)."
+        )
+    else:
+        max_position = getattr(config, "max_position_embeddings", None)
+        try:
+            probe = probe_rotary(rotary, function, None if buffer is None else buffer.float(), max_position, name)
+            return probe.inv_freq, probe.layout, None
+        except ValueError as err:
+            problem = str(err)
+    if buffer is None:
+        raise ValueError(f"Could not find the RoPE frequencies (inv_freq) of '{name}' on {type(rotary).__name__}: "
+                         f"{problem}")
+    return buffer.detach().to("cpu", torch.float32).contiguous(), None, problem
 
 
 def _infer_layer_types(config: PretrainedConfig, num_layers: int) -> list[str]:
@@ -167,6 +256,9 @@ def _rotary_module(
         if cls is not None:
             with torch.device("cpu"):
                 return cls(config=config)
+    legacy = _compat.sinusoid_table_rotary(model_or_config, config)  # GPT-J / CodeGen before 5.2x
+    if legacy is not None:
+        return legacy
     raise ValueError(
         f"'{name}' has no rotary position embedding (RoPE); hf_ropekv scores keys from RoPE geometry and "
         "needs a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
@@ -190,11 +282,11 @@ def _rotary_class(config: PretrainedConfig) -> type[nn.Module] | None:
     return candidates[0] if candidates else None
 
 
-def _full_attention_inv_freq(rotary: nn.Module, name: str) -> torch.Tensor:
+def _full_attention_inv_freq(rotary: nn.Module) -> torch.Tensor | None:
     # A model whose layers are all sliding windows (nothing to compress) still has frequencies: take those.
     names = ["inv_freq", f"{FULL}_inv_freq"] + [n for n, _ in rotary.named_buffers() if n.endswith("_inv_freq")]
     for attr in names:
         value = getattr(rotary, attr, None)
         if isinstance(value, torch.Tensor):
             return value
-    raise ValueError(f"Could not find the RoPE frequencies (inv_freq) of '{name}' on {type(rotary).__name__}.")
+    return None  # GPT-J / CodeGen keep a sin/cos table: the probe measures the frequencies

@@ -1,9 +1,13 @@
 """TriAttention key scores (DESIGN.md §2): the single source of truth for the math.
 
     q_eff[h, f] = q_mean[h, f] * mean_{d in offsets} exp(i * omega_f * (t + d))
-    trig        = Re sum_f q_eff[h, f] * conj(k_f)          with k_f = k[f] + i k[f+F]
+    trig        = Re sum_f q_eff[h, f] * conj(k_f)          with k_f = k[real(f)] + i k[imag(f)]
     norm        = sum_f max(A[h, f] - |q_mean[h, f]|, 0) * |k_f|
     score       = trig + norm
+
+The pair of dims that forms ``k_f`` is the model's rotary layout (``hf_ropekv.layouts``):
+``rotate_half`` (f, f + F) or ``interleaved`` (2f, 2f + 1). Statistics may be shared by
+all batch rows (``[H_q, F]``) or given per row (``[B, H_q, F]``).
 
 The offset mean collapses into one weight vector per (batch row, query head),
 so scoring the cache is a GEMV plus a weighted pair-norm per head:
@@ -17,6 +21,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .kernels.score import HAS_TRITON, check_score_args, score_keys_reference, score_keys_triton
+from .layouts import ROTATE_HALF, pair_strides
 
 __all__ = ["DEFAULT_OFFSETS", "query_weights", "score_keys", "score_keys_weighted"]
 
@@ -28,9 +33,14 @@ Position = Union[int, torch.Tensor]
 
 def _check_stats(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor) -> None:
     if not torch.is_tensor(q_mean) or not q_mean.is_complex():
-        raise ValueError(f"q_mean must be a complex tensor [H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}")
+        raise ValueError(
+            f"q_mean must be a complex tensor [H_q, F] or [B, H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}"
+        )
     if q_mean.dim() not in (2, 3) or q_mean.shape[-1] == 0:
-        raise ValueError(f"q_mean must be [H_q, F] or [B, H_q, F] with F > 0, got shape {tuple(q_mean.shape)}")
+        raise ValueError(
+            f"q_mean must be [H_q, F] (shared by all rows) or [B, H_q, F] (one set per row) with F > 0, "
+            f"got shape {tuple(q_mean.shape)}"
+        )
     if q_abs_mean.is_complex() or not q_abs_mean.is_floating_point():
         raise ValueError(f"q_abs_mean must be a real floating tensor, got {q_abs_mean.dtype}")
     if q_abs_mean.shape != q_mean.shape:
@@ -66,18 +76,22 @@ def query_weights(
     """Collapse the calibration statistics into per-head scoring weights.
 
     Args:
-        q_mean: complex [H_q, F], mean pre-RoPE query per rotary pair.
-        q_abs_mean: real [H_q, F], mean query magnitude per pair (``A``).
+        q_mean: complex [H_q, F] (shared by every row) or [B, H_q, F] (one set
+            per batch row), mean pre-RoPE query per rotary pair.
+        q_abs_mean: real, same shape, mean query magnitude per pair (``A``).
         inv_freq: [F], the model's rotary frequencies ``omega``.
-        position: next-query absolute position ``t``: an int (B = 1) or an
-            integer tensor [B] (rows with left padding have different positions).
+        position: next-query absolute position ``t``: an int or an integer
+            tensor [B] (rows with left padding have different positions).
         offsets: future offsets ``delta`` averaged over (default ``DEFAULT_OFFSETS``).
 
     Returns:
-        ``(w, c)``: ``w`` float32 [B, H_q, 2F] = ``[Re q_eff, Im q_eff]`` and
-        ``c`` float32 [H_q, F] = ``clamp(A - |q_mean|, 0)``, on ``q_mean``'s device.
+        ``(w, c)``: ``w`` float32 [B', H_q, 2F] = ``[Re q_eff, Im q_eff]`` and
+        ``c`` float32 [1 or B, H_q, F] = ``clamp(A - |q_mean|, 0)``, on ``q_mean``'s
+        device; ``B'`` is the number of positions or of statistics rows (1 when both are 1).
     """
     _check_stats(q_mean, q_abs_mean, inv_freq)
+    if q_mean.dim() == 2:
+        q_mean, q_abs_mean = q_mean.unsqueeze(0), q_abs_mean.unsqueeze(0)
     offs = DEFAULT_OFFSETS if offsets is None else tuple(offsets)
     if len(offs) == 0:
         raise ValueError("offsets must not be empty")
@@ -85,12 +99,15 @@ def query_weights(
     # MPS has no float64, so the (tiny) phase table is then built on the CPU.
     dev = q_mean.device if q_mean.device.type != "mps" else torch.device("cpu")
     t = _positions(position, dev)
+    if t.shape[0] not in (1, q_mean.shape[0]) and q_mean.shape[0] != 1:
+        raise ValueError(
+            f"position has {t.shape[0]} entries but the statistics have {q_mean.shape[0]} rows; give one per batch row"
+        )
     delta = torch.tensor(offs, dtype=torch.float64, device=dev)
     omega = inv_freq.to(device=dev, dtype=torch.float64)
     phase = omega[None, None, :] * (t[:, None, None] + delta[None, :, None])  # [B, n_offsets, F]
     rot = torch.polar(torch.ones_like(phase), phase).mean(dim=1)  # complex128 [B, F]
-    q_mean_b = q_mean if q_mean.dim() == 3 else q_mean[None]  # per-row statistics, or one set for all rows
-    q_eff = q_mean_b.to(device=dev, dtype=torch.complex128) * rot[:, None, :]  # [B, H_q, F]
+    q_eff = q_mean.to(device=dev, dtype=torch.complex128) * rot[:, None, :]  # [B', H_q, F]
     w = torch.cat([q_eff.real, q_eff.imag], dim=-1).to(device=q_mean.device, dtype=torch.float32)
     c = (q_abs_mean.double() - q_mean.to(torch.complex128).abs()).clamp_min(0).float()
     return w, c
@@ -103,20 +120,23 @@ def score_keys_weighted(
     *,
     backend: Optional[str] = None,
     out: Optional[torch.Tensor] = None,
+    layout: str = ROTATE_HALF,
 ) -> torch.Tensor:
     """Score keys from precomputed weights: the kernel-level entry point.
 
     ``keys`` [B, H_kv, S, D] any strides, fp16/bf16/fp32; ``w`` float32
-    [B or 1, H_q, 2F]; ``c`` float32 [H_q, F]. Returns float32 [B, H_q, S].
-    ``backend``: ``"triton"``, ``"torch"`` or ``None`` (Triton on CUDA when
-    installed, the PyTorch reference elsewhere).
+    [B or 1, H_q, 2F]; ``c`` float32 [B or 1, H_q, F] (or [H_q, F]). Returns
+    float32 [B, H_q, S]. ``layout``: the model's rotary pairing
+    (``hf_ropekv.layouts``). ``backend``: ``"triton"``, ``"torch"`` or ``None``
+    (Triton on CUDA when installed, the PyTorch reference elsewhere).
     """
+    pair_stride, imag_offset = pair_strides(layout, w.shape[-1] // 2)
     if backend is None:
-        backend = "triton" if HAS_TRITON and keys.is_cuda and c.dim() == 2 else "torch"
+        backend = "triton" if HAS_TRITON and keys.is_cuda else "torch"
     if backend == "triton":
-        return score_keys_triton(keys, w, c, out=out)
+        return score_keys_triton(keys, w, c, out=out, pair_stride=pair_stride, imag_offset=imag_offset)
     if backend == "torch":
-        return score_keys_reference(keys, w, c, out=out)
+        return score_keys_reference(keys, w, c, out=out, pair_stride=pair_stride, imag_offset=imag_offset)
     raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
 
 
@@ -129,19 +149,23 @@ def score_keys(
     offsets: Optional[Sequence[int]] = None,
     *,
     backend: Optional[str] = None,
+    layout: str = ROTATE_HALF,
 ) -> torch.Tensor:
     """Raw TriAttention scores (trig + norm) of post-RoPE cached keys.
 
     Args:
         keys: [B, H_kv, S, D], any strides (e.g. ``storage[:, :, :S]``),
-            fp16/bf16/fp32, HF ``rotate_half`` layout: pair f is (f, f + F);
-            dims ``>= 2F`` (non-rotary part of partial-rotary heads) are ignored.
-        q_mean: complex64 [H_q, F]; query head h reads KV head ``h // (H_q // H_kv)``.
-        q_abs_mean: float32 [H_q, F].
+            fp16/bf16/fp32; dims outside the rotary pairs (non-rotary part of
+            partial-rotary heads) are ignored.
+        q_mean: complex64 [H_q, F] (shared by all rows) or [B, H_q, F] (one set
+            per row); query head h reads KV head ``h // (H_q // H_kv)``.
+        q_abs_mean: float32, same shape as ``q_mean``.
         inv_freq: [F] rotary frequencies.
         position: next-query position, int or integer tensor [B].
         offsets: future offsets (default ``DEFAULT_OFFSETS``).
         backend: see :func:`score_keys_weighted`.
+        layout: how the model pairs dims (``"rotate_half"``: f with f + F, HF's
+            default; ``"interleaved"``: 2f with 2f + 1); see ``hf_ropekv.layouts``.
 
     Returns:
         float32 [B, H_q, S].
@@ -157,7 +181,9 @@ def score_keys(
         raise ValueError(f"2F = {2 * F} rotary dims exceed head_dim {D}")
     if torch.is_tensor(position) and position.numel() not in (1, B):
         raise ValueError(f"position tensor has {position.numel()} entries, keys have batch {B}")
+    if q_mean.dim() == 3 and q_mean.shape[0] not in (1, B):
+        raise ValueError(f"per-row statistics have {q_mean.shape[0]} rows, keys have batch {B}")
     w, c = query_weights(q_mean, q_abs_mean, inv_freq, position, offsets)
     w, c = w.to(keys.device), c.to(keys.device)
-    check_score_args(keys, w, c)
-    return score_keys_weighted(keys, w, c, backend=backend)
+    check_score_args(keys, w, c, *pair_strides(layout, F))
+    return score_keys_weighted(keys, w, c, backend=backend, layout=layout)

@@ -1,7 +1,9 @@
 """Calibrated pre-RoPE query statistics (DESIGN.md §2): what the RoPE scorer needs about future queries.
 
-Per layer ``l``, query head ``h`` and rotary pair ``f`` (HF ``rotate_half`` layout: dim ``f`` pairs with
-``f + F``, ``F = rotary_dim / 2``), with ``q_f = q[f] + i q[f + F]`` the query as RoPE receives it:
+Per layer ``l``, query head ``h`` and rotary pair ``f`` (``F = rotary_dim / 2``), with ``q_f`` the complex
+number RoPE rotates (``q[f] + i q[f + F]`` in the ``rotate_half`` layout, ``q[2f] + i q[2f + 1]`` in the
+interleaved one; ``metadata["rotary_layout"]``, absent in older files: ``rotate_half``) and ``q`` the query as
+RoPE receives it:
 
 - ``q_mean[l, h, f] = E[q_f]`` (complex64)
 - ``q_abs_mean[l, h, f] = E|q_f|`` (float32)
@@ -29,6 +31,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .capture import QUERY_NORM_NAMES
+from .layouts import ROTATE_HALF, split_pairs
 from .model_info import ModelGeometry, describe
 
 logger = logging.get_logger(__name__)
@@ -47,7 +50,10 @@ _IDENTITY_FIELDS = {
     "head_dim": "head dim",
     "rotary_dim": "rotary dim",
     "rope_type": "rope type",
+    "rotary_layout": "rotary pair layout",
 }
+# Files written before the layout was recorded were all rotate_half.
+_DEFAULTS = {"rotary_layout": ROTATE_HALF}
 
 
 @dataclass
@@ -58,7 +64,7 @@ class FrequencyStats:
         q_mean: complex64 ``[L, H_q, F]``, mean of ``q[f] + i q[f+F]`` (L = every decoder layer).
         q_abs_mean: float32 ``[L, H_q, F]``, mean modulus of the same pairs.
         metadata: JSON-able dict: ``model_type, num_layers, num_q_heads, num_kv_heads, head_dim, rotary_dim,
-            rope_type, rope_theta, rope_parameters, inv_freq`` (list of floats), ``tokens`` (positions averaged;
+            rope_type, rope_theta, rope_parameters, inv_freq`` (list of floats), ``rotary_layout``, ``tokens`` (positions averaged;
             0 when unknown, e.g. imported reference files), ``source`` (the calibration text) and
             ``format_version``; from ``calibrate``, also ``weights_fingerprint`` and ``weights_source`` (the
             calibrated weights, see ``hf_ropekv.fingerprint``; absent from older files).
@@ -155,7 +161,8 @@ class FrequencyStats:
         That format (``scripts/calibrate.py``, ``save_head_frequency_stats``) is a ``torch.save`` of
         ``{"metadata": {..., "head_dim", "rope_style", "rope_type", "sampled_heads": [[layer, head], ...]},
         "stats": {"layer{LL:02d}_head{HH:02d}": {"q_mean_real": [F], "q_mean_imag": [F], "q_abs_mean": [F]}}}``
-        with ``HH`` the query (attention) head and pairs in the ``rotate_half`` layout (``rope_style="half"``).
+        with ``HH`` the query (attention) head and pairs in the ``rotate_half`` layout (``rope_style="half"``;
+        ``"interleaved"`` is accepted for models that pair dims (2f, 2f + 1), and the style must match the model).
         The file carries no model identity, so the geometry comes from ``model_or_config``; what the file does
         record (head dim, rope type / theta, inv_freq, layer and head counts) is checked against it.
 
@@ -236,10 +243,12 @@ class FrequencyStats:
         def differ(name: str, ours: Any, model: Any) -> None:
             problems.append(f"{name}: statistics have {ours!r}, the model has {model!r}")
 
+        geometry.require_rotary_layout()
         for key, label in _IDENTITY_FIELDS.items():
             model_value = getattr(geometry, key)
-            if meta.get(key) != model_value:
-                differ(label, meta.get(key), model_value)
+            ours = meta.get(key, _DEFAULTS.get(key))
+            if ours != model_value:
+                differ(label, ours, model_value)
         expected_shape = (geometry.num_layers, geometry.num_q_heads, geometry.rotary_dim // 2)
         if tuple(self.q_mean.shape) != expected_shape:
             differ("tensor shape [layers, q_heads, rotary_dim/2]", tuple(self.q_mean.shape), expected_shape)
@@ -269,8 +278,10 @@ class FrequencyAccumulator:
 
     def __init__(self, geometry: ModelGeometry, device: torch.device | str | None = None) -> None:
         self.geometry = geometry
+        self.layout = geometry.require_rotary_layout()
         self.device = torch.device(device) if device is not None else None
         self._pairs = geometry.rotary_dim // 2
+        self._heads: int | None = None  # query heads the tensors show (fewer than the model's under TP)
         # Per layer: float64 [3, H_q, F] (sum of real parts, imaginary parts, moduli) and an int64 count.
         self._sums: list[torch.Tensor | None] = [None] * geometry.num_layers
         self._counts: list[torch.Tensor | None] = [None] * geometry.num_layers
@@ -280,17 +291,21 @@ class FrequencyAccumulator:
         g = self.geometry
         if not 0 <= layer_idx < g.num_layers:
             raise IndexError(f"layer_idx {layer_idx} is out of range for a model of {g.num_layers} layers.")
-        if queries.ndim != 4 or queries.shape[2] != g.num_q_heads or queries.shape[3] < g.rotary_dim:
+        # Under tensor parallelism a rank sees its share of the heads: take whatever divides the model's count,
+        # the same count on every call.
+        heads = queries.shape[2] if queries.ndim == 4 else -1
+        if heads < 1 or g.num_q_heads % heads or queries.shape[3] < g.rotary_dim or self._heads not in (None, heads):
             raise ValueError(
-                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
-                f"got {tuple(queries.shape)}."
+                f"Expected pre-RoPE queries [batch, seq, {self._heads or g.num_q_heads} heads (or a tensor-parallel "
+                f"share of them), >= {g.rotary_dim} dims], got {tuple(queries.shape)}."
             )
+        self._heads = heads
         device = self.device or queries.device
         if device.type == "mps":  # no float64 there
             device = torch.device("cpu")
         pairs = self._pairs
         q = queries.detach()[..., : 2 * pairs].to(device=device, dtype=torch.float32)
-        real, imag = q[..., :pairs], q[..., pairs:]
+        real, imag = split_pairs(q, self.layout, pairs)
         modulus = torch.hypot(real, imag)
         parts = torch.stack((real, imag, modulus))  # [3, B, S, H, F]
         if mask is not None:
@@ -310,6 +325,8 @@ class FrequencyAccumulator:
                 f"Cannot merge query statistics of {len(other._sums)} layers x {other._pairs} pairs into "
                 f"{len(self._sums)} layers x {self._pairs} pairs: they come from different models."
             )
+        if self._heads is None:
+            self._heads = other._heads
         for layer_idx, (sums, count) in enumerate(zip(other._sums, other._counts)):
             if sums is not None:
                 self._add_sums(layer_idx, sums.clone(), count.clone())  # cloned: never alias other's sums
@@ -364,6 +381,7 @@ def geometry_metadata(geometry: ModelGeometry) -> dict[str, Any]:
         "rope_theta": geometry.rope_theta,
         "rope_parameters": _jsonable(geometry.rope_parameters),
         "inv_freq": [float(x) for x in geometry.inv_freq.tolist()],
+        "rotary_layout": geometry.rotary_layout,
     }
 
 
@@ -414,8 +432,12 @@ def _reference_tensors(
 def _check_reference_metadata(path: Path, meta: dict, geometry: ModelGeometry) -> None:
     problems: list[str] = []
     style = meta.get("rope_style", "half")
-    if style != "half":
-        problems.append(f"rope_style {style!r}: HF models pair dim f with f + rotary_dim/2 ('half')")
+    file_layout = {"half": ROTATE_HALF, "interleaved": "interleaved", "interleave": "interleaved"}.get(style)
+    if file_layout != geometry.require_rotary_layout():
+        problems.append(
+            f"rope_style {style!r}: this model pairs dims as {geometry.rotary_layout!r} "
+            "('half' is rotate_half, pairs (f, f + rotary_dim/2))"
+        )
     if "head_dim" in meta and int(meta["head_dim"]) != geometry.head_dim:
         problems.append(f"head_dim: file has {meta['head_dim']}, the model has {geometry.head_dim}")
     if meta.get("rope_type") is not None and str(meta["rope_type"]) != geometry.rope_type:

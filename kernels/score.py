@@ -2,12 +2,16 @@
 
 Both functions compute, for every query head ``h`` and cached slot ``s``::
 
-    score[b, h, s] = k[:2F] . w[b, h] + sum_f c[h, f] * sqrt(k[f]^2 + k[f+F]^2)
+    x_f = k[f * PAIR_STRIDE],  y_f = k[f * PAIR_STRIDE + IMAG_OFFSET]      (pair f of the key)
+    score[b, h, s] = sum_f (x_f w[b, h, f] + y_f w[b, h, F + f] + c[b, h, f] sqrt(x_f^2 + y_f^2))
 
 with ``k = keys[b, h // G, s]`` (``G = H_q / H_kv``, the GQA group size),
 ``w = [Re q_eff, Im q_eff]`` and ``c = clamp(A - |q_mean|, 0)`` built by
-``hf_ropekv.scoring.query_weights``.  Dimensions ``>= 2F`` (non-rotary part of
-partial-rotary heads) do not enter the score and are never read.
+``hf_ropekv.scoring.query_weights``; ``w`` and ``c`` have one row per batch row
+or a single row shared by all. The pair layout is HF's ``rotate_half``
+(``PAIR_STRIDE, IMAG_OFFSET = 1, F``) or interleaved pairs (``2, 1``; GPT-J,
+Cohere, GLM); see ``hf_ropekv.layouts``. Dimensions outside the pairs
+(non-rotary part of partial-rotary heads) do not enter the score and are never read.
 
 Scoring is memory-bound (one read of the keys), so the Triton kernel reads a
 tile of keys once and scores it for every query head of its GQA group.
@@ -21,35 +25,68 @@ import torch
 
 from ._triton import HAS_TRITON, tl, triton
 
-__all__ = ["score_keys_triton", "score_keys_reference", "check_score_args", "HAS_TRITON"]
+__all__ = ["score_keys_triton", "score_keys_reference", "check_score_args", "default_pair_layout", "HAS_TRITON"]
 
 KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_score_args(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless keys [B, H_kv, S, D], w [B or 1, H_q, 2F], c [H_q, F] fit."""
+def default_pair_layout(pairs: int) -> tuple[int, int]:
+    """``(pair_stride, imag_offset)`` of HF's ``rotate_half`` layout: pair f is (f, f + F)."""
+    return 1, pairs
+
+
+def check_score_args(
+    keys: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    pair_stride: int | None = None,
+    imag_offset: int | None = None,
+) -> tuple[torch.Tensor, int, int]:
+    """Check keys [B, H_kv, S, D], w [B or 1, H_q, 2F], c [B or 1, H_q, F] (or [H_q, F]) and the pair layout.
+
+    Returns ``(c as 3-D, pair_stride, imag_offset)``; ``None`` strides mean ``rotate_half`` (1, F).
+    Raises ``ValueError`` naming the mismatch.
+    """
     if keys.dim() != 4:
         raise ValueError(f"keys must be 4-D [B, H_kv, S, D], got shape {tuple(keys.shape)}")
     if keys.dtype not in KEY_DTYPES:
         raise ValueError(f"keys dtype must be float16, bfloat16 or float32, got {keys.dtype}")
-    if w.dim() != 3 or c.dim() not in (2, 3):
-        raise ValueError(f"w must be [B, H_q, 2F] and c [H_q, F] or [B, H_q, F], got {tuple(w.shape)} and {tuple(c.shape)}")
+    if c.dim() == 2:
+        c = c.unsqueeze(0)  # one set shared by every row
+    if w.dim() != 3 or c.dim() != 3:
+        raise ValueError(
+            f"w must be [B, H_q, 2F] and c [B, H_q, F] or [H_q, F], got {tuple(w.shape)} and {tuple(c.shape)}"
+        )
     B, H_kv, _, D = keys.shape
-    H_q, F = c.shape[-2:]
+    H_q, F = c.shape[1:]
     if tuple(w.shape[1:]) != (H_q, 2 * F):
         raise ValueError(
             f"w shape {tuple(w.shape)} does not match c shape {tuple(c.shape)} (expected [B, {H_q}, {2 * F}])"
         )
     if w.shape[0] not in (1, B):
         raise ValueError(f"w batch {w.shape[0]} must be 1 or the keys batch {B}")
+    if c.shape[0] not in (1, B):
+        raise ValueError(f"c batch {c.shape[0]} must be 1 or the keys batch {B}")
     if H_kv == 0 or H_q % H_kv != 0:
         raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
-    if F == 0 or 2 * F > D:
-        raise ValueError(f"need 0 < 2F <= head_dim, got F={F}, head_dim={D}")
+    if F == 0:
+        raise ValueError("need at least one rotary pair (F > 0)")
+    default_stride, default_offset = default_pair_layout(F)
+    pair_stride = default_stride if pair_stride is None else int(pair_stride)
+    imag_offset = default_offset if imag_offset is None else int(imag_offset)
+    if pair_stride < 1 or imag_offset < 1:
+        raise ValueError(f"pair_stride and imag_offset must be >= 1, got {pair_stride} and {imag_offset}")
+    last = pair_stride * (F - 1) + imag_offset  # the last pair's imaginary dim
+    if last >= D:
+        raise ValueError(
+            f"{F} rotary pairs with pair_stride {pair_stride} and imag_offset {imag_offset} reach dim {last}, "
+            f"beyond head_dim {D} (2F rotary dims exceed head_dim?)"
+        )
     if w.dtype != torch.float32 or c.dtype != torch.float32:
         raise ValueError(f"w and c must be float32, got {w.dtype} and {c.dtype}")
     if w.device != keys.device or c.device != keys.device:
         raise ValueError(f"keys ({keys.device}), w ({w.device}) and c ({c.device}) must be on one device")
+    return c, pair_stride, imag_offset
 
 
 # --------------------------------------------------------------------------- Triton
@@ -62,9 +99,11 @@ if HAS_TRITON:
         S,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_wb, stride_wh,
-        stride_ch,
+        stride_cb, stride_ch,
         stride_ob, stride_oh,
         F: tl.constexpr,
+        PAIR_STRIDE: tl.constexpr,
+        IMAG_OFFSET: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_F: tl.constexpr,
@@ -87,17 +126,18 @@ if HAS_TRITON:
             offs_s = (pid_s * BLOCKS_PER_PROG + i) * BLOCK_S + tl.arange(0, BLOCK_S)
             mask_s = offs_s < S
             mask = mask_s[:, None] & mask_f[None, :]
-            # Real parts k[f] and imaginary parts k[f+F]; dims >= 2F are never read.
+            # Real parts k[f * PAIR_STRIDE], imaginary parts IMAG_OFFSET further; other dims are never read.
             rows = k_base + offs_s[:, None].to(tl.int64) * stride_ks
-            x = tl.load(rows + offs_f[None, :] * stride_kd, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(rows + (offs_f[None, :] + F) * stride_kd, mask=mask, other=0.0).to(tl.float32)
+            real_d = offs_f[None, :] * PAIR_STRIDE
+            x = tl.load(rows + real_d * stride_kd, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(rows + (real_d + IMAG_OFFSET) * stride_kd, mask=mask, other=0.0).to(tl.float32)
             mag = tl.sqrt(x * x + y * y)
             for g in tl.static_range(GROUP):
                 h = hkv * GROUP + g
                 w_row = w_ptr + b * stride_wb + h * stride_wh
                 wr = tl.load(w_row + offs_f, mask=mask_f, other=0.0)
                 wi = tl.load(w_row + F + offs_f, mask=mask_f, other=0.0)
-                cc = tl.load(c_ptr + h * stride_ch + offs_f, mask=mask_f, other=0.0)
+                cc = tl.load(c_ptr + b * stride_cb + h * stride_ch + offs_f, mask=mask_f, other=0.0)
                 s = tl.sum(x * wr[None, :] + y * wi[None, :] + mag * cc[None, :], axis=1)
                 tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_s, s, mask=mask_s)
 
@@ -116,6 +156,8 @@ def score_keys_triton(
     c: torch.Tensor,
     *,
     out: Optional[torch.Tensor] = None,
+    pair_stride: Optional[int] = None,
+    imag_offset: Optional[int] = None,
     block_s: Optional[int] = None,
     blocks_per_program: Optional[int] = None,
     num_warps: Optional[int] = None,
@@ -123,8 +165,9 @@ def score_keys_triton(
 ) -> torch.Tensor:
     """Score ``keys`` [B, H_kv, S, D] (any strides) with the Triton kernel.
 
-    ``w`` [B or 1, H_q, 2F] and ``c`` [H_q, F] are float32. Returns (or fills
-    ``out``) float32 [B, H_q, S]. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
+    ``w`` [B or 1, H_q, 2F] and ``c`` [B or 1, H_q, F] (or [H_q, F]) are float32;
+    ``pair_stride`` / ``imag_offset`` give the pair layout (default ``rotate_half``:
+    1, F). Returns (or fills ``out``) float32 [B, H_q, S]. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
     Launch parameters default to what measured best on an H200 with bf16 keys
     (Triton 3.6): ~2.9 TB/s of keys read at head_dim 128 (68 % of the 4.2 TB/s
     copy bandwidth), 2.1-2.6 TB/s at head_dim 64 and 256. Small launches are
@@ -132,11 +175,11 @@ def score_keys_triton(
     """
     if not HAS_TRITON:
         raise RuntimeError("score_keys_triton needs Triton, which is not installed")
-    check_score_args(keys, w, c)
+    c, pair_stride, imag_offset = check_score_args(keys, w, c, pair_stride, imag_offset)
     if not keys.is_cuda and not _interpreting():
         raise RuntimeError("score_keys_triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     B, H_kv, S, _ = keys.shape
-    H_q, F = c.shape
+    H_q, F = c.shape[1:]
     if out is None:
         out = torch.empty((B, H_q, S), dtype=torch.float32, device=keys.device)
     elif out.shape != (B, H_q, S) or out.dtype != torch.float32 or out.stride(-1) != 1 or out.device != keys.device:
@@ -146,6 +189,7 @@ def score_keys_triton(
     w = w.contiguous()
     c = c.contiguous()
     stride_wb = 0 if w.shape[0] == 1 else w.stride(0)  # one weight set shared by all rows
+    stride_cb = 0 if c.shape[0] == 1 else c.stride(0)
 
     block_f = triton.next_power_of_2(F)
     # 32 slots per tile; a warp covers F <= 64 pairs per row, two warps above
@@ -165,9 +209,11 @@ def score_keys_triton(
         S,
         keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
         stride_wb, w.stride(1),
-        c.stride(0),
+        stride_cb, c.stride(1),
         out.stride(0), out.stride(1),
         F=F,
+        PAIR_STRIDE=pair_stride,
+        IMAG_OFFSET=imag_offset,
         GROUP=H_q // H_kv,
         BLOCK_S=block_s,
         BLOCK_F=block_f,
@@ -187,34 +233,34 @@ def score_keys_reference(
     c: torch.Tensor,
     *,
     out: Optional[torch.Tensor] = None,
+    pair_stride: Optional[int] = None,
+    imag_offset: Optional[int] = None,
     chunk: int = 4096,
 ) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`score_keys_triton` (float32 accumulation).
 
     Works slot-chunk by slot-chunk so the float32 temporaries stay small.
     """
-    check_score_args(keys, w, c)
+    c, pair_stride, imag_offset = check_score_args(keys, w, c, pair_stride, imag_offset)
     B, H_kv, S, _ = keys.shape
-    H_q, F = c.shape[-2:]
+    H_q, F = c.shape[1:]
     G = H_q // H_kv
     if out is None:
         out = torch.empty((B, H_q, S), dtype=torch.float32, device=keys.device)
     elif out.shape != (B, H_q, S) or out.dtype != torch.float32 or out.device != keys.device:
         raise ValueError(f"out must be float32 [{B}, {H_q}, {S}] on {keys.device}")
     # One [3F, G] weight matrix per (row, KV head): [Re w; Im w; c] against [x; y; |k|].
-    Bw = w.shape[0]
-    wr = w[..., :F].reshape(Bw, H_kv, G, F)
-    wi = w[..., F:].reshape(Bw, H_kv, G, F)
-    cc = c.reshape(-1, H_kv, G, F).expand(max(Bw, c.shape[0] if c.dim() == 3 else 1), H_kv, G, F)
-    if cc.shape[0] != Bw:  # per-row c with shared w
-        wr, wi = wr.expand_as(cc), wi.expand_as(cc)
-        Bw = cc.shape[0]
+    Bw = max(w.shape[0], c.shape[0])
+    wr = w[..., :F].reshape(-1, H_kv, G, F).expand(Bw, H_kv, G, F)
+    wi = w[..., F:].reshape(-1, H_kv, G, F).expand(Bw, H_kv, G, F)
+    cc = c.reshape(-1, H_kv, G, F).expand(Bw, H_kv, G, F)
     wmat = torch.cat([wr, wi, cc], dim=-1).transpose(-1, -2)  # [Bw, H_kv, 3F, G]
+    real_end = pair_stride * F
     out_v = out.view(B, H_kv, G, S)
     for s0 in range(0, S, chunk):
         k = keys[:, :, s0:s0 + chunk]
-        x = k[..., :F].float()
-        y = k[..., F:2 * F].float()
+        x = k[..., 0:real_end:pair_stride].float()
+        y = k[..., imag_offset:imag_offset + real_end:pair_stride].float()
         feats = torch.cat([x, y, torch.sqrt(x * x + y * y)], dim=-1)  # [B, H_kv, s, 3F]
         out_v[..., s0:s0 + chunk] = torch.matmul(feats, wmat).transpose(-1, -2)
     return out

@@ -321,6 +321,15 @@ def test_cache_hands_scorers_the_models_own_post_rope_queries(monkeypatch) -> No
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
     calls: list[torch.Tensor] = []  # one per layer per forward, in layer order
+    seen = []
+
+    class Spy(SnapKVScorer):
+        def score(self, keys, ctx):
+            seen.append((ctx.layer_idx, ctx.queries.clone(), ctx.query_positions.clone(), ctx.new_queries))
+            return super().score(keys, ctx)
+
+    # The recorder goes in after the cache is built: building it probes the model's rotary function once.
+    cache = RopeKVCache(model, budget=12, compress_every=4, scorer=Spy(window=3))
     apply = llama.apply_rotary_pos_emb
 
     def recording(q, k, cos, sin, *args, **kwargs):
@@ -329,14 +338,6 @@ def test_cache_hands_scorers_the_models_own_post_rope_queries(monkeypatch) -> No
         return q_rot, k_rot
 
     monkeypatch.setattr(llama, "apply_rotary_pos_emb", recording)
-    seen = []
-
-    class Spy(SnapKVScorer):
-        def score(self, keys, ctx):
-            seen.append((ctx.layer_idx, ctx.queries.clone(), ctx.query_positions.clone(), ctx.new_queries))
-            return super().score(keys, ctx)
-
-    cache = RopeKVCache(model, budget=12, compress_every=4, scorer=Spy(window=3))
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, **{cache_kwarg(model): cache})
     assert seen, "no compaction happened"
     layer, queries, positions, new = seen[0]  # the first compaction: prompt + decoding steps before it

@@ -143,6 +143,8 @@ def test_capture_layout_when_sequence_length_equals_head_count(kind):
         model(input_ids=ids, use_cache=False)
     assert not capture.attached
     for layer, expected in enumerate(_recompute_queries(model, kind, ids)):
+        # The whole head, also on StableLM, whose RoPE receives only the rotary slice of the query.
+        assert got[layer].shape[-1] == geometry.head_dim
         torch.testing.assert_close(got[layer], expected, rtol=1e-5, atol=1e-6)
 
 
@@ -155,7 +157,7 @@ def test_capture_detach_and_missing_projection_error():
         capture.detach()
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
     assert calls == [0, 1]
-    with pytest.raises(ValueError, match="could not find the query projection"):
+    with pytest.raises(ValueError, match="could not find the attention modules"):
         find_attention_modules(nn.Sequential(nn.Linear(4, 4)))
 
 

@@ -47,13 +47,14 @@ def _weights(B_w: int, H_q: int, F: int, gen: torch.Generator):
     return w, c
 
 
-def _check(keys, w, c, **kw):
-    out = torch.full((keys.shape[0], c.shape[0], keys.shape[2]), float("nan"))  # poison
-    got = kscore.score_keys_triton(keys, w, c, out=out, **kw)
+def _check(keys, w, c, pair_stride=None, imag_offset=None, **kw):
+    layout = dict(pair_stride=pair_stride, imag_offset=imag_offset)
+    out = torch.full((keys.shape[0], c.shape[-2], keys.shape[2]), float("nan"))  # poison
+    got = kscore.score_keys_triton(keys, w, c, out=out, **layout, **kw)
     assert got is out
     assert torch.isfinite(out).all(), "kernel left elements unwritten"
-    ref = kscore.score_keys_reference(keys, w, c)
-    scale = kscore.score_keys_reference(keys.abs(), w.abs(), c)  # size of the summed terms
+    ref = kscore.score_keys_reference(keys, w, c, **layout)
+    scale = kscore.score_keys_reference(keys.abs(), w.abs(), c, **layout)  # size of the summed terms
     err = ((out - ref).abs() / scale.clamp_min(1e-20)).max().item()
     assert err < 1e-5, f"max relative error {err:.3g}"
 
@@ -79,6 +80,62 @@ def test_kernel_matches_reference(H_q, H_kv, D, rotary_dim, dtype):
     w, c = _weights(B, H_q, rotary_dim // 2, gen)
     _check(keys, w, c, block_s=16)
     _check(keys, w, c, block_s=16, blocks_per_program=2)  # a loop per program, last block out of range
+
+
+def _per_row_oracle(keys, w, c, pair_stride, imag_offset):
+    """Loop over rows, heads and pairs straight from the kernel's definition (float64)."""
+    B, H_kv, S, _ = keys.shape
+    H_q, F = c.shape[-2:]
+    G = H_q // H_kv
+    out = torch.zeros(B, H_q, S, dtype=torch.float64)
+    k = keys.double()
+    for b in range(B):
+        wb, cb = w[b % w.shape[0]].double(), c[b % c.shape[0]].double()
+        for h in range(H_q):
+            for f in range(F):
+                x = k[b, h // G, :, f * pair_stride]
+                y = k[b, h // G, :, f * pair_stride + imag_offset]
+                out[b, h] += x * wb[h, f] + y * wb[h, F + f] + cb[h, f] * torch.sqrt(x * x + y * y)
+    return out
+
+
+@pytest.mark.parametrize("layout", [(1, None), (2, 1)], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("B_w,B_c", [(3, 3), (1, 3), (3, 1)])
+@pytest.mark.parametrize("D,rotary_dim", [(64, 64), (64, 40)])
+def test_per_row_statistics_and_layouts(layout, B_w, B_c, D, rotary_dim):
+    """c [B, H_q, F]: each row its own set; both pair layouts, partial rotary; poisoned out, oracle loop."""
+    gen = _gen()
+    F = rotary_dim // 2
+    pair_stride, imag_offset = layout[0], (F if layout[1] is None else layout[1])
+    keys = torch.randn(3, 2, 37, D, generator=gen).to(torch.bfloat16)
+    w = torch.randn(B_w, 4, 2 * F, generator=gen)
+    c = torch.rand(B_c, 4, F, generator=gen)
+    out = torch.full((3, 4, 37), float("nan"))
+    kscore.score_keys_triton(keys, w, c, out=out, pair_stride=pair_stride, imag_offset=imag_offset, block_s=16)
+    ref_out = torch.full((3, 4, 37), float("nan"))
+    kscore.score_keys_reference(keys, w, c, out=ref_out, pair_stride=pair_stride, imag_offset=imag_offset, chunk=8)
+    oracle = _per_row_oracle(keys, w, c, pair_stride, imag_offset)
+    scale = _per_row_oracle(keys.abs(), w.abs(), c, pair_stride, imag_offset)
+    for got in (out, ref_out):
+        assert torch.isfinite(got).all()
+        assert ((got.double() - oracle).abs() / scale.clamp_min(1e-20)).max() < 1e-5
+    # Rows really use their own c: sharing row 0's set changes the other rows.
+    if B_c == 3:
+        shared = kscore.score_keys_reference(keys, w, c[:1], pair_stride=pair_stride, imag_offset=imag_offset)
+        assert torch.allclose(shared[0], out[0], rtol=1e-5, atol=1e-4)
+        assert not torch.allclose(shared[1:], out[1:], rtol=1e-3, atol=1e-3)
+
+
+def test_layout_and_batch_errors():
+    gen = _gen()
+    keys = torch.randn(2, 1, 5, 64, generator=gen)
+    w, c = _weights(1, 2, 32, gen)
+    with pytest.raises(ValueError, match="c batch"):
+        kscore.score_keys_reference(keys, w, c.expand(3, -1, -1))
+    kscore.score_keys_reference(keys, w, c, pair_stride=2, imag_offset=1)  # 32 interleaved pairs fill 64 dims
+    for layout in ((2, 1), (1, 32)):
+        with pytest.raises(ValueError, match="beyond head_dim"):
+            kscore.score_keys_reference(keys[..., :63], w, c, pair_stride=layout[0], imag_offset=layout[1])
 
 
 def test_strided_views_and_shared_weights():

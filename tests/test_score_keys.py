@@ -31,20 +31,32 @@ def _inv_freq(F: int, theta: float = 10000.0, rotary_dim: int | None = None) -> 
     return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
 
 
-def direct_scores(keys, q_mean, q_abs, inv_freq, positions, offsets):
-    """float64 evaluation straight from the definition; returns (score, scale) [B, H_q, S]."""
-    B, H_kv, S, _ = keys.shape
-    H_q, F = q_mean.shape
-    G = H_q // H_kv
+def key_pairs(keys: torch.Tensor, F: int, layout: str) -> torch.Tensor:
+    """Complex k_f [..., F] built by hand from each layout's definition (DESIGN.md §2, hf_ropekv.layouts)."""
     k = keys.double()
-    kc = torch.complex(k[..., :F], k[..., F:2 * F])  # k_f = k[f] + i k[f+F]
-    q = q_mean.to(torch.complex128)
-    A = q_abs.double()
+    if layout == "rotate_half":  # pair f = (f, f + F)
+        return torch.complex(k[..., :F], k[..., F:2 * F])
+    assert layout == "interleaved"  # pair f = (2f, 2f + 1)
+    real = torch.stack([k[..., 2 * f] for f in range(F)], dim=-1)
+    imag = torch.stack([k[..., 2 * f + 1] for f in range(F)], dim=-1)
+    return torch.complex(real, imag)
+
+
+def direct_scores(keys, q_mean, q_abs, inv_freq, positions, offsets, layout="rotate_half"):
+    """float64 evaluation straight from the definition; returns (score, scale) [B, H_q, S].
+
+    ``q_mean`` / ``q_abs`` are [H_q, F] (shared) or [B, H_q, F] (row b uses its own set)."""
+    B, H_kv, S, _ = keys.shape
+    H_q, F = q_mean.shape[-2:]
+    G = H_q // H_kv
+    kc = key_pairs(keys, F, layout)
     omega = inv_freq.double()
     score = torch.zeros(B, H_q, S, dtype=torch.float64)
     scale = torch.zeros(B, H_q, S, dtype=torch.float64)
     for b in range(B):
         t = int(positions[b])
+        q = (q_mean[b] if q_mean.dim() == 3 else q_mean).to(torch.complex128)
+        A = (q_abs[b] if q_abs.dim() == 3 else q_abs).double()
         for h in range(H_q):
             kh = kc[b, h // G]  # [S, F]
             trig = torch.zeros(S, dtype=torch.float64)
@@ -62,9 +74,9 @@ def direct_scores(keys, q_mean, q_abs, inv_freq, positions, offsets):
     return score, scale
 
 
-def _assert_matches(got, keys, q_mean, q_abs, inv_freq, positions, offsets):
+def _assert_matches(got, keys, q_mean, q_abs, inv_freq, positions, offsets, layout="rotate_half"):
     assert got.dtype == torch.float32
-    ref, scale = direct_scores(keys, q_mean, q_abs, inv_freq, positions, offsets)
+    ref, scale = direct_scores(keys, q_mean, q_abs, inv_freq, positions, offsets, layout)
     assert got.shape == ref.shape
     assert torch.isfinite(got).all()
     rel = ((got.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
@@ -95,6 +107,65 @@ def test_score_keys_matches_formula(H_q, H_kv, D, rotary_dim, dtype, position):
     inv_freq = _inv_freq(F, theta=1e6 if D >= 128 else 1e4, rotary_dim=rotary_dim)
     got = score_keys(keys, q_mean, q_abs, inv_freq, position)
     _assert_matches(got, keys, q_mean, q_abs, inv_freq, [position] * B, DEFAULT_OFFSETS)
+
+
+@pytest.mark.parametrize("layout", ["rotate_half", "interleaved"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "H_q,H_kv,D,rotary_dim,position",
+    [(8, 2, 64, 64, 137), (4, 2, 128, 64, 10**5), (6, 3, 96, 24, 10**6), (4, 4, 32, 16, 3)],  # full and partial
+)
+def test_each_layout_matches_formula(layout, backend, H_q, H_kv, D, rotary_dim, position):
+    """The oracle builds k_f from the layout's definition; partial rotary leaves dims >= rotary_dim out."""
+    pytest.importorskip("triton") if backend == "triton" else None
+    gen = _fresh_gen()
+    F = rotary_dim // 2
+    keys = torch.randn(2, H_kv, 29, D, generator=gen)
+    q_mean, q_abs = _stats(H_q, F, gen)
+    inv_freq = _inv_freq(F, rotary_dim=rotary_dim)
+    got = score_keys(keys, q_mean, q_abs, inv_freq, position, layout=layout, backend=backend)
+    _assert_matches(got, keys, q_mean, q_abs, inv_freq, [position] * 2, DEFAULT_OFFSETS, layout)
+    # Non-rotary dims do not matter; rotary dims outside the layout's pairs would.
+    changed = keys.clone()
+    changed[..., rotary_dim:] = torch.randn(changed[..., rotary_dim:].shape, generator=gen)
+    assert torch.equal(score_keys(changed, q_mean, q_abs, inv_freq, position, layout=layout, backend=backend), got)
+    other = "interleaved" if layout == "rotate_half" else "rotate_half"
+    wrong = score_keys(keys, q_mean, q_abs, inv_freq, position, layout=other, backend=backend)
+    assert not torch.allclose(wrong, got, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["rotate_half", "interleaved"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_per_row_statistics_match_formula(layout, backend):
+    """Statistics [B, H_q, F]: row b is scored with its own set (here with per-row positions too)."""
+    pytest.importorskip("triton") if backend == "triton" else None
+    gen = _fresh_gen()
+    B, H_kv, H_q, D, F, S = 3, 2, 4, 64, 24, 33  # partial rotary: 2F = 48 < 64
+    keys = torch.randn(B, H_kv, S, D, generator=gen)
+    rows = [_stats(H_q, F, gen) for _ in range(B)]
+    q_mean = torch.stack([r[0] for r in rows])
+    q_abs = torch.stack([r[1] for r in rows])
+    inv_freq = _inv_freq(F, rotary_dim=2 * F)
+    positions = torch.tensor([40, 7_000, 123_457])
+    got = score_keys(keys, q_mean, q_abs, inv_freq, positions, layout=layout, backend=backend)
+    _assert_matches(got, keys, q_mean, q_abs, inv_freq, positions.tolist(), DEFAULT_OFFSETS, layout)
+    # Each row equals scoring that row alone with its own shared statistics.
+    for b in range(B):
+        alone = score_keys(keys[b:b + 1], q_mean[b], q_abs[b], inv_freq, int(positions[b]), layout=layout)
+        assert torch.allclose(got[b], alone[0], rtol=1e-5, atol=1e-5)
+    # One position for every row also works with per-row statistics.
+    same_t = score_keys(keys, q_mean, q_abs, inv_freq, 500, layout=layout, backend=backend)
+    _assert_matches(same_t, keys, q_mean, q_abs, inv_freq, [500] * B, DEFAULT_OFFSETS, layout)
+
+
+def test_per_row_statistics_shape_errors():
+    gen = _fresh_gen()
+    keys = torch.randn(2, 2, 10, 64, generator=gen)
+    q_mean = torch.complex(torch.randn(3, 4, 32, generator=gen), torch.randn(3, 4, 32, generator=gen))
+    with pytest.raises(ValueError, match="rows"):
+        score_keys(keys, q_mean, q_mean.abs(), _inv_freq(32), 5)
+    with pytest.raises(ValueError, match="layout"):
+        score_keys(keys, q_mean[:2], q_mean[:2].abs(), _inv_freq(32), 5, layout="neox")
 
 
 def test_per_row_positions_custom_offsets_strided_view():
@@ -142,7 +213,7 @@ def test_query_weights_shapes_and_dtypes():
     inv_freq = _inv_freq(32)
     w, c = query_weights(q_mean, q_abs, inv_freq, 12)
     assert w.shape == (1, 6, 64) and w.dtype == torch.float32
-    assert c.shape == (6, 32) and c.dtype == torch.float32 and (c >= 0).all()
+    assert c.shape == (1, 6, 32) and c.dtype == torch.float32 and (c >= 0).all()
     w3, _ = query_weights(q_mean, q_abs, inv_freq, torch.tensor([12, 13, 14]))
     assert w3.shape == (3, 6, 64)
     assert torch.equal(w3[0], w[0])
@@ -206,3 +277,36 @@ def test_default_offsets():
     assert DEFAULT_OFFSETS == tuple(2**i for i in range(17))
     assert DEFAULT_OFFSETS[-1] == 65536 and len(DEFAULT_OFFSETS) == 17
     assert math.isclose(sum(DEFAULT_OFFSETS), 2**17 - 1)
+
+
+def test_frequency_scorer_passes_per_row_statistics_through():
+    """``stats.for_layer`` may return [B, H_q, F]: row b is scored with its own set, in the stats' layout."""
+    from hf_ropekv.scorers.base import ScoreContext
+    from hf_ropekv.scorers.frequency import FrequencyScorer
+
+    gen = _fresh_gen()
+    B, H_kv, H_q, F, S = 2, 2, 4, 16, 21
+    keys = torch.randn(B, H_kv, S, 2 * F, generator=gen)
+    rows = [_stats(H_q, F, gen) for _ in range(B)]
+    inv_freq = _inv_freq(F)
+
+    class PerRowStats:
+        metadata = {"inv_freq": inv_freq.tolist(), "rotary_layout": "interleaved"}
+
+        def for_layer(self, layer_idx):
+            return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+    class SharedStats(PerRowStats):
+        def __init__(self, row):
+            self.row = row
+
+        def for_layer(self, layer_idx):
+            return rows[self.row]
+
+    ctx = ScoreContext(layer_idx=0, position=torch.tensor([30, 31]), tokens_seen=31,
+                       slot_positions=torch.arange(S).expand(B, H_kv, S), candidates=torch.ones(B, H_kv, S, dtype=torch.bool))
+    got = FrequencyScorer(PerRowStats()).score(keys, ctx)
+    for b in range(B):
+        alone = FrequencyScorer(SharedStats(b)).score(keys, ctx)
+        assert torch.allclose(got[b], alone[b], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[0], FrequencyScorer(SharedStats(1)).score(keys, ctx)[0], rtol=1e-3, atol=1e-3)

@@ -235,3 +235,98 @@ def test_reference_pt_import_refuses_mismatches(tmp_path):
     torch.save({"metadata": {}, "layer_stats": {0: {}}}, path)
     with pytest.raises(ValueError, match="per KV head"):
         FrequencyStats.from_reference_pt(path, config)
+
+
+# ---------------------------------------------------------------------- rotary layout
+def _cohere_config(**overrides):
+    from transformers import CohereConfig
+
+    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    kwargs.update(overrides)
+    return CohereConfig(**kwargs)
+
+
+def test_accumulator_pairs_dims_as_the_model_does():
+    """Interleaved models (Cohere): q_f = q[2f] + i q[2f + 1], written out here by index."""
+    geometry = describe(_cohere_config())
+    assert geometry.rotary_layout == "interleaved"
+    pairs = geometry.rotary_dim // 2
+    q = torch.randn(2, 6, geometry.num_q_heads, geometry.head_dim, generator=torch.Generator().manual_seed(4)) + 0.5
+    acc = FrequencyAccumulator(geometry)
+    for layer in range(geometry.num_layers):
+        acc.add(layer, q)
+    stats = acc.to_stats(source="unit test")
+    assert stats.metadata["rotary_layout"] == "interleaved"
+    flat = q.flatten(0, 1).double()
+    z = torch.complex(flat[..., [2 * f for f in range(pairs)]], flat[..., [2 * f + 1 for f in range(pairs)]])
+    torch.testing.assert_close(stats.q_mean[0], z.mean(0).to(torch.complex64), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.q_abs_mean[1], z.abs().mean(0).float(), rtol=1e-5, atol=1e-6)
+
+
+def test_layout_is_recorded_and_checked_on_load(tmp_path):
+    cohere = describe(_cohere_config())
+    stats = _random_stats(cohere)
+    stats.save(tmp_path / "cohere.safetensors")
+    loaded = FrequencyStats.load(tmp_path / "cohere.safetensors")
+    assert loaded.metadata["rotary_layout"] == "interleaved"
+    loaded.check_compatible(cohere)
+    # The same statistics claimed by a rotate_half model of the same shape are refused, naming the layout.
+    loaded.metadata["rotary_layout"] = "rotate_half"
+    with pytest.raises(ValueError, match="rotary pair layout"):
+        loaded.check_compatible(cohere)
+    # Files written before the field existed were rotate_half: fine for rotate_half models, refused otherwise.
+    del loaded.metadata["rotary_layout"]
+    with pytest.raises(ValueError, match="rotary pair layout: statistics have 'rotate_half'"):
+        loaded.check_compatible(cohere)
+    qwen3 = describe(_qwen3_config())
+    old = _random_stats(qwen3)
+    del old.metadata["rotary_layout"]
+    old.save(tmp_path / "old.safetensors")
+    FrequencyStats.load(tmp_path / "old.safetensors").check_compatible(qwen3)
+
+
+def test_reference_pt_rope_style_must_match_the_models_layout(tmp_path):
+    config = _cohere_config()
+    geometry = describe(config)
+    payload = _reference_payload(2, 4, geometry.rotary_dim // 2, geometry.head_dim)
+    path = tmp_path / "cohere_half.pt"
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match="rope_style 'half'.*interleaved"):
+        FrequencyStats.from_reference_pt(path, config)
+    payload["metadata"]["rope_style"] = "interleaved"
+    torch.save(payload, path)
+    stats = FrequencyStats.from_reference_pt(path, config)
+    assert stats.metadata["rotary_layout"] == "interleaved"
+    stats.check_compatible(geometry)
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+def test_accumulator_takes_a_tensor_parallel_share_of_the_heads():
+    """Under tp_plan="auto" a rank's attention shows num_heads / world query heads."""
+    geometry = describe(_qwen3_config())  # 4 query heads
+    acc = FrequencyAccumulator(geometry)
+    q = torch.randn(2, 5, 2, geometry.head_dim, generator=torch.Generator().manual_seed(2))
+    for layer in range(geometry.num_layers):
+        acc.add(layer, q)
+    assert acc.to_stats(source="rank share").q_mean.shape == (2, 2, geometry.rotary_dim // 2)
+    with pytest.raises(ValueError, match="2 heads"):
+        acc.add(0, torch.randn(2, 5, 4, geometry.head_dim))  # then the whole model's heads: inconsistent
+    with pytest.raises(ValueError, match="heads"):
+        FrequencyAccumulator(geometry).add(0, torch.randn(2, 5, 3, geometry.head_dim))  # 3 does not divide 4
+
+
+def test_scorer_slices_whole_model_statistics_to_the_local_kv_heads(monkeypatch):
+    from hf_ropekv.scorers import frequency
+
+    stats = _random_stats(describe(_qwen3_config()))  # 4 query heads, 2 KV heads
+    q_mean, q_abs = stats.for_layer(0)
+    same = frequency._heads_of_this_rank(q_mean, q_abs, 2, stats.metadata)
+    assert same[0] is q_mean
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    for rank in (0, 1):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+        local_mean, local_abs = frequency._heads_of_this_rank(q_mean, q_abs, 1, stats.metadata)
+        assert torch.equal(local_mean, q_mean[2 * rank : 2 * rank + 2]) and torch.equal(local_abs, q_abs[2 * rank : 2 * rank + 2])
+    # Statistics gathered on the rank (online) already hold its share.
+    assert frequency._heads_of_this_rank(q_mean[:2], q_abs[:2], 1, stats.metadata)[0].shape[0] == 2

@@ -1,0 +1,43 @@
+"""How a model pairs head dimensions into the complex numbers RoPE rotates (DESIGN.md §2).
+
+Pair ``f`` (``0 <= f < F``, ``F = rotary_dim / 2``) is ``x_f = x[real(f)] + i x[imag(f)]`` with
+
+- ``"rotate_half"`` (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, Falcon, ...): ``real = f``, ``imag = f + F``;
+- ``"interleaved"`` (GPT-J, CodeGen, Cohere, GLM, ...): ``real = 2f``, ``imag = 2f + 1``.
+
+Both are ``real = f * pair_stride`` and ``imag = real + imag_offset``: the kernel takes those two integers.
+Dimensions ``>= rotary_dim`` (partial rotary) are not rotated and never scored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROTATE_HALF = "rotate_half"
+INTERLEAVED = "interleaved"
+LAYOUTS = (ROTATE_HALF, INTERLEAVED)
+
+
+def check_layout(layout: str) -> str:
+    """``layout`` itself, or ``ValueError`` naming the known layouts."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"rotary layout must be one of {LAYOUTS}, got {layout!r}.")
+    return layout
+
+
+def pair_strides(layout: str, pairs: int) -> tuple[int, int]:
+    """``(pair_stride, imag_offset)``: pair ``f`` is dims ``f * pair_stride`` and ``f * pair_stride + imag_offset``."""
+    check_layout(layout)
+    return (1, pairs) if layout == ROTATE_HALF else (2, 1)
+
+
+def split_pairs(x: torch.Tensor, layout: str, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(real, imag)`` parts ``[..., F]`` of the rotary pairs of ``x [..., D]`` (views, no copy)."""
+    stride, offset = pair_strides(layout, pairs)
+    return x[..., 0 : stride * pairs : stride], x[..., offset : offset + stride * pairs : stride]
+
+
+def to_complex(x: torch.Tensor, layout: str, pairs: int) -> torch.Tensor:
+    """The rotary pairs of ``x [..., D]`` as complex numbers ``[..., F]`` (float64 input gives complex128)."""
+    real, imag = split_pairs(x, layout, pairs)
+    return torch.complex(real, imag)
