@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .layouts import split_pairs
 from .model_info import ModelGeometry
 
 
@@ -52,6 +53,7 @@ class OnlineStatistics:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
         self.half_life = half_life
+        self._layout = geometry.require_rotary_layout()  # how the model pairs dims (rotate_half / interleaved)
         self._pairs = geometry.rotary_dim // 2
         self.reset()
 
@@ -75,7 +77,7 @@ class OnlineStatistics:
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Take one layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
         g = self.geometry
-        if queries.ndim != 4 or queries.shape[2] != g.num_q_heads or queries.shape[3] < g.rotary_dim:
+        if queries.ndim != 4 or g.num_q_heads % queries.shape[2] or queries.shape[3] < g.rotary_dim:  # TP: a share
             raise ValueError(
                 f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
                 f"got {tuple(queries.shape)}."
@@ -142,7 +144,8 @@ class OnlineStatistics:
             self._snapshot = RowStatistics(
                 q_mean=tuple(q_mean),
                 q_abs_mean=tuple(q_abs),
-                metadata={"inv_freq": self.geometry.inv_freq.tolist(), "source": "online: the cache's own queries"},
+                metadata={"inv_freq": self.geometry.inv_freq.tolist(), "rotary_layout": self._layout,
+                          "source": "online: the cache's own queries"},
                 tokens=first.clone(),
             )
         return self._snapshot
@@ -166,7 +169,7 @@ class OnlineStatistics:
         """``[..., H, D]`` queries -> float32 ``[..., 3, H, F]``: real parts, imaginary parts, moduli."""
         pairs = self._pairs
         q = q[..., : 2 * pairs].float()
-        real, imag = q[..., :pairs], q[..., pairs:]
+        real, imag = split_pairs(q, self._layout, pairs)
         return torch.stack((real, imag, torch.hypot(real, imag)), dim=-3)
 
     def _row_sums(self, queries: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from .layouts import ROTATE_HALF, pair_strides
 from .model_info import ModelGeometry
 
 
-def rotate(queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE (``rotate_half`` pairs ``(f, f + F)``) to ``queries [B, S, H, D]`` at ``positions [B, S]``.
+def rotate(
+    queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, layout: str = ROTATE_HALF
+) -> torch.Tensor:
+    """Apply RoPE (pairs of ``layout``, see ``hf_ropekv.layouts``) to ``queries [B, S, H, D]`` at ``positions [B, S]``.
 
     Dimensions beyond ``2F`` (partial rotary) pass through. Phases are computed in float64.
     """
@@ -26,8 +29,12 @@ def rotate(queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     angle = positions.to(torch.float64)[..., None] * inv_freq.to(queries.device, torch.float64)  # [B, S, F]
     cos, sin = angle.cos().float()[:, :, None, :], angle.sin().float()[:, :, None, :]
     q = queries.float()
-    x, y = q[..., :pairs], q[..., pairs : 2 * pairs]
-    return torch.cat([x * cos - y * sin, y * cos + x * sin, q[..., 2 * pairs :]], dim=-1)
+    stride, offset = pair_strides(layout, pairs)
+    real, imag = slice(0, stride * pairs, stride), slice(offset, offset + stride * pairs, stride)
+    x, y = q[..., real], q[..., imag]
+    out = q.clone()
+    out[..., real], out[..., imag] = x * cos - y * sin, y * cos + x * sin
+    return out
 
 
 class QueryWindow:
@@ -68,7 +75,7 @@ class QueryWindow:
         if self._forward is None:
             return
         index, rope = self._forward
-        rotated = rotate(queries.detach(), rope.to(queries.device), self.geometry.inv_freq)
+        rotated = rotate(queries.detach(), rope.to(queries.device), self.geometry.inv_freq, self.geometry.rotary_layout)
         self._pending[layer_idx] = rotated.to(queries.dtype).transpose(1, 2)  # [B, H, S, D]
 
     def end_forward(self) -> None:
