@@ -197,3 +197,39 @@ def test_long_task_skips_prompts_that_do_not_fit(tmp_path: Path) -> None:
     assert small["n"] == 0 and small["skipped"] == 4  # both prompts longer than the budget: skipped, no crash
     assert large["n"] == 4 and large["skipped"] == 0
     assert result["settings"]["max_new_tokens"] == 10
+
+
+# ---------------------------------------------------------------------------------------------- model transfer
+def test_ship_model_round_trip_and_cold_machine(tmp_path: Path) -> None:
+    import os
+
+    import ship_model
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(os.urandom(1000))
+    parts = tmp_path / "parts"
+    manifest = ship_model.split(source, parts, piece_bytes=300)
+    assert [p["bytes"] for p in manifest["pieces"]] == [300, 300, 300, 100]
+
+    def call(*names: str) -> tuple[int, Path]:  # one device call carrying the manifest and these pieces
+        carried = tmp_path / "call"
+        if carried.exists():
+            for f in carried.iterdir():
+                f.unlink()
+        carried.mkdir(exist_ok=True)
+        (carried / "manifest.json").write_bytes((parts / "manifest.json").read_bytes())
+        for name in names:
+            (carried / name).write_bytes((parts / name).read_bytes())
+        target = tmp_path / "target.gguf"
+        return ship_model.append(carried, target), target
+
+    assert call("piece_00")[0] == ship_model.EXIT_PROGRESS
+    assert call("piece_02")[0] == ship_model.EXIT_GAP  # piece_01 skipped
+    assert call("piece_01")[0] == ship_model.EXIT_PROGRESS
+    assert call("piece_01")[0] == ship_model.EXIT_PROGRESS  # resent: already there, not appended twice
+    rc, target = call("piece_02", "piece_03")
+    assert rc == 0 and target.read_bytes() == source.read_bytes()
+    target.unlink()  # the machine went cold
+    assert call("piece_03")[0] == ship_model.EXIT_GAP
+    target.write_bytes(b"x" * 1000)  # right size, wrong bytes
+    assert call()[0] == ship_model.EXIT_CHECKSUM
