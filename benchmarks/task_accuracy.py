@@ -471,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=["gsm8k", "long"], default="gsm8k")
     p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="only combine these results.json files of earlier runs into --out (no model runs)")
     p.add_argument("--policies", default="full,default,rope-per-layer,rope-calibrated-per-layer,recency,random")
     p.add_argument("--gaps", default="48,96,160", help="gsm8k: budget = longest prompt of the batch + G")
     p.add_argument("--budgets", default="256,512,1024", help="long task: absolute budgets")
@@ -492,7 +494,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--commit", default=None, help="git commit of the code (the GPU machine has no .git)")
     p.add_argument("--save-texts", action="store_true", help="keep every generated text in results.json")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no (policy, budget) that the last one's wall time says would end past this")
     return p
+
+
+def merge(paths: Sequence[str], out: Path) -> list[dict[str, Any]]:
+    """One results.json / results.md from the results of several runs of the same task (e.g. one per device
+    call): rows are concatenated (a later file's row replaces an earlier one of the same policy and budget) and
+    the summaries, ratios and paired counts recomputed; the first file's metadata heads the result."""
+    merged: dict[tuple[str, Any], dict[str, Any]] = {}
+    meta: dict[str, Any] | None = None
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if meta is None:
+            meta = {k: v for k, v in data.items() if k not in ("rows", "summary")}
+            meta["merged_from"] = []
+        elif data["settings"]["task"] != meta["settings"]["task"]:
+            raise ValueError(f"{path} is a {data['settings']['task']} run, the first file a "
+                             f"{meta['settings']['task']} run: merge one task at a time")
+        meta["merged_from"].append({"path": str(path), "date": data["date"], "commit": data["commit"],
+                                    "argv": data["argv"]})
+        for row in data["rows"]:
+            merged[(row["policy"], row["budget"])] = row
+    if meta is None:
+        raise ValueError("--merge needs at least one results.json")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = list(merged.values())
+    write_results(out, meta, rows)
+    print((out / "results.md").read_text(), flush=True)
+    return rows
 
 
 def _ints(text: str) -> list[int]:
@@ -502,6 +533,8 @@ def _ints(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, problems: list[Problem] | None = None):
     """Run the benchmark; ``model`` / ``tokenizer`` / ``problems`` replace the loaded ones (tests)."""
     args = build_parser().parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     if args.max_new_tokens is None:
         args.max_new_tokens = 400 if args.task == "gsm8k" else 2600
     t0 = time.perf_counter()
@@ -553,26 +586,34 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
     meta.update(prompt_tokens={"min": min(lengths), "max": max(lengths), "mean": statistics.fmean(lengths)},
                 stop_token_ids=stop_ids, pad_token_id=pad_id, long_min_free=LONG_MIN_FREE)
     rows: list[dict[str, Any]] = []
-    for policy in policies:
-        settings: list[int | None] = [None] if policy.is_full else (gaps if args.task == "gsm8k" else budgets)
-        for setting in settings:
-            if setting is None:
-                budget_of: Callable[[list[Unit]], int | None] = lambda batch: None
-            elif args.task == "gsm8k":
-                budget_of = lambda batch, g=setting: max(len(u.prompt) for u in batch) + g
-            else:
-                budget_of = lambda batch, b=setting: b
-            tag = f"{policy.label} {'G' if args.task == 'gsm8k' else 'budget'}={setting}"
-            row = run_policy(model, tokenizer, units, policy, budget_of, args, stats, pad_id, stop_ids, log, tag)
-            row["budget"] = setting
-            rows.append(row)
-            if stats is not None and stats.source:
-                meta["calibration"] = stats.source
+    last_wall = 0.0
+    plan = [(policy, setting) for policy in policies
+            for setting in ([None] if policy.is_full else (gaps if args.task == "gsm8k" else budgets))]
+    for n_done, (policy, setting) in enumerate(plan):
+        if args.max_minutes is not None and time.perf_counter() - t0 + last_wall > 60 * args.max_minutes:
+            left = ", ".join(f"{p.label}@{g}" for p, g in plan[n_done:])
+            log(f"stopped by --max-minutes {args.max_minutes}: not run: {left}")
+            meta["not_run"] = left
             write_results(out, meta, rows)
-            s = summarize(rows)[-1]
-            log(f"{tag}: {_pct(s['accuracy'])} ({s['correct']}/{s['n']}), ratio to full "
-                f"{'' if s['ratio_to_full'] is None else round(s['ratio_to_full'], 3)}, lost/gained "
-                f"{s['lost_vs_full']}/{s['gained_vs_full']}, skipped {s['skipped']}, {s['wall_s']:.1f} s")
+            break
+        if setting is None:
+            budget_of: Callable[[list[Unit]], int | None] = lambda batch: None
+        elif args.task == "gsm8k":
+            budget_of = lambda batch, g=setting: max(len(u.prompt) for u in batch) + g
+        else:
+            budget_of = lambda batch, b=setting: b
+        tag = f"{policy.label} {'G' if args.task == 'gsm8k' else 'budget'}={setting}"
+        row = run_policy(model, tokenizer, units, policy, budget_of, args, stats, pad_id, stop_ids, log, tag)
+        row["budget"] = setting
+        rows.append(row)
+        last_wall = row["wall_s"]
+        if stats is not None and stats.source:
+            meta["calibration"] = stats.source
+        write_results(out, meta, rows)
+        s = summarize(rows)[-1]
+        log(f"{tag}: {_pct(s['accuracy'])} ({s['correct']}/{s['n']}), ratio to full "
+            f"{'' if s['ratio_to_full'] is None else round(s['ratio_to_full'], 3)}, lost/gained "
+            f"{s['lost_vs_full']}/{s['gained_vs_full']}, skipped {s['skipped']}, {s['wall_s']:.1f} s")
     log(f"done: {out / 'results.md'}")
     print((out / "results.md").read_text(), flush=True)
     return rows

@@ -242,3 +242,24 @@ def test_ship_model_round_trip_and_cold_machine(tmp_path: Path) -> None:
     assert call("piece_03")[0] == ship_model.EXIT_GAP
     target.write_bytes(b"x" * 1000)  # right size, wrong bytes
     assert call()[0] == ship_model.EXIT_CHECKSUM
+
+
+def test_max_minutes_stops_cleanly_and_merge_combines_runs(tmp_path: Path) -> None:
+    model, tok, probs = tiny_model("llama"), CharTokenizer(), fake_problems()
+    common = ["--problems", "0-2", "--calib-problems", "600-601", "--gaps", "4,8", "--compress-every", "4",
+              "--max-new-tokens", "6"]
+    task_accuracy.main(["--out", str(tmp_path / "a"), "--policies", "full,recency", "--max-minutes", "0", *common],
+                       model=model, tokenizer=tok, problems=probs)
+    stopped = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert stopped["rows"] == [] and stopped["not_run"] == "full@None, recency@4, recency@8"
+    task_accuracy.main(["--out", str(tmp_path / "a"), "--policies", "full", *common],
+                       model=model, tokenizer=tok, problems=probs)
+    task_accuracy.main(["--out", str(tmp_path / "b"), "--policies", "recency", *common, "--gaps", "4"],
+                       model=model, tokenizer=tok, problems=probs)
+    b = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert b["summary"][0]["lost_vs_full"] is None  # no full row in this run
+    task_accuracy.main(["--out", str(tmp_path / "m"), "--merge", str(tmp_path / "a" / "results.json"),
+                        str(tmp_path / "b" / "results.json")])
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert [(r["policy"], r["budget"]) for r in merged["summary"]] == [("full", None), ("recency", 4)]
+    assert merged["summary"][1]["paired_n"] == 3 and len(merged["merged_from"]) == 2
