@@ -263,3 +263,11 @@ def test_max_minutes_stops_cleanly_and_merge_combines_runs(tmp_path: Path) -> No
     merged = json.loads((tmp_path / "m" / "results.json").read_text())
     assert [(r["policy"], r["budget"]) for r in merged["summary"]] == [("full", None), ("recency", 4)]
     assert merged["summary"][1]["paired_n"] == 3 and len(merged["merged_from"]) == 2
+
+
+def test_make_batches_in_order_or_by_length() -> None:
+    units = [task_accuracy.Unit([p], [1] * n) for p, n in zip(fake_problems(), (5, 2, 9, 3, 7))]
+    by_order = task_accuracy.make_batches(units, 2, sort_by_length=False)
+    assert [[len(u.prompt) for u in b] for b in by_order] == [[5, 2], [9, 3], [7]]
+    by_length = task_accuracy.make_batches(units, 2, sort_by_length=True)
+    assert [[len(u.prompt) for u in b] for b in by_length] == [[2, 3], [5, 7], [9]]
