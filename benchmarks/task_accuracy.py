@@ -81,7 +81,13 @@ def _import_hf_ropekv():
     try:
         from common import import_hf_ropekv
     except ImportError:
-        return importlib.import_module("hf_ropekv")
+        module = importlib.import_module("hf_ropekv")
+        try:
+            importlib.import_module("hf_ropekv.kernels")
+        except ImportError:
+            raise ImportError("hf_ropekv.kernels is missing: in a checkout run `ln -s ../kernels hf_ropekv/kernels` "
+                              "(or `pip install -e .`) first") from None
+        return module
     return import_hf_ropekv()
 
 
