@@ -369,7 +369,8 @@ def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_o
         if not fits:
             continue
         budgets_used.append(budget)
-        cache = make_cache(model, policy, budget, args.compress_every, args.protect_prompt == "on", stats) if budget is not None else None
+        pinned = args.protect_prompt == "on"
+        cache = None if budget is None else make_cache(model, policy, budget, args.compress_every, pinned, stats)
         _sync(device)
         start = time.perf_counter()
         rows, positions = generate_batch(model, [u.prompt for u in fits], pad_id, stop_ids, args.max_new_tokens, cache)
