@@ -146,7 +146,9 @@ def make_cache(
     future_queries: list[torch.Tensor] | None = None,
 ) -> RopeKVCache:
     """A fresh cache of ``policy`` (see :data:`POLICIES`); nothing is pinned (``protect_prompt=False``)."""
-    common = dict(compress_every=compress_every, protect_prompt=False, seed=seed)
+    # The paper's operating point, pinned so that these regression figures keep their meaning when the
+    # library's defaults move (selection="global" below unless the policy says per-layer).
+    common = dict(compress_every=compress_every, protect_prompt=False, seed=seed, window=0, stats_half_life=None)
     if policy == "full" or budget is None:
         return RopeKVCache(model, None, **common)
     if policy in ("rope-offline", "rope-code", "rope-offline-pl"):
@@ -156,13 +158,13 @@ def make_cache(
         selection = "per_layer" if policy.endswith("-pl") else "global"
         return RopeKVCache(model, budget, stats=stats[source], selection=selection, **common)
     if policy == "rope-online":
-        return RopeKVCache(model, budget, **common)  # stats=None + the model: gathered online
+        return RopeKVCache(model, budget, selection="global", **common)  # stats=None + the model: gathered online
     if policy == "streaming":
-        return RopeKVCache(model, budget, scorer=RecencyScorer(), sink=STREAMING_SINK, **common)
+        return RopeKVCache(model, budget, scorer=RecencyScorer(), sink=STREAMING_SINK, selection="global", **common)
     if policy == "keynorm":
-        return RopeKVCache(model, budget, scorer=KeyNormScorer(), **common)
+        return RopeKVCache(model, budget, scorer=KeyNormScorer(), selection="global", **common)
     if policy == "random":
-        return RopeKVCache(model, budget, scorer=RandomScorer(seed), **common)
+        return RopeKVCache(model, budget, scorer=RandomScorer(seed), selection="global", **common)
     if policy == "oracle-pl":
         if future_queries is None:
             raise ValueError("the oracle policy needs the stream's future queries (evaluate_sample computes them)")

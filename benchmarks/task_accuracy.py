@@ -12,8 +12,12 @@ Two tasks, one model load, every policy in one process:
 Policies (``--policies``, comma-separated; ``NAME:key=value,key=value`` overrides RopeKVCache arguments, and
 ``scorer.key=value`` the scorer's), e.g. ``default:selection=per_layer,window=16,compress_every=32``::
 
-    full  default  rope-global  rope-per-layer  rope-calibrated  rope-calibrated-per-layer  window16  sink4
-    recency  streaming  random  keynorm  snapkv  h2o  rkv
+    full  default  paper  rope-global  rope-per-layer  rope-calibrated  rope-calibrated-per-layer  window16
+    sink4  recency  streaming  random  keynorm  snapkv  h2o  rkv
+
+``default`` is ``RopeKVCache(model, budget)`` as the library ships it; every other name pins the options it
+depends on (``paper``: global selection, no window, uniform online statistics: the TriAttention operating
+point and the library's default before 2026-12-01).
 
 ``rope-calibrated*`` use statistics calibrated on GSM8K problems ``--calib-problems`` (600-999: question and
 reference solution in the chat template), computed once per run and saved (``--stats`` reuses a file).
@@ -54,22 +58,28 @@ CALIBRATED = "calibrated"  # the `stats` value that means "the statistics of --c
 
 #: base policy -> (scorer class in hf_ropekv.scorers or None for the RoPE scorer, RopeKVCache arguments).
 #: "full" is no RopeKVCache at all (generate's own DynamicCache).
+# Every policy but "default" pins the RopeKVCache options it depends on, so its rows mean the same thing when
+# the library's defaults move. "paper" is the TriAttention operating point (hf_ropekv's default before
+# 2026-12-01, the "default" rows of benchmarks/results/task_accuracy_2026-12-01_a30dba5).
+_PAPER = {"selection": "global", "window": 0, "stats_half_life": None}
+_PLAIN = {"window": 0}  # reference scorers: nothing protected but the pinned prompt
 BASE_POLICIES: dict[str, tuple[str | None, dict[str, Any]]] = {
     "full": (None, {}),
     "default": (None, {}),
-    "rope-global": (None, {"selection": "global"}),
-    "rope-per-layer": (None, {"selection": "per_layer"}),
-    "rope-calibrated": (None, {"stats": CALIBRATED, "selection": "global"}),
-    "rope-calibrated-per-layer": (None, {"stats": CALIBRATED, "selection": "per_layer"}),
-    "window16": (None, {"window": 16}),
-    "sink4": (None, {"sink": 4}),
-    "recency": ("RecencyScorer", {}),
-    "streaming": ("RecencyScorer", {"sink": 4}),
-    "random": ("RandomScorer", {}),
-    "keynorm": ("KeyNormScorer", {}),
-    "snapkv": ("SnapKVScorer", {}),
-    "h2o": ("H2OScorer", {}),
-    "rkv": ("RKVScorer", {}),
+    "paper": (None, _PAPER),
+    "rope-global": (None, {**_PAPER}),
+    "rope-per-layer": (None, {**_PAPER, "selection": "per_layer"}),
+    "rope-calibrated": (None, {**_PAPER, "stats": CALIBRATED}),
+    "rope-calibrated-per-layer": (None, {**_PAPER, "stats": CALIBRATED, "selection": "per_layer"}),
+    "window16": (None, {**_PAPER, "window": 16}),
+    "sink4": (None, {**_PAPER, "sink": 4}),
+    "recency": ("RecencyScorer", _PLAIN),
+    "streaming": ("RecencyScorer", {**_PLAIN, "sink": 4}),
+    "random": ("RandomScorer", _PLAIN),
+    "keynorm": ("KeyNormScorer", _PLAIN),
+    "snapkv": ("SnapKVScorer", _PLAIN),
+    "h2o": ("H2OScorer", _PLAIN),
+    "rkv": ("RKVScorer", _PLAIN),
 }
 _SCORER_DEFAULTS = {"RandomScorer": {"seed": 0}}
 

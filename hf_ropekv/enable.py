@@ -52,7 +52,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
 from . import _compat
-from .cache import RopeKVCache, _check_options
+from .cache import RopeKVCache, _check_options, default_window
 from .model_info import ModelGeometry, describe
 from .summary import CacheSummary
 
@@ -275,7 +275,8 @@ def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[
     }
     merged = {**defaults, **options}
     _check_options(
-        budget, merged["compress_every"], merged["page_size"], merged["window"], merged["sink"], merged["selection"]
+        budget, merged["compress_every"], merged["page_size"], default_window(merged["window"], budget), merged["sink"],
+        merged["selection"],
     )
     geometry = describe(model)  # raises ValueError for models the cache cannot hold
     scorer = options.get("scorer")

@@ -16,12 +16,12 @@ class Guards:
     Attributes:
         pinned: token indices (padding included) below this are the pinned prompt.
         sink: the first ``sink`` real tokens of each row (attention sinks).
-        window: the ``window`` most recent tokens.
+        window: the ``window`` most recent tokens (an int, or int64 ``[B]``: one per row).
     """
 
     pinned: int = 0
     sink: int = 0
-    window: int = 0
+    window: int | torch.Tensor = 0
 
 
 def slot_masks(
@@ -41,8 +41,11 @@ def slot_masks(
     is_hole = (slot[None, None, :] < holes.to(device).view(-1, 1, 1)).expand(slot_positions.shape)
     real_index = slot_positions - pads.to(device).view(-1, 1, 1)
     protected = (slot_positions < guards.pinned) | (real_index < guards.sink)
-    if guards.window:
-        protected |= slot_positions >= tokens_seen - guards.window
+    window = guards.window
+    if isinstance(window, torch.Tensor):
+        protected |= slot_positions >= tokens_seen - window.to(device).view(-1, 1, 1)
+    elif window:
+        protected |= slot_positions >= tokens_seen - window
     return is_hole, protected & ~is_hole
 
 

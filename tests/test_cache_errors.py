@@ -171,3 +171,17 @@ def test_generate_continues_after_a_crop() -> None:
     got = model.generate(past_key_values=cache, **again, **kw)
     want = model.generate(past_key_values=reference, **again, **kw)
     assert torch.equal(got, want)
+
+
+def test_default_window_yields_to_a_long_pinned_prompt_but_an_explicit_one_is_kept() -> None:
+    """The default recent window (min(32, budget // 4)) shrinks to what the budget leaves beside the pinned
+    prompt; a window the caller asked for is a guarantee, so it raises instead of being cut."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(14, 9))
+    cache = RopeKVCache(model, budget=16, compress_every=4)
+    assert cache.window == 4
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, pad_token_id=0)
+    assert cache.evicted and max(cache.tokens_kept_per_row) <= 16 + 4
+    explicit = RopeKVCache(model, budget=16, compress_every=4, window=4)
+    with pytest.raises(ValueError, match="protected .* only 16 can be kept"):
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=explicit, max_new_tokens=12, pad_token_id=0)

@@ -81,7 +81,7 @@ def run_and_compare(
 def test_decode_with_eviction_matches_masked_reference(arch: str, attn: str) -> None:
     model = tiny_model(arch, attn_implementation=attn)
     ids, mask = padded_batch(model.config.vocab_size)
-    cache = RopeKVCache(model, budget=16, compress_every=4)
+    cache = RopeKVCache(model, budget=16, compress_every=4, selection="global")
     max_kept = run_and_compare(model, cache, [ids], mask, decode_steps=30)
     assert cache.num_compactions >= 5 and cache.evicted
     assert max_kept <= 16 + 4
@@ -93,7 +93,9 @@ def test_chunked_prefill_with_eviction_matches_masked_reference(scorer) -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(40, 33), seed=1)
     chunks = list(ids.split(8, dim=1))
     kwargs = {} if scorer is None else {"scorer": scorer}
-    cache = RopeKVCache(model, budget=12, compress_every=4, protect_prompt=False, sink=1, window=2, **kwargs)
+    cache = RopeKVCache(
+        model, budget=12, compress_every=4, protect_prompt=False, sink=1, window=2, selection="global", **kwargs
+    )
     max_kept = run_and_compare(model, cache, chunks, mask, decode_steps=6)
     assert cache.evicted
     assert max_kept <= 12 + 4

@@ -93,7 +93,8 @@ def test_global_selection_matches_the_formula() -> None:
     stats = random_stats(config, seed=1)
     geometry = describe(config)
     keys = [torch.randn(1, geometry.num_kv_heads, PROMPT, geometry.head_dim) for _ in range(geometry.num_layers)]
-    cache = RopeKVCache(config, budget=BUDGET, compress_every=EVERY, stats=stats, protect_prompt=False)
+    cache = RopeKVCache(config, budget=BUDGET, compress_every=EVERY, stats=stats, protect_prompt=False,
+                        selection="global", window=0)
     fill(cache, keys)
     want = reference_selection(keys, stats, geometry.inv_freq, PROMPT, BUDGET)
     got = cache._full_layers[0].storage.live_positions()[0, :, :BUDGET]
@@ -175,7 +176,7 @@ def test_every_compaction_scores_with_the_statistics_of_the_finished_forwards(ca
     its queries once it has finished. Every compaction, also one inside a turn's forward, scores all layers
     with the snapshot of the forwards finished before it, and with the statistics the cache holds."""
     model = tiny_model("llama")
-    cache = RopeKVCache(model, budget=16, compress_every=4)
+    cache = RopeKVCache(model, budget=16, compress_every=4, stats_half_life=None)  # counts: every token weighs 1
     scorer = cache.scorer
     calls: list[tuple[torch.Tensor, object, RowStatistics, torch.Tensor, int]] = []
     finished_tokens, compactions_inside_a_turn = 0, 0

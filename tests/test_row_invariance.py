@@ -75,13 +75,16 @@ def test_tokens_do_not_depend_on_padding_or_batch_mates(name: str) -> None:
     assert max(batch_cache.tokens_kept_per_row) == batch_cache.tokens_kept <= BUDGET + EVERY
 
 
-def test_online_statistics_are_per_row_and_follow_decoding() -> None:
-    """Each row's statistics are the mean of its own real queries: prompt and every decoding step."""
+@pytest.mark.parametrize("half_life", [None, 3.0])
+def test_online_statistics_are_per_row_and_follow_decoding(half_life: float | None) -> None:
+    """Each row's statistics are the (recency-weighted) mean of its own real queries: prompt and every decoding
+    step. With a half-life h, after k decoding steps a prompt query weighs 0.5 ** (k / h) and the query of step j
+    0.5 ** ((k - j) / h)."""
     model = tiny_model("qwen3")
     gen = torch.Generator().manual_seed(2)
     rows = [torch.randint(3, 128, (9,), generator=gen), torch.randint(3, 128, (4,), generator=gen)]
     ids, mask = left_padded(rows)
-    cache = RopeKVCache(model, budget=12, compress_every=2)
+    cache = RopeKVCache(model, budget=12, compress_every=2, stats_half_life=half_life)
     captured: dict[int, list[torch.Tensor]] = {0: [], 1: []}
 
     from hf_ropekv.capture import QueryCapture
@@ -91,14 +94,17 @@ def test_online_statistics_are_per_row_and_follow_decoding() -> None:
                              do_sample=False, pad_token_id=0)
     stats = cache._online.snapshot()
     F = cache.geometry.rotary_dim // 2
-    steps = out.shape[1] - ids.shape[1]  # the last token's queries were never computed
+    steps = out.shape[1] - ids.shape[1] - 1  # decoding forwards (the last token's queries were never computed)
+    age = torch.cat([torch.full((ids.shape[1],), float(steps)), torch.arange(steps - 1, -1, -1).double()])
+    weight = torch.ones_like(age) if half_life is None else 0.5 ** (age / half_life)
     for layer in (0, 1):
-        queries = torch.cat(captured[layer], dim=1)  # [B, prompt + steps - 1, H, D]
-        real = torch.cat([mask, torch.ones(2, steps - 1, dtype=mask.dtype)], dim=1).bool()
+        queries = torch.cat(captured[layer], dim=1)  # [B, prompt + steps, H, D]
+        real = torch.cat([mask, torch.ones(2, steps, dtype=mask.dtype)], dim=1).bool()
         for b in range(2):
             q = queries[b, real[b]].double()  # that row's real queries only
-            want = torch.complex(q[..., :F], q[..., F : 2 * F]).mean(0)
+            w = weight[real[b]].view(-1, 1, 1)
+            pairs = torch.complex(q[..., :F], q[..., F : 2 * F])
             got_mean, got_abs = stats.for_layer(layer)
-            torch.testing.assert_close(got_mean[b].to(torch.complex128), want, atol=1e-6, rtol=1e-5)
-            torch.testing.assert_close(got_abs[b].double(), want.new_tensor(0).real + torch.complex(q[..., :F], q[..., F : 2 * F]).abs().mean(0), atol=1e-6, rtol=1e-5)
-        assert stats.tokens.tolist() == [float(r.sum()) for r in real]
+            torch.testing.assert_close(got_mean[b].to(torch.complex128), (w * pairs).sum(0) / w.sum(), atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got_abs[b].double(), (w * pairs.abs()).sum(0) / w.sum(), atol=1e-6, rtol=1e-5)
+            assert float(stats.tokens[b]) == pytest.approx(float(weight[real[b]].sum()))
