@@ -40,15 +40,9 @@ def attention_from_queries(
         with ``valid`` and ``slot_positions <= query_positions``; all zeros where no slot qualifies (and
         for queries at -1).
     """
-    _check_shapes(queries, keys, query_positions, slot_positions, valid)
     batch, q_heads, n_queries, _ = queries.shape
-    slots = keys.shape[2]
-    out = torch.empty(batch, q_heads, n_queries, slots, dtype=torch.float32, device=keys.device)
-    step = _chunk_length(batch, q_heads, slots)
-    for start in range(0, n_queries, step):
-        stop = min(start + step, n_queries)
-        probs = _chunk_probabilities(queries[:, :, start:stop], keys, query_positions[:, start:stop],
-                                     slot_positions, valid, scale)
+    out = torch.empty(batch, q_heads, n_queries, keys.shape[2], dtype=torch.float32, device=keys.device)
+    for start, stop, probs in _chunks(queries, keys, query_positions, slot_positions, valid, scale):
         out[:, :, start:stop] = probs.flatten(1, 2)
     return out
 
@@ -65,17 +59,22 @@ def summed_attention(
 
     Returns float32 ``[B, H_q, S]``: the attention mass each slot received from the given queries.
     """
-    _check_shapes(queries, keys, query_positions, slot_positions, valid)
-    batch, q_heads, n_queries, _ = queries.shape
-    slots = keys.shape[2]
-    total = torch.zeros(batch, q_heads, slots, dtype=torch.float32, device=keys.device)
-    step = _chunk_length(batch, q_heads, slots)
-    for start in range(0, n_queries, step):
-        stop = min(start + step, n_queries)
-        probs = _chunk_probabilities(queries[:, :, start:stop], keys, query_positions[:, start:stop],
-                                     slot_positions, valid, scale)
+    batch, q_heads = queries.shape[:2]
+    total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=keys.device)
+    for _, _, probs in _chunks(queries, keys, query_positions, slot_positions, valid, scale):
         total += probs.sum(dim=3).flatten(1, 2)
     return total
+
+
+def _chunks(queries, keys, query_positions, slot_positions, valid, scale):
+    """``(start, stop, probabilities)`` of consecutive query chunks small enough to hold their logits."""
+    _check_shapes(queries, keys, query_positions, slot_positions, valid)
+    batch, q_heads, n_queries, _ = queries.shape
+    step = _chunk_length(batch, q_heads, keys.shape[2])
+    for start in range(0, n_queries, step):
+        stop = min(start + step, n_queries)
+        yield start, stop, _chunk_probabilities(queries[:, :, start:stop], keys, query_positions[:, start:stop],
+                                                slot_positions, valid, scale)
 
 
 def group_mean(per_query_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
