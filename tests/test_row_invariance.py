@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from hf_ropekv import KeyNormScorer, RandomScorer, RecencyScorer, RopeKVCache, calibrate
+from hf_ropekv import (
+    H2OScorer,
+    KeyNormScorer,
+    RandomScorer,
+    RecencyScorer,
+    RKVScorer,
+    RopeKVCache,
+    SnapKVScorer,
+    calibrate,
+)
 
 NEW_TOKENS = 40
 BUDGET, EVERY = 16, 4
@@ -50,6 +59,9 @@ SCORERS = {
     "recency": lambda model: (lambda: {"scorer": RecencyScorer(), "sink": 2}),
     "keynorm": lambda model: (lambda: {"scorer": KeyNormScorer()}),
     "random": lambda model: (lambda: {"scorer": RandomScorer(seed=1), "window": 3}),
+    "snapkv": lambda model: (lambda: {"scorer": SnapKVScorer(window=4)}),
+    "h2o": lambda model: (lambda: {"scorer": H2OScorer()}),
+    "rkv": lambda model: (lambda: {"scorer": RKVScorer(window=4)}),
 }
 
 
