@@ -109,6 +109,11 @@ def test_score_keys_matches_formula(H_q, H_kv, D, rotary_dim, dtype, position):
     _assert_matches(got, keys, q_mean, q_abs, inv_freq, [position] * B, DEFAULT_OFFSETS)
 
 
+def _backend_device(backend: str) -> str:
+    """Where a backend runs: the compiled Triton kernel needs CUDA tensors (the interpreter takes CPU ones)."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
 @pytest.mark.parametrize("layout", ["rotate_half", "interleaved"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(
@@ -123,14 +128,20 @@ def test_each_layout_matches_formula(layout, backend, H_q, H_kv, D, rotary_dim, 
     keys = torch.randn(2, H_kv, 29, D, generator=gen)
     q_mean, q_abs = _stats(H_q, F, gen)
     inv_freq = _inv_freq(F, rotary_dim=rotary_dim)
-    got = score_keys(keys, q_mean, q_abs, inv_freq, position, layout=layout, backend=backend)
+    device = _backend_device(backend)
+
+    def score(k, layout):
+        return score_keys(k.to(device), q_mean.to(device), q_abs.to(device), inv_freq, position, layout=layout,
+                          backend=backend).cpu()
+
+    got = score(keys, layout)
     _assert_matches(got, keys, q_mean, q_abs, inv_freq, [position] * 2, DEFAULT_OFFSETS, layout)
     # Non-rotary dims do not matter; rotary dims outside the layout's pairs would.
     changed = keys.clone()
     changed[..., rotary_dim:] = torch.randn(changed[..., rotary_dim:].shape, generator=gen)
-    assert torch.equal(score_keys(changed, q_mean, q_abs, inv_freq, position, layout=layout, backend=backend), got)
+    assert torch.equal(score(changed, layout), got)
     other = "interleaved" if layout == "rotate_half" else "rotate_half"
-    wrong = score_keys(keys, q_mean, q_abs, inv_freq, position, layout=other, backend=backend)
+    wrong = score(keys, other)
     assert not torch.allclose(wrong, got, rtol=1e-3, atol=1e-3)
 
 
@@ -147,14 +158,16 @@ def test_per_row_statistics_match_formula(layout, backend):
     q_abs = torch.stack([r[1] for r in rows])
     inv_freq = _inv_freq(F, rotary_dim=2 * F)
     positions = torch.tensor([40, 7_000, 123_457])
-    got = score_keys(keys, q_mean, q_abs, inv_freq, positions, layout=layout, backend=backend)
+    device = _backend_device(backend)
+    on = dict(layout=layout, backend=backend)
+    got = score_keys(keys.to(device), q_mean.to(device), q_abs.to(device), inv_freq, positions, **on).cpu()
     _assert_matches(got, keys, q_mean, q_abs, inv_freq, positions.tolist(), DEFAULT_OFFSETS, layout)
     # Each row equals scoring that row alone with its own shared statistics.
     for b in range(B):
         alone = score_keys(keys[b:b + 1], q_mean[b], q_abs[b], inv_freq, int(positions[b]), layout=layout)
         assert torch.allclose(got[b], alone[0], rtol=1e-5, atol=1e-5)
     # One position for every row also works with per-row statistics.
-    same_t = score_keys(keys, q_mean, q_abs, inv_freq, 500, layout=layout, backend=backend)
+    same_t = score_keys(keys.to(device), q_mean.to(device), q_abs.to(device), inv_freq, 500, **on).cpu()
     _assert_matches(same_t, keys, q_mean, q_abs, inv_freq, [500] * B, DEFAULT_OFFSETS, layout)
 
 
