@@ -129,6 +129,7 @@ class RopeKVCache(Cache):
         self._holes: tuple[int, ...] | None = None  # slots before each row's real tokens; None: its padding
         self._evicted_rows: list[bool] = []
         self._plan: Plan | None = None  # this forward's compaction plan (memoised by seen, new, slots)
+        self._rows_on_device: tuple[tuple[int, ...], torch.Tensor] | None = None  # see _device_rows
         self._decode_steps = 0  # single-token forwards finished: the compaction clock (hf_ropekv.schedule)
         self._prompt_tokens: int | None = None  # pinned prompt length once decoding started
 
@@ -303,28 +304,24 @@ class RopeKVCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self._select_rows(beam_idx)
+        if self._attachment is not None:
+            self._attachment.select_batch(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self._select_rows(indices)
+        if self._attachment is not None:
+            self._attachment.select_batch(indices)
         self._batch_size = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
+        rows = len(self._evicted_rows) or (self._batch_size or 0)
+        self._select_rows(torch.arange(rows).repeat_interleave(repeats))  # repeating rows = selecting them again
         self._batch_size = None
-        self._pads = None if self._pads is None else self._pads.repeat_interleave(repeats)
-        self._pads_host, self._holes = (
-            None if rows is None else tuple(v for v in rows for _ in range(repeats)) for rows in (self._pads_host, self._holes)
-        )
-        self._evicted_rows = [v for v in self._evicted_rows for _ in range(repeats)]
-        self._plan = None
-        if self._queries is not None:
-            self._queries.repeat_batch(repeats)
-        if self._online is not None:
-            self._online.repeat_batch(repeats)
 
     def _select_rows(self, index: torch.Tensor) -> None:
-        """Rows were reordered or selected (beam search): follow them in every per-row state."""
+        """Rows were reordered, selected or repeated: follow them in every per-row state of the cache."""
         if self._pads is not None:
             self._pads = self._pads.index_select(0, index.to(self._pads.device))
         per_row = (self._pads_host, self._holes, tuple(self._evicted_rows))
@@ -344,8 +341,6 @@ class RopeKVCache(Cache):
             self._queries.select_batch(index)
         if self._online is not None:
             self._online.select_batch(index)
-        if self._attachment is not None:
-            self._attachment.select_batch(index)
 
     # ------------------------------------------------------------------ called by the model attachment
     def _observe_padding(self, attention_mask: torch.Tensor, new: int) -> None:
@@ -398,11 +393,20 @@ class RopeKVCache(Cache):
         plan = self._plan_for(new)
         if self._holes is None and not plan.compacts:
             return attention_mask
-        holes = torch.tensor(plan.holes_after, device=attention_mask.device)
+        holes = self._device_rows(plan.holes_after, attention_mask.device)
         region = torch.arange(plan.slots_after + new, device=attention_mask.device)[None, :] >= holes[:, None]
         mask = attention_mask.clone()
         mask[:, mask.shape[1] - region.shape[1] :] = region.to(mask.dtype)
         return mask
+
+    def _device_rows(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``values`` as a device tensor, copied from the host only when they change (holes change at compactions;
+        the mask needs them at every decoding step)."""
+        cached = self._rows_on_device
+        if cached is None or cached[0] != values or cached[1].device != device:
+            cached = (values, torch.tensor(values, device=device))
+            self._rows_on_device = cached
+        return cached[1]
 
     # ------------------------------------------------------------------ called by BudgetedLayer.update
     def _before_layer_update(self, layer: BudgetedLayer, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:

@@ -118,10 +118,6 @@ class OnlineStatistics:
         self._snapshot = None
 
     # ------------------------------------------------------------------ reading
-    @property
-    def has_queries(self) -> bool:
-        return bool(self._counts)
-
     def snapshot(self) -> RowStatistics:
         """Per-row means of every finished forward's queries (cached until another forward finishes)."""
         if self._snapshot is None:
@@ -150,7 +146,7 @@ class OnlineStatistics:
             )
         return self._snapshot
 
-    # ------------------------------------------------------------------ batch reshuffles (beam search)
+    # ------------------------------------------------------------------ batch reshuffles (beam search, expansion)
     def select_batch(self, index: torch.Tensor) -> None:
         for table in (self._sums, self._counts):
             for device, value in table.items():
@@ -158,11 +154,6 @@ class OnlineStatistics:
                 table[device] = value.index_select(dim, index.to(device))
         self._snapshot = None
 
-    def repeat_batch(self, repeats: int) -> None:
-        for table in (self._sums, self._counts):
-            for device, value in table.items():
-                table[device] = value.repeat_interleave(repeats, dim=1 if value.ndim > 1 else 0)
-        self._snapshot = None
 
     # ------------------------------------------------------------------ internals
     def _parts(self, q: torch.Tensor) -> torch.Tensor:

@@ -113,8 +113,3 @@ class QueryWindow:
         for table in (self._queries, self._positions):
             for layer_idx, chunks in table.items():
                 table[layer_idx] = [c.index_select(0, index.to(c.device)) for c in chunks]
-
-    def repeat_batch(self, repeats: int) -> None:
-        for table in (self._queries, self._positions):
-            for layer_idx, chunks in table.items():
-                table[layer_idx] = [c.repeat_interleave(repeats, dim=0) for c in chunks]

@@ -318,19 +318,6 @@ class FrequencyAccumulator:
             count = torch.tensor(queries.shape[0] * queries.shape[1], dtype=torch.int64, device=device)
         self._add_sums(layer_idx, parts.sum(dim=(1, 2), dtype=torch.float64), count)
 
-    def merge(self, other: "FrequencyAccumulator") -> None:
-        """Add ``other``'s sums and counts (same geometry) to this accumulator's."""
-        if len(other._sums) != len(self._sums) or other._pairs != self._pairs:
-            raise ValueError(
-                f"Cannot merge query statistics of {len(other._sums)} layers x {other._pairs} pairs into "
-                f"{len(self._sums)} layers x {self._pairs} pairs: they come from different models."
-            )
-        if self._heads is None:
-            self._heads = other._heads
-        for layer_idx, (sums, count) in enumerate(zip(other._sums, other._counts)):
-            if sums is not None:
-                self._add_sums(layer_idx, sums.clone(), count.clone())  # cloned: never alias other's sums
-
     def _add_sums(self, layer_idx: int, sums: torch.Tensor, count: torch.Tensor) -> None:
         if self._sums[layer_idx] is None:
             self._sums[layer_idx], self._counts[layer_idx] = sums, count

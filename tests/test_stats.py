@@ -92,33 +92,6 @@ def test_accumulator_refuses_missing_layers_and_bad_shapes():
         acc.add(1, torch.randn(1, 3, 4, 32), torch.ones(1, 4, dtype=torch.bool))
 
 
-def test_merged_accumulators_equal_one_that_saw_everything():
-    """merge() (online statistics count a forward's queries once it finished) adds sums and counts."""
-    geometry = describe(_qwen3_config())
-    gen = torch.Generator().manual_seed(4)
-    first, second = (torch.randn(2, n, 4, 32, generator=gen) + 0.5 for n in (5, 9))
-    whole, merged, part = (FrequencyAccumulator(geometry) for _ in range(3))
-    for layer in (0, 1):
-        whole.add(layer, first * (layer + 1))
-        whole.add(layer, second * (layer + 1))
-        merged.add(layer, first * (layer + 1))
-    part.add(0, second)
-    part.add(1, second * 2)
-    merged.merge(part)
-    assert merged.tokens == whole.tokens == 2 * 14
-    a, b = merged.to_stats(source="x"), whole.to_stats(source="x")
-    torch.testing.assert_close(a.q_mean, b.q_mean, atol=1e-6, rtol=0)
-    torch.testing.assert_close(a.q_abs_mean, b.q_abs_mean, atol=1e-6, rtol=0)
-    into_empty = FrequencyAccumulator(geometry)
-    into_empty.merge(part)
-    want = part.to_stats(source="x")
-    part.add(0, first)  # the merged copy must not alias part's sums
-    torch.testing.assert_close(into_empty.to_stats(source="x").q_mean, want.q_mean, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="different models"):
-        merged.merge(FrequencyAccumulator(describe(_qwen3_config(num_hidden_layers=3))))
-
-
-# ---------------------------------------------------------------------- files
 def test_save_load_round_trip_is_exact(tmp_path):
     geometry = describe(_qwen3_config())
     stats = _random_stats(geometry)
