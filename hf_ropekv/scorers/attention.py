@@ -162,6 +162,17 @@ def last_queries(ctx: ScoreContext, count: int, scorer: str) -> tuple[torch.Tens
     return queries[:, :, -count:], positions[:, -count:]
 
 
+def window_attention(
+    keys: torch.Tensor, ctx: ScoreContext, window: int, scorer: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention the last ``window`` queries put on each slot, averaged over each GQA group: ``(mass [B, H_kv, S],
+    positions [B, N])``, the observation-window vote of SnapKV and R-KV."""
+    queries, positions = last_queries(ctx, window, scorer)
+    scale = context_scale(ctx, keys.shape[-1])
+    mass = summed_attention(queries, keys, positions, ctx.slot_positions, ctx.valid, scale)
+    return group_mean(mass, keys.shape[1]), positions
+
+
 def pool_along_tokens(
     scores: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None, kernel_size: int, mode: str
 ) -> torch.Tensor:

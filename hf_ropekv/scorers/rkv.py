@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import check_pooling, context_scale, group_mean, last_queries, pool_along_tokens, summed_attention
+from .attention import check_pooling, pool_along_tokens, window_attention
 from .base import ScoreContext, standardize
 
 
@@ -58,11 +58,9 @@ class RKVScorer:
         return self.window
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
-        queries, positions = last_queries(ctx, self.window, type(self).__name__)
-        scale = context_scale(ctx, keys.shape[-1])
-        mass = summed_attention(queries, keys, positions, ctx.slot_positions, ctx.valid, scale)
+        votes, positions = window_attention(keys, ctx, self.window, type(self).__name__)
         attending = (positions >= 0).sum(dim=1).clamp_min(1).to(torch.float32)[:, None, None]
-        importance = group_mean(mass, keys.shape[1]) / attending
+        importance = votes / attending
         importance = pool_along_tokens(importance, ctx.slot_positions, ctx.valid, self.kernel_size, "maxpool")
         redundancy = key_redundancy(keys, ctx.slot_positions, ctx.valid, self.threshold)
         joint = self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundancy

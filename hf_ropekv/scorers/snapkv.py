@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import check_pooling, context_scale, group_mean, last_queries, pool_along_tokens, summed_attention
+from .attention import check_pooling, pool_along_tokens, window_attention
 from .base import ScoreContext, standardize
 
 
@@ -45,9 +45,6 @@ class SnapKVScorer:
         return self.window
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
-        queries, positions = last_queries(ctx, self.window, type(self).__name__)
-        scale = context_scale(ctx, keys.shape[-1])
-        mass = summed_attention(queries, keys, positions, ctx.slot_positions, ctx.valid, scale)
-        votes = group_mean(mass, keys.shape[1])
+        votes, _ = window_attention(keys, ctx, self.window, type(self).__name__)
         pooled = pool_along_tokens(votes, ctx.slot_positions, ctx.valid, self.kernel_size, self.pooling)
         return standardize(pooled, ctx.candidates)
