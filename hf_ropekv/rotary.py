@@ -58,20 +58,32 @@ class RotaryFunction:
         """Name of the parameter holding the query (paired) or the tensor (one per call)."""
         return next(iter(self.signature.parameters))
 
+    def __post_init__(self) -> None:
+        # Read once from the signature: the per-call path then touches plain values only (torch.compile traces
+        # it without a graph break; a signature's mapping proxy would break it).
+        object.__setattr__(self, "_call_layout", self._read_call_layout())
+
+    def _read_call_layout(self) -> tuple[str, int | None, int]:
+        """``(tensor_param, unsqueeze_dim's position or None, its default)``."""
+        params = self.signature.parameters
+        if "unsqueeze_dim" not in params:
+            return self.tensor_param, None, 1 if self.paired else 2
+        default = params["unsqueeze_dim"].default
+        return self.tensor_param, list(params).index("unsqueeze_dim"), 1 if default is inspect.Parameter.empty else int(default)
+
     def query_and_heads_dim(self, args: tuple, kwargs: dict) -> tuple[Any, int]:
         """The query (or tensor) of one call and the dim holding its heads (1: ``[B, H, S, R]``, 2: ``[B, S, H, R]``).
 
         Read from the arguments directly: this runs for every layer of every forward while attached.
+        (q, k, cos, sin): HF's [B, H, S, R]; (tensor, sin, cos): sin[:, :, None, :] broadcasts over dim 2.
         """
-        params = self.signature.parameters
-        q = args[0] if args else kwargs.get(self.tensor_param)
+        name, index, default = self._call_layout
+        q = args[0] if args else kwargs.get(name)
         if "unsqueeze_dim" in kwargs:
             return q, int(kwargs["unsqueeze_dim"])
-        if "unsqueeze_dim" in params:
-            index = list(params).index("unsqueeze_dim")
-            return q, int(args[index] if len(args) > index else params["unsqueeze_dim"].default)
-        # (q, k, cos, sin): HF's [B, H, S, R]; (tensor, sin, cos): sin[:, :, None, :] broadcasts over dim 2.
-        return q, 1 if self.paired else 2
+        if index is not None and len(args) > index:
+            return q, int(args[index])
+        return q, default
 
     def cos_sin_names(self) -> tuple[str, str]:
         params = self.signature.parameters
@@ -323,6 +335,9 @@ def install(function: RotaryFunction) -> "_Patch":
     Users share the pass-through that is in place; if the global is something else (first use, or someone
     replaced it since, e.g. a test's monkeypatch), a new pass-through wraps whatever is there now.
     """
+    # The thread's frame lists exist before any forward: torch.compile then guards on a layout that stays.
+    _active().setdefault(id(function.module), [])
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0)
     current = getattr(function.module, function.name)
     patch = getattr(current, "_hf_ropekv_patch", None)
     if patch is None:
