@@ -62,6 +62,9 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
+    # A static cache's hooks stay on its model for the model's lifetime (SharedHooks); let the test's models go,
+    # so that the rotary functions they patched are restored for the tests that come after.
+    gc.collect()
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
