@@ -218,3 +218,18 @@ def test_cuda_graphs_replay_the_decode_step() -> None:
     assert graphs[0] == graphs[1] > 0
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert cache.num_compactions >= 8
+
+
+def test_beam_search_and_sampled_sequences() -> None:
+    """Beam reordering happens in place (the arena keeps its address); same tokens as the growing cache."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+    for extra in ({"num_beams": 3}, {"do_sample": True, "num_return_sequences": 2}):
+        outs = []
+        for static in (False, True):
+            torch.manual_seed(0)
+            cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=static)
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0,
+                                       **{cache_kwarg(model): cache}, **{"do_sample": False, **extra}))
+            assert cache.num_compactions >= 5
+        torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
