@@ -151,6 +151,7 @@ class RopeKVCache(Cache):
         self._pads_total = -1  # token count the current `_pads` describes
         self._pads_host: tuple[int, ...] | None = None  # the same, on the host (planning never syncs)
         self._holes: tuple[int, ...] | None = None  # slots before each row's real tokens; None: its padding
+        self._holes_pads: tuple[int, ...] = ()  # the rows' left padding (`_pads_host`) when `_holes` was recorded
         self._evicted_rows: list[bool] = []
         self._plan: Plan | None = None  # this forward's compaction plan (memoised by seen, new, slots)
         self._rows_on_device: tuple[tuple[int, ...], torch.Tensor] | None = None  # see _device_rows
@@ -230,7 +231,8 @@ class RopeKVCache(Cache):
     def _current_holes(self) -> tuple[int, ...]:
         """Slots in front of each row's real tokens now: its left padding until the first compaction."""
         if self._holes is not None:
-            return self._holes
+            # Left padding that arrived since (a long padded prompt sent in chunks) is more holes.
+            return tuple(h + p - p0 for h, p, p0 in zip(self._holes, self._pads_host, self._holes_pads))
         if self._pads_host is not None:
             return self._pads_host
         return (0,) * (self._batch_size or 1)
@@ -349,18 +351,18 @@ class RopeKVCache(Cache):
         """Rows were reordered, selected or repeated: follow them in every per-row state of the cache."""
         if self._pads is not None:
             self._pads = self._pads.index_select(0, index.to(self._pads.device))
-        per_row = (self._pads_host, self._holes, tuple(self._evicted_rows))
+        per_row = (self._pads_host, self._holes, self._holes_pads, tuple(self._evicted_rows))
         if any(rows and len(set(rows)) > 1 for rows in per_row):  # rows differ: where each goes matters (syncs)
             order = index.tolist()
-            self._pads_host, self._holes, evicted = (
-                None if rows is None else tuple(rows[i] for i in order) for rows in per_row
+            self._pads_host, self._holes, holes_pads, evicted = (
+                None if not rows else tuple(rows[i] for i in order) for rows in per_row
             )
-            self._evicted_rows = list(evicted)
+            self._holes_pads, self._evicted_rows = holes_pads or (), list(evicted or ())
         elif len(index) != len(self._evicted_rows):  # a selection of uniform rows: only the count changes
-            self._pads_host, self._holes, evicted = (
+            self._pads_host, self._holes, holes_pads, evicted = (
                 None if not rows else (rows[0],) * len(index) for rows in per_row
             )
-            self._evicted_rows = list(evicted or ())
+            self._holes_pads, self._evicted_rows = holes_pads or (), list(evicted or ())
         self._plan = None
         if self._queries is not None:
             self._queries.select_batch(index)
@@ -453,12 +455,17 @@ class RopeKVCache(Cache):
             per_layer = self.selection == "per_layer"
             for layers in [[layer] for layer in self._full_layers] if per_layer else [self._full_layers]:
                 compact_arenas([layer.storage for layer in layers], *self._select(layers, plan))
-        kv_length = max(first.storage.static_capacity, plan.slots_after + new)
+        needed = plan.slots_after + new
+        for layer in self._full_layers:
+            layer.storage.reserve(needed)
+        # What attention reads: the arena the layers hold for this forward (the fixed one, or a temporary one in
+        # whole pages for a forward longer than it; a layer allocates at its first forward, to this size).
+        page = self.page_size
+        kv_length = first.storage.capacity or max(first.storage.static_capacity, -(-needed // page) * page)
         self._query_offset = plan.slots_after
         indices = self._static_write_indices(plan.slots_after, new, seen, device)
         for layer in self._full_layers:
             storage = layer.storage
-            storage.reserve(kv_length)
             storage.advance(new, seen)
             storage.write_index = indices.get(storage.keys.device) if storage.keys is not None else None
             storage.planned_write = (plan.slots_after, new)
@@ -543,6 +550,7 @@ class RopeKVCache(Cache):
         for row in plan.evicting_rows:
             self._evicted_rows[row] = True
         self._holes = plan.holes_after
+        self._holes_pads = self._pads_host
 
     def _check_batch(self, batch: int) -> None:
         if self._batch_size is None:
@@ -632,7 +640,9 @@ class RopeKVCache(Cache):
         # Tie-break noise that depends on the token (real index) and head only, never on the batch.
         heads = torch.arange(slot_positions.shape[1], device=device).view(1, -1, 1)
         noise = hashed_uniform(self.seed, slot_positions - pads.view(-1, 1, 1), heads)
-        targets = torch.tensor(plan.kept_after, device=device)
+        # A row whose left padding reaches into this forward's tokens has a negative count (its holes then cover
+        # them); it keeps no stored token.
+        targets = torch.tensor(plan.kept_after, device=device).clamp_min(0)
         return select_keep(total, is_hole, protected, targets, plan.slots_after, noise)
 
     def _window_for(self, plan: Plan, device: torch.device) -> int | torch.Tensor:

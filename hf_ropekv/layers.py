@@ -144,8 +144,7 @@ class StaticBudgetedLayer(BudgetedLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:  # the first forward (eager): the arena's shape is known from here on
             self.lazy_initialization(key_states, value_states)
-            self.storage.allocate(key_states, value_states)
-            self.storage.reserve(self.kv_length)
+            self.storage.allocate(key_states, value_states, self.kv_length)
             start, count = self.storage.planned_write
             self.storage.write_index = torch.arange(start, start + count, device=key_states.device)
         keys, values = self.storage.write(key_states, value_states)

@@ -206,8 +206,9 @@ class StaticKV(PagedKV):
         self.write_index: torch.Tensor | None = None  # int64 [q] on the arena's device: slots of this forward's tokens
         self.planned_write = (0, 0)  # (first slot, tokens) of the coming forward, for a layer not allocated yet
 
-    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the fixed arena for ``key_states``' batch, heads, dtype and device (the layer's first write)."""
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        """Allocate the fixed arena for ``key_states``' batch, heads, dtype and device (the layer's first write),
+        and a temporary one when the first forward needs ``needed`` slots, more than the fixed arena holds."""
         batch, heads, _, head_dim = key_states.shape
         device, capacity = key_states.device, self.static_capacity
         keys = torch.zeros(batch, heads, capacity, head_dim, dtype=key_states.dtype, device=device)
@@ -218,6 +219,9 @@ class StaticKV(PagedKV):
                 torch._dynamo.mark_static_address(tensor)
         self._arena = (keys, values, positions)
         self.keys, self.values, self.positions = keys, values, positions
+        if needed > capacity:  # nothing is stored before the first forward: a fresh temporary arena, no copy
+            self.keys = None
+            super()._reserve(key_states, value_states, needed)
 
     def reserve(self, needed: int) -> None:
         """Make room for ``needed`` slots before a forward: beyond the fixed arena, a temporary one (eager only)."""

@@ -98,14 +98,15 @@ def test_nothing_evicted_equals_dynamic_cache() -> None:
         assert not cache.evicted
 
 
-@pytest.mark.parametrize("prefill", ["one piece", "chunked"])
+@pytest.mark.parametrize("prefill", ["one piece", "chunked", "a chunk longer than the arena"])
 def test_unpinned_prompt_longer_than_the_arena(prefill: str) -> None:
     """A prompt of 3x the arena, not pinned: in one forward it spills into a temporary arena that the first
     compaction folds back; chunked, it never leaves the fixed arena. Same tokens as the growing cache."""
     model = tiny_model("llama")
-    ids, mask = padded_batch(model.config.vocab_size, lengths=(64, 57))
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(200, 157))
     options = dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False)
-    chunk = {"prefill_chunk_size": 8} if prefill == "chunked" else {}
+    chunk = {"chunked": {"prefill_chunk_size": 8}, "a chunk longer than the arena": {"prefill_chunk_size": 90}}
+    chunk = chunk.get(prefill, {})
     expected = generate(model, RopeKVCache(model, **options), ids, mask, **chunk)
     cache = RopeKVCache(model, **options, static=True)
     torch.testing.assert_close(generate(model, cache, ids, mask, **chunk), expected, atol=0, rtol=0)
