@@ -63,17 +63,14 @@ class ModelAttachment:
         self._tokens: torch.Tensor | None = None  # ids seen so far, [B, capacity]
         self._num_tokens = 0
         self._tokens_known = True  # False once a forward came as inputs_embeds: nothing to compare then
-        handles = [
-            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-            model.register_forward_hook(self._post_forward, with_kwargs=True),
-        ]
-        capture = None
-        self.attention_modules: list[nn.Module] = []
-        if collect_queries:
-            capture = QueryCapture(model, cache.geometry, self._on_query)
-            capture.attach()
-            self.attention_modules = capture.attention_modules
-        weakref.finalize(cache, _release, handles, capture)
+        # A static cache's forwards are prepared before generate's compiled call (prepare_inputs_for_generation);
+        # the input tensor of the forward so prepared, for the pre-hook to recognise it.
+        self.static = bool(getattr(cache, "static", False))
+        self._prepared: torch.Tensor | None = None
+        self._hooks = SharedHooks.of(model)
+        self._hooks.add(self, cache.geometry, collect_queries, keep=self.static)
+        self.attention_modules: list[nn.Module] = self._hooks.capture.attention_modules if collect_queries else []
+        weakref.finalize(cache, self._hooks.remove, self)
         _wrap_prepare_inputs(model)
 
     def copy_for(self, cache: AttachedCache, memo: dict) -> "ModelAttachment":
@@ -93,18 +90,53 @@ class ModelAttachment:
         return twin
 
     # ------------------------------------------------------------------ hooks
+    def owns(self, cache: Any) -> bool:
+        return cache is not None and self._cache_ref() is cache
+
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        """A forward with this attachment's cache starts (called by :class:`SharedHooks`)."""
         cache = self._cache_ref()
-        if cache is None or _compat.cache_from_forward_kwargs(kwargs) is not cache:
-            # Another cache's forward (a copy, or a new cache after this one's forward raised midway): this
-            # cache's query hooks must stay idle through it.
-            self._collecting = False
-            return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
+        source = input_ids if input_ids is not None else embeds
+        if self._prepared is not None and source is self._prepared:
+            self._prepared = None  # prepared with generate's inputs; the model already has the mask it needs
+            return None
+        replaced = self._start_forward(cache, input_ids, embeds, kwargs.get("attention_mask"))
+        if replaced is not None:
+            return args, {**kwargs, "attention_mask": replaced}
+        return None
+
+    def prepare_generation_step(
+        self, prepare: Any, input_ids: torch.Tensor | None, args: tuple, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """generate's ``prepare_inputs_for_generation`` for a static cache: prepare the coming forward now.
+
+        generate may call the forward compiled as a whole (hooks included), where nothing may depend on host
+        state; so the cache takes this step's decisions here, eagerly, and the 4-D mask transformers builds for
+        a compileable cache comes from the cache's slot mask.
+        """
+        cache = self._cache_ref()
+        embeds = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
+        source = embeds if embeds is not None else input_ids
+        # generate names the new tokens' count when it passes the whole sequence; otherwise all are new.
+        new = kwargs.get("next_sequence_length") or source.shape[1]
+        new_ids = None if embeds is not None else input_ids[:, -new:]
+        new_embeds = None if embeds is None else embeds[:, -new:]
+        replaced = self._start_forward(cache, new_ids, new_embeds, kwargs.get("attention_mask"))
+        if replaced is not None:
+            kwargs = {**kwargs, "attention_mask": replaced}
+        model_inputs = prepare(input_ids, *args, **kwargs)
+        source = model_inputs.get("input_ids")
+        self._prepared = source if source is not None else model_inputs.get("inputs_embeds")
+        return model_inputs
+
+    def _start_forward(
+        self, cache: AttachedCache, input_ids: torch.Tensor | None, embeds: torch.Tensor | None, mask: Any
+    ) -> torch.Tensor | None:
+        """A forward of this cache starts: check it, log its tokens, tell the cache; returns the mask to use."""
         new = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         seen = cache.get_seq_length()
-        mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             if mask.shape[-1] != seen + new:
                 raise ValueError(
@@ -120,10 +152,9 @@ class ModelAttachment:
             self._log_tokens(input_ids)
         source = input_ids if input_ids is not None else embeds
         self._collecting = True
+        self._hooks.active = self
         replaced = cache._forward_starts(mask, new, source.shape[0], source.device)
-        if replaced is not None and replaced is not mask:
-            return args, {**kwargs, "attention_mask": replaced}
-        return None
+        return None if replaced is mask else replaced
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         cache = self._cache_ref()
@@ -203,15 +234,79 @@ def _binds_to_owner(value: Any) -> bool:
         value = list(value.values())
     if isinstance(value, (list, tuple, set)):
         return any(_binds_to_owner(item) for item in value)
-    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, nn.Module)
+    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, nn.Module, SharedHooks)
     return isinstance(value, binding)
 
 
-def _release(handles: list, capture: QueryCapture | None) -> None:
-    for handle in handles:
-        handle.remove()
-    if capture is not None:
-        capture.detach()
+class SharedHooks:
+    """The hooks of every cache attached to one model, installed once per model and shared.
+
+    Each hook hands the call to every live :class:`ModelAttachment` of the model (each acts only on its own
+    cache's forwards). Sharing keeps the hooks' identities the same from one cache to the next: a compiled
+    forward traces the hooks and guards on them, so per-cache hooks would recompile it for every new cache.
+    The hooks go with the last attachment, unless a static cache was attached: then they stay, idle, for the
+    model's lifetime, so the next static cache (a new ``generate()`` call) reuses the compiled step.
+    """
+
+    _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, SharedHooks]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "SharedHooks":
+        hooks = cls._BY_MODEL.get(model)
+        if hooks is None:
+            hooks = cls._BY_MODEL[model] = cls(model)
+        return hooks
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model_ref = weakref.ref(model)
+        self.attachments: list[ModelAttachment] = []
+        self.capture: QueryCapture | None = None
+        self.active: ModelAttachment | None = None  # the attachment of the forward in progress
+        self.keep = False
+        self._handles = [
+            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            model.register_forward_hook(self._post_forward, with_kwargs=True),
+        ]
+
+    def add(self, attachment: "ModelAttachment", geometry: ModelGeometry, collect_queries: bool, keep: bool) -> None:
+        if collect_queries and self.capture is None:
+            self.capture = QueryCapture(self._model_ref(), geometry, self._on_query).attach()
+        self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
+        self.keep = self.keep or keep
+
+    def remove(self, attachment: "ModelAttachment") -> None:
+        self.attachments = [a for a in self.attachments if a is not attachment]
+        if self.active is attachment:
+            self.active = None
+        if self.attachments or self.keep:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.capture is not None:
+            self.capture.detach()
+        model = self._model_ref()
+        if model is not None and SharedHooks._BY_MODEL.get(model) is self:
+            del SharedHooks._BY_MODEL[model]
+
+    # The hooks act through the attachment of the running forward's cache alone (``active``): a compiled forward
+    # then reads one attachment, whatever number of caches the model has, and is not recompiled when it changes.
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        active = self.active
+        if active is not None and active.static and torch.compiler.is_compiling():
+            return None  # generate compiled the whole call: prepare_inputs_for_generation prepared this forward
+        cache = _compat.cache_from_forward_kwargs(kwargs)
+        # Another cache's forward, or none: every attachment's query hooks stay idle through it.
+        self.active = next((a for a in self.attachments if a.owns(cache)), None)
+        return None if self.active is None else self.active._pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if self.active is not None:
+            self.active._post_forward(module, args, kwargs, output)
+
+    def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
+        if self.active is not None:
+            self.active._on_query(layer_idx, queries)
 
 
 def _wrap_prepare_inputs(model: nn.Module) -> None:
@@ -224,6 +319,8 @@ def _wrap_prepare_inputs(model: nn.Module) -> None:
         attachment = getattr(cache, "_attachment", None)
         if isinstance(attachment, ModelAttachment) and input_ids is not None:
             attachment.check_continuation(input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+        if isinstance(attachment, ModelAttachment) and attachment.static:
+            return attachment.prepare_generation_step(original, input_ids, args, kwargs)
         return original(input_ids, *args, **kwargs)
 
     setattr(prepare_inputs_for_generation, _WRAPPED_MARK, True)

@@ -14,12 +14,12 @@ from transformers.utils import logging
 
 from . import _compat
 from .attach import ModelAttachment
-from .layers import CANNOT_CROP, CROPPABLE_FIX, BudgetedLayer
-from .model_info import FULL, SLIDING, ModelGeometry, describe
+from .layers import CANNOT_CROP, CROPPABLE_FIX, BudgetedLayer, StaticBudgetedLayer
+from .model_info import FULL, SLIDING, ModelGeometry, describe, shared_geometry
 from .schedule import Plan, plan_forward
 from .scorers.base import ScoreContext, Scorer
 from .selection import Guards, hashed_uniform, select_keep, slot_masks
-from .storage import PagedKV, compact_arenas
+from .storage import PagedKV, StaticKV, compact_arenas
 
 logger = logging.get_logger(__name__)
 
@@ -63,6 +63,14 @@ class RopeKVCache(Cache):
         selection: ``"per_layer"`` lets every layer rank its own keys; ``"global"`` ranks once per (row, KV
             head) with scores averaged over layers (the paper's operating point).
         seed: seed of the tie-breaking noise (and of the random scorer's default).
+        static: keep every full-attention layer in a fixed arena of ``budget + compress_every`` slots (whole pages)
+            allocated once at a static address, and decide everything before each forward, so the decode step
+            has static shapes and reads no host counter: ``is_compileable`` is then True, ``generate()``
+            compiles the decode step on CUDA by itself (CUDA graphs), and
+            ``model.forward = torch.compile(model.forward, mode="reduce-overhead")`` works too. Compaction runs
+            eagerly between two compiled steps. Same tokens kept as ``static=False`` (tested). Needs a budget and
+            the model; not for models with sliding-window layers or for scorers that recompute attention
+            (SnapKV, H2O, R-KV).
     """
 
     def __init__(
@@ -80,12 +88,15 @@ class RopeKVCache(Cache):
         selection: str = "per_layer",
         seed: int = 0,
         stats_half_life: float | None = 128,
+        static: bool = False,
     ) -> None:
         # A window the user asked for is a hard guarantee; the default one yields to a long pinned prompt.
         self._auto_window = window is None
         window = default_window(window, budget)
         _check_options(budget, compress_every, page_size, window, sink, selection)
         self.geometry: ModelGeometry = describe(model_or_config)
+        if isinstance(model_or_config, nn.Module):
+            self.geometry = shared_geometry(model_or_config, self.geometry)
         _check_sliding_windows(self.geometry, budget)
         self.budget = budget
         self.compress_every = compress_every
@@ -96,11 +107,16 @@ class RopeKVCache(Cache):
         self.selection = selection
         self.seed = seed
         self.stats_half_life = stats_half_life
+        self.static = static
+        if static:
+            _check_static(self.geometry, budget, model_or_config)
 
         hint = None if budget is None else budget + compress_every
         layers: list[Any] = []
         for idx, (kind, sliding_window) in enumerate(zip(self.geometry.layer_types, self.geometry.sliding_windows)):
-            if kind == FULL:
+            if kind == FULL and static:
+                layers.append(StaticBudgetedLayer(self, idx, StaticKV(hint, page_size)))
+            elif kind == FULL:
                 layers.append(BudgetedLayer(self, idx, PagedKV(page_size, capacity_hint=hint)))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=sliding_window))
@@ -110,6 +126,12 @@ class RopeKVCache(Cache):
         model = model_or_config if isinstance(model_or_config, nn.Module) else None
         self.scorer = self._resolve_scorer(scorer, stats, model)
         self._queries = self._query_window(model)
+        if static and self._queries is not None:
+            raise ValueError(
+                f"{type(self.scorer).__name__} recomputes attention from a growing window of recent queries, which a "
+                "static (compiled) cache cannot hold. Use static=False with it, or a scorer that needs no queries "
+                "(the default RoPE scorer, RecencyScorer, KeyNormScorer, RandomScorer)."
+            )
         self._attachment = None
         if model is not None:
             collect = self._online is not None or self._queries is not None
@@ -118,6 +140,8 @@ class RopeKVCache(Cache):
                 modules = self._attachment.attention_modules
                 self._queries.scales = [getattr(module, "scaling", None) for module in modules]
 
+        # static: per device, a decode step's slot and tokens seen before it (device scalars a compiled step reads)
+        self._static_clock: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._reset_rows()
 
     def _reset_rows(self) -> None:
@@ -132,6 +156,7 @@ class RopeKVCache(Cache):
         self._rows_on_device: tuple[tuple[int, ...], torch.Tensor] | None = None  # see _device_rows
         self._decode_steps = 0  # single-token forwards finished: the compaction clock (hf_ropekv.schedule)
         self._prompt_tokens: int | None = None  # pinned prompt length once decoding started
+        self._query_offset = 0  # static: slots in front of the running forward's first new token
 
     # ------------------------------------------------------------------ public introspection
     @property
@@ -360,7 +385,10 @@ class RopeKVCache(Cache):
     ) -> torch.Tensor | None:
         """Called by the model attachment before a forward with this cache: returns the mask to use, or None."""
         new_token_mask = None if attention_mask is None else attention_mask[:, -new:].bool()
-        replaced = None if attention_mask is None else self._attention_mask_for(attention_mask, new)
+        if self.static:
+            replaced = self._prepare_static_forward(attention_mask, new, batch, device)
+        else:
+            replaced = None if attention_mask is None else self._attention_mask_for(attention_mask, new)
         if self._online is not None:
             self._online.begin_forward(new_token_mask, new)
         if self._queries is not None:
@@ -407,6 +435,89 @@ class RopeKVCache(Cache):
             cached = (values, torch.tensor(values, device=device))
             self._rows_on_device = cached
         return cached[1]
+
+    # ------------------------------------------------------------------ static: every decision before the forward
+    def _prepare_static_forward(
+        self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device
+    ) -> torch.Tensor:
+        """Take every decision of a forward of ``new`` tokens before it runs; return its ``[B, kv_length]`` slot mask.
+
+        The same plan as the growing cache's (``_plan_for``), with the compaction run here, eagerly, between two
+        compiled steps. The forward then writes its tokens at each arena's ``write_index`` and attends over
+        ``kv_length`` slots, where the mask marks each row's live ones (right-aligned after its holes).
+        """
+        self._check_batch(batch)
+        first = self._full_layers[0]
+        seen = first.tokens_seen
+        if attention_mask is not None:
+            self._observe_padding(attention_mask, new)
+        elif self._pads is None or self._pads.shape[0] != batch:
+            self._pads = torch.zeros(batch, dtype=torch.long, device=device)
+            self._pads_host = (0,) * batch
+        self._check_forward(seen, new)
+        plan = self._plan_for(new)
+        if new == 1:
+            self._decode_steps += 1
+        if plan.compacts:
+            self._record_compaction(plan)
+            per_layer = self.selection == "per_layer"
+            for layers in [[layer] for layer in self._full_layers] if per_layer else [self._full_layers]:
+                compact_arenas([layer.storage for layer in layers], *self._select(layers, plan))
+        kv_length = max(first.storage.static_capacity, plan.slots_after + new)
+        self._query_offset = plan.slots_after
+        indices = self._static_write_indices(plan.slots_after, new, seen, device)
+        for layer in self._full_layers:
+            storage = layer.storage
+            storage.reserve(kv_length)
+            storage.advance(new, seen)
+            storage.write_index = indices.get(storage.keys.device) if storage.keys is not None else None
+            storage.planned_write = (plan.slots_after, new)
+            layer.kv_length = kv_length
+            layer.tokens_seen = seen + new
+        slot = torch.arange(kv_length, device=device)[None, :]
+        holes = self._device_rows(plan.holes_after, device)[:, None]
+        mask = (slot >= holes) & (slot < plan.slots_after + new)
+        return mask if attention_mask is None else mask.to(attention_mask.dtype)
+
+    def _static_write_indices(
+        self, slots: int, new: int, seen: int, input_device: torch.device
+    ) -> dict[torch.device, torch.Tensor]:
+        """Where this forward's tokens go, per device, and the clock a compiled forward reads.
+
+        Per device, two device scalars that a compiled step captured by address (refilled here, never replaced):
+        the first new token's slot and the tokens seen before it. A decode step writes at the first; a
+        multi-token forward gets a fresh ``arange``.
+        """
+        devices = {layer.storage.keys.device for layer in self._full_layers if layer.storage.keys is not None}
+        for device in devices | {input_device}:
+            if device not in self._static_clock:
+                clock = (torch.zeros(1, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device))
+                for tensor in clock:
+                    torch._dynamo.mark_static_address(tensor)
+                self._static_clock[device] = clock
+            first_slot, seen_before = self._static_clock[device]
+            first_slot.fill_(slots)
+            seen_before.fill_(seen)
+        if new > 1:
+            return {device: torch.arange(slots, slots + new, device=device) for device in devices}
+        return {device: self._static_clock[device][0] for device in devices}
+
+    def get_query_offset(self, layer_idx: int = 0) -> Any:
+        """The first new token's slot in the arena (static; its position in the mask's causal part), else the
+        tokens seen. A compiled step gets a device scalar, so it never specialises on a changing int."""
+        if not self.static:
+            return self.get_seq_length(layer_idx)
+        if torch.compiler.is_compiling():
+            return self._clock_on_first_device()[0]
+        return self._query_offset
+
+    def get_seq_length(self, layer_idx: int = 0) -> Any:
+        if self.static and torch.compiler.is_compiling():
+            return self._clock_on_first_device()[1]  # a device scalar: see get_query_offset
+        return super().get_seq_length(layer_idx)
+
+    def _clock_on_first_device(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return next(iter(self._static_clock.values()))
 
     # ------------------------------------------------------------------ called by BudgetedLayer.update
     def _before_layer_update(self, layer: BudgetedLayer, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
@@ -456,6 +567,10 @@ class RopeKVCache(Cache):
 
     def _begin_step(self, seen: int, q: int, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
         self._refresh_padding(seen + q, q, key_states.device, args, kwargs)
+        self._check_forward(seen, q)
+
+    def _check_forward(self, seen: int, q: int) -> None:
+        """Refusals that depend on the forward's size: eviction before a rollback, a pinned prompt over budget."""
         self._refuse_eviction_before_rollback(seen, q)
         if self._prompt_tokens is None:
             if q == 1 and seen > 0:
@@ -624,6 +739,23 @@ def _check_sliding_windows(geometry: ModelGeometry, budget: int | None) -> None:
             f"budget={budget} is smaller than the sliding window ({max(windows)}) of '{geometry.model_type}''s "
             f"sliding-window layers. Use budget >= {max(windows)}: the full-attention layers then always keep at "
             "least as many tokens as a window holds."
+        )
+
+
+def _check_static(geometry: ModelGeometry, budget: int | None, model_or_config: Any) -> None:
+    """What ``static=True`` needs: a budget (the arena's size), the model (its hooks prepare each forward) and
+    full-attention layers only."""
+    if budget is None:
+        raise ValueError("static=True needs a budget: the fixed arena holds budget + compress_every slots per layer.")
+    if not isinstance(model_or_config, nn.Module):
+        raise ValueError(
+            "static=True needs the model, not its config: RopeKVCache(model, budget=..., static=True). The cache "
+            "prepares every forward (compaction, slots, mask) from the model's hooks before the compiled step runs."
+        )
+    if SLIDING in geometry.layer_types:
+        raise ValueError(
+            f"static=True does not support '{geometry.model_type}': it has sliding-window layers, which the static "
+            "cache does not hold yet. Use static=False (the default) for this model."
         )
 
 

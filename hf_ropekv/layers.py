@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from . import _compat
-from .storage import PagedKV
+from .storage import PagedKV, StaticKV
 
 
 
@@ -122,3 +122,35 @@ class BudgetedLayer(CacheLayerMixin):
             raise ValueError(CANNOT_CROP)
         self.storage.truncate(target)
         self.tokens_seen = target
+
+
+class StaticBudgetedLayer(BudgetedLayer):
+    """A budgeted full-attention layer over a fixed arena (:class:`~hf_ropekv.storage.StaticKV`): compileable.
+
+    Attention always reads the whole arena, ``kv_length`` slots, and the mask hides what is not a live token of a
+    row (``get_mask_sizes`` reports ``(kv_length, 0)`` and the cache hands the model a slot-validity mask). Every
+    decision (compaction, where the new tokens go, the counters) is taken by the cache before the forward, so
+    ``update`` only writes: a compiled decode step reads no host counter and is the same graph at every step.
+    """
+
+    is_compileable = True
+
+    def __init__(self, cache: LayerOwner, layer_idx: int, storage: "StaticKV") -> None:
+        super().__init__(cache, layer_idx, storage)
+        self.kv_length = storage.static_capacity  # slots attention reads in the coming forward (set by the cache)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:  # the first forward (eager): the arena's shape is known from here on
+            self.lazy_initialization(key_states, value_states)
+            self.storage.allocate(key_states, value_states)
+            self.storage.reserve(self.kv_length)
+            start, count = self.storage.planned_write
+            self.storage.write_index = torch.arange(start, start + count, device=key_states.device)
+        keys, values = self.storage.write(key_states, value_states)
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv_length, 0

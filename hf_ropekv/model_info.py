@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -85,6 +86,30 @@ class ModelGeometry:
         """Bytes one token occupies in a full cache: layers x (K and V) x kv_heads x head_dim x dtype size."""
         element = torch.empty((), dtype=dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+
+#: model -> the geometry its caches share (see :func:`shared_geometry`).
+_SHARED_GEOMETRY: "weakref.WeakKeyDictionary[nn.Module, ModelGeometry]" = weakref.WeakKeyDictionary()
+
+
+def shared_geometry(model: nn.Module, geometry: ModelGeometry) -> ModelGeometry:
+    """One geometry object per model while it stays the same: the caches of a model then share it.
+
+    A compiled forward guards on the identity of the objects it reads through the model's (shared) hooks and
+    through the cache; a fresh but equal geometry per cache would recompile it for every new cache.
+    """
+    known = _SHARED_GEOMETRY.get(model)
+    if known is not None and _same_geometry(known, geometry):
+        return known
+    _SHARED_GEOMETRY[model] = geometry
+    return geometry
+
+
+def _same_geometry(a: ModelGeometry, b: ModelGeometry) -> bool:
+    def key(g: ModelGeometry) -> tuple:
+        return tuple(getattr(g, f.name) for f in fields(g) if f.name != "inv_freq") + (g.inv_freq.tolist(),)
+
+    return key(a) == key(b)
 
 
 def text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:

@@ -94,7 +94,9 @@ def plan_forward(
     """
     kept = tuple(slots - h for h in holes)
     targets = tuple(row_target(k, new, budget, compress_every, decode_step) for k in kept)
-    if targets == kept:
+    # Nothing stored yet (the first forward): nothing to compact, whatever the new tokens will need. (``holes``
+    # then counts the left padding among the new tokens, so a padded row's ``kept`` is negative.)
+    if targets == kept or slots == 0:
         return Plan(seen, new, slots, slots, kept, kept)
     # Some row compacts: every row then drops its holes, and the layers shrink to the longest row.
     return Plan(seen, new, slots, max(targets), kept, targets)

@@ -182,3 +182,100 @@ def compact_arenas(arenas: list[PagedKV], keep: torch.Tensor, start: torch.Tenso
         compact_([t for arena in group for t in (arena.keys, arena.values)], keep_here, start_here)
         for arena in group:
             arena._after_compaction(keep_here, start_here)
+
+
+class StaticKV(PagedKV):
+    """Keys, values and slot positions of one layer in a fixed arena that a compiled decode step can hold on to.
+
+    The arena (``capacity`` slots, ``budget + compress_every`` rounded up to whole pages) is allocated once, zeroed
+    (masked slots must hold finite values: attention multiplies them by a zero weight) and marked as a static
+    address, so CUDA graphs replay over it. The cache decides everything on the host before a forward
+    (:meth:`advance`, and ``write_index``: where the forward's tokens go, a device tensor); the forward itself only
+    writes there (:meth:`write`), which reads no host counter, so the compiled step never sees a changing
+    Python value.
+
+    A single forward longer than the arena (a long prompt that is not pinned, sent in one piece) spills into a
+    temporary larger arena; the compaction that brings the layer back within ``capacity`` moves the survivors
+    into the fixed arena again (:meth:`_shrink_to_hint`).
+    """
+
+    def __init__(self, capacity: int, page_size: int) -> None:
+        super().__init__(page_size, capacity_hint=capacity)
+        self.static_capacity = -(-capacity // page_size) * page_size
+        self._arena: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the fixed keys, values, positions
+        self.write_index: torch.Tensor | None = None  # int64 [q] on the arena's device: slots of this forward's tokens
+        self.planned_write = (0, 0)  # (first slot, tokens) of the coming forward, for a layer not allocated yet
+
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the fixed arena for ``key_states``' batch, heads, dtype and device (the layer's first write)."""
+        batch, heads, _, head_dim = key_states.shape
+        device, capacity = key_states.device, self.static_capacity
+        keys = torch.zeros(batch, heads, capacity, head_dim, dtype=key_states.dtype, device=device)
+        values = torch.zeros(batch, heads, capacity, value_states.shape[-1], dtype=value_states.dtype, device=device)
+        positions = torch.full((batch, heads, capacity), -1, dtype=torch.int64, device=device)
+        if not torch.compiler.is_compiling():
+            for tensor in (keys, values, positions):
+                torch._dynamo.mark_static_address(tensor)
+        self._arena = (keys, values, positions)
+        self.keys, self.values, self.positions = keys, values, positions
+
+    def reserve(self, needed: int) -> None:
+        """Make room for ``needed`` slots before a forward: beyond the fixed arena, a temporary one (eager only)."""
+        if self.keys is not None and needed > self.capacity:
+            super()._reserve(self.keys, self.values, needed)
+
+    def advance(self, new: int, first_position: int) -> None:
+        """Count ``new`` tokens (positions ``first_position, ...``) as written after the live slots (host only)."""
+        if self._positions_valid == self.length:
+            self._pending_position = first_position
+        self.length += new
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's tokens at ``write_index``; return the whole arena (the mask hides unused slots)."""
+        self.keys.index_copy_(2, self.write_index, key_states)
+        self.values.index_copy_(2, self.write_index, value_states)
+        return self.keys, self.values
+
+    def append(self, *args, **kwargs):  # type: ignore[override]
+        raise TypeError("StaticKV is written with advance() + write(); append() belongs to the growing PagedKV.")
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder rows in place (beam search keeps the arena's address); a new row count reallocates."""
+        if self.keys is None:
+            return
+        index = index.to(self.keys.device)
+        if self._arena is not None and self.keys is self._arena[0] and index.numel() == self.keys.shape[0]:
+            for tensor in self._arena:
+                tensor.copy_(tensor.index_select(0, index))
+            return
+        super().select_batch(index)
+        self._arena = None  # a different row count: the fixed arena is reallocated from what select_batch built
+        self._adopt_as_arena()
+
+    def repeat_batch(self, repeats: int) -> None:
+        super().repeat_batch(repeats)
+        self._arena = None
+        self._adopt_as_arena()
+
+    def clear(self) -> None:
+        super().clear()
+        self._arena = None
+        self.write_index = None
+
+    def _adopt_as_arena(self) -> None:
+        if self.keys is not None and self.capacity == self.static_capacity:
+            self._arena = (self.keys, self.values, self.positions)
+            if not torch.compiler.is_compiling():
+                for tensor in self._arena:
+                    torch._dynamo.mark_static_address(tensor)
+
+    def _shrink_to_hint(self) -> None:
+        """After a compaction: leave a temporary arena for the fixed one once the survivors fit in it."""
+        if self._arena is None or self.keys is self._arena[0] or self.length > self.static_capacity:
+            return
+        keys, values, positions = self._arena
+        live = self.length
+        keys[:, :, :live] = self.keys[:, :, :live]
+        values[:, :, :live] = self.values[:, :, :live]
+        positions[:, :, :live] = self.positions[:, :, :live]
+        self.keys, self.values, self.positions = keys, values, positions

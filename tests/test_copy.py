@@ -16,6 +16,7 @@ import torch
 from conftest import padded_batch, tiny_model
 from transformers import DynamicCache
 
+from hf_ropekv.attach import SharedHooks
 from hf_ropekv import RopeKVCache, _compat
 
 PROMPT_LEN = 16
@@ -112,9 +113,10 @@ def test_copies_do_not_disturb_each_other_or_the_original(model) -> None:
 def test_copy_owns_its_storage_statistics_and_hooks(model) -> None:
     original = prefill(model, RopeKVCache(model, **EVICTING))
     generate(model, REQUESTS[0], original, new=12)
-    hooks = len(model._forward_pre_hooks)
+    shared = SharedHooks.of(model)  # the model's hooks, shared by its caches' attachments
+    attached = len(shared.attachments)
     twin = copy.deepcopy(original)
-    assert len(model._forward_pre_hooks) == hooks + 1
+    assert len(shared.attachments) == attached + 1 and twin._attachment in shared.attachments
     for mine, theirs in zip(twin._full_layers, original._full_layers):
         assert mine is not theirs and mine.storage.keys.data_ptr() != theirs.storage.keys.data_ptr()
         assert torch.equal(mine.storage.live_keys(), theirs.storage.live_keys())
@@ -130,7 +132,7 @@ def test_copy_owns_its_storage_statistics_and_hooks(model) -> None:
         ref = weakref.ref(twin)
         del twin
         assert ref() is None
-        assert len(model._forward_pre_hooks) == hooks
+        assert len(shared.attachments) == attached
     finally:
         gc.enable()
 

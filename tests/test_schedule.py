@@ -51,3 +51,12 @@ def test_plan_layout_and_holes() -> None:
     idle = plan_forward(seen=30, new=1, slots=19, holes=(0, 5, 2), budget=16, compress_every=4, decode_step=7)
     assert not idle.compacts and idle.slots_after == 19
     assert plan_forward(30, 1, 19, (0, 5, 2), None, 4, 8).compacts is False
+
+
+def test_a_first_forward_longer_than_the_bound_compacts_nothing() -> None:
+    # An unpinned prompt of 64 tokens, one row with 7 left pads: nothing is stored yet, so nothing is compacted
+    # (this used to plan a compaction of the empty layers and crash); the next forward brings the rows back.
+    plan = plan_forward(seen=0, new=64, slots=0, holes=(0, 7), budget=16, compress_every=4)
+    assert not plan.compacts and plan.slots_after == 0 and plan.holes_after == (0, 7)
+    after = plan_forward(seen=64, new=1, slots=64, holes=(0, 7), budget=16, compress_every=4, decode_step=0)
+    assert after.kept_after == (16, 16) and after.slots_after == 16

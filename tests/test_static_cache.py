@@ -1,0 +1,198 @@
+"""RopeKVCache(static=True): a fixed arena, every decision before the forward, compileable (issue 12).
+
+The reference is the growing cache (``static=False``): with the same options the static cache must keep the
+same tokens and so generate the same tokens, eager and compiled, across many compactions; with nothing evicted
+both equal ``DynamicCache``. Compilation is checked with dynamo's ``eager`` backend on the CPU, ``fullgraph=True``
+(a graph break is an error): what matters here is that the decode step traces as one graph that reads no host
+counter, so it is never recompiled for a new step, compaction or cache.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, DynamicCache
+
+from conftest import padded_batch, tiny_model
+from hf_ropekv._compat import cache_kwarg
+from hf_ropekv import KeyNormScorer, RandomScorer, RecencyScorer, RopeKVCache, SnapKVScorer, calibrate, enable
+
+NEW_TOKENS = 48
+BUDGET, EVERY = 16, 4
+
+
+def generate(model, cache, ids, mask, new=NEW_TOKENS, **kwargs) -> torch.Tensor:
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **{cache_kwarg(model): cache},
+        do_sample=False, pad_token_id=0, **kwargs,
+    )
+    return out[:, ids.shape[1] :]
+
+
+def compiled(backend: str = "eager") -> CompileConfig:
+    """generate's own compilation, on the CPU too (it compiles only on accelerators by default)."""
+    config = CompileConfig(backend=backend, fullgraph=True, mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+def _calibrated(model):
+    ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5))
+    stats = calibrate(model, None, ids, progress=False)
+    return {"stats": stats}
+
+
+OPTIONS = {
+    "default": lambda model: {},
+    "global": lambda model: {"selection": "global", "window": 2},
+    "half-life-8": lambda model: {"stats_half_life": 8},
+    "calibrated": _calibrated,
+    "recency": lambda model: {"scorer": RecencyScorer(), "sink": 2},
+    "keynorm": lambda model: {"scorer": KeyNormScorer()},
+    "random": lambda model: {"scorer": RandomScorer(seed=1), "window": 3},
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_static_cache_keeps_what_the_growing_cache_keeps(name: str) -> None:
+    """Same tokens as static=False in a left-padded batch with many compactions: eager, then compiled."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(11, 6, 3))
+    options = OPTIONS[name](model)
+    reference = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, **options)
+    expected = generate(model, reference, ids, mask)
+    assert reference.num_compactions >= 8
+
+    eager = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, **options)
+    torch.testing.assert_close(generate(model, eager, ids, mask), expected, atol=0, rtol=0)
+    assert eager.num_compactions == reference.num_compactions
+    assert eager.tokens_kept_per_row == reference.tokens_kept_per_row
+
+    options = OPTIONS[name](model)  # fresh scorer state
+    traced = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, **options)
+    torch.testing.assert_close(generate(model, traced, ids, mask, compile_config=compiled()), expected, atol=0, rtol=0)
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_nothing_evicted_equals_dynamic_cache() -> None:
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(model.config.vocab_size)
+    expected = generate(model, DynamicCache(config=model.config), ids, mask)
+    for config in (None, compiled()):
+        cache = RopeKVCache(model, budget=200, static=True)
+        torch.testing.assert_close(generate(model, cache, ids, mask, compile_config=config), expected, atol=0, rtol=0)
+        assert not cache.evicted
+
+
+@pytest.mark.parametrize("prefill", ["one piece", "chunked"])
+def test_unpinned_prompt_longer_than_the_arena(prefill: str) -> None:
+    """A prompt of 3x the arena, not pinned: in one forward it spills into a temporary arena that the first
+    compaction folds back; chunked, it never leaves the fixed arena. Same tokens as the growing cache."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(64, 57))
+    options = dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False)
+    chunk = {"prefill_chunk_size": 8} if prefill == "chunked" else {}
+    expected = generate(model, RopeKVCache(model, **options), ids, mask, **chunk)
+    cache = RopeKVCache(model, **options, static=True)
+    torch.testing.assert_close(generate(model, cache, ids, mask, **chunk), expected, atol=0, rtol=0)
+    arena = cache._full_layers[0].storage
+    assert arena.keys is arena._arena[0] and arena.capacity == arena.static_capacity  # back in the fixed arena
+
+
+def test_compiled_step_is_compiled_once() -> None:
+    """No recompilation for a new step, a compaction, or a new cache of the same batch size and budget (a new
+    generate() call); the arena keeps its address from step to step."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+    torch._dynamo.config.error_on_recompile = True
+    graphs = []
+    try:
+        for _ in range(3):
+            cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+            generate(model, cache, ids, mask, compile_config=compiled())
+            assert cache.num_compactions >= 8
+            keys = cache._full_layers[0].storage.keys
+            assert keys is cache._full_layers[0].storage._arena[0]
+            del cache
+            gc.collect()
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert graphs[0] == graphs[-1]  # what the first generate() compiled serves the later ones
+
+
+def test_compiled_forward_in_a_hand_written_loop() -> None:
+    """transformers' documented pattern: model.forward = torch.compile(model.forward), called step by step."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+
+    def loop(cache, forward) -> torch.Tensor:
+        attention = mask.clone()
+        positions = (attention.cumsum(-1) - 1).clamp_min(0)
+        logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache).logits
+        tokens = []
+        for _ in range(30):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+            attention = torch.cat([attention, torch.ones_like(token)], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, past_key_values=cache).logits
+        return torch.cat(tokens, dim=1)
+
+    with torch.no_grad():
+        expected = loop(RopeKVCache(model, budget=BUDGET, compress_every=EVERY), model)
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+        eager_forward = model.forward
+        model.forward = torch.compile(eager_forward, backend="eager", fullgraph=True)
+        try:
+            torch.testing.assert_close(loop(cache, model), expected, atol=0, rtol=0)
+        finally:
+            model.forward = eager_forward
+    assert cache.num_compactions >= 5
+    assert counters["stats"]["unique_graphs"] <= 2  # the prompt's shape and the decode step's
+
+
+def test_enable_static() -> None:
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY), ids, mask)
+    enable(model, budget=BUDGET, compress_every=EVERY, static=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                         do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(out[:, ids.shape[1] :], expected, atol=0, rtol=0)
+
+
+def test_compileable_and_the_arena_size() -> None:
+    model = tiny_model("llama")
+    assert RopeKVCache(model, budget=100, compress_every=28, page_size=64, static=True).is_compileable
+    assert not RopeKVCache(model, budget=100, compress_every=28).is_compileable
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+    cache = RopeKVCache(model, budget=100, compress_every=28, page_size=64, static=True)
+    generate(model, cache, ids, mask, new=4)
+    keys = cache._full_layers[0].storage.keys
+    assert keys.shape[2] == 128  # budget + compress_every, whole pages
+    per_token = 2 * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size() * len(cache._full_layers)
+    assert cache.bytes_held <= 1.1 * 128 * per_token * (1 + 8 / (2 * keys.shape[3] * keys.element_size()))
+
+
+def test_clear_refusals() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="static=True needs a budget"):
+        RopeKVCache(model, static=True)
+    with pytest.raises(ValueError, match="needs the model, not its config"):
+        RopeKVCache(model.config, budget=16, stats=None, scorer=RecencyScorer(), static=True)
+    with pytest.raises(ValueError, match="static=False"):
+        RopeKVCache(model, budget=16, scorer=SnapKVScorer(window=4), static=True)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        RopeKVCache(tiny_model("gemma3_text"), budget=16, static=True)
