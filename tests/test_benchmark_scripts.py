@@ -98,7 +98,7 @@ def test_compiled_decode_dry_run_alternates_variants_and_finds_capacity(tmp_path
     settings = result["settings"]
     steps_per_run = settings["new_tokens"] - 2  # gaps between logits, the first decode step left out
     points = result["points"]
-    assert [(p["batch"], p["prompt"]) for p in points] == [(1, 96), (2, 80)]
+    assert [(p["batch"], p["prompt"]) for p in points] == [(1, 48), (2, 80)]
     for point in points:
         summary = point["summary"]
         assert sorted(summary) == ["dynamic", "ropekv", "ropekv_static", "static"]
