@@ -267,6 +267,7 @@ class SharedHooks:
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             model.register_forward_hook(self._post_forward, with_kwargs=True),
         ]
+        weakref.finalize(model, self._detach)  # kept hooks (static caches) go with the model
 
     def add(self, attachment: "ModelAttachment", geometry: ModelGeometry, collect_queries: bool, keep: bool) -> None:
         if collect_queries and self.capture is None:
@@ -280,14 +281,18 @@ class SharedHooks:
             self.active = None
         if self.attachments or self.keep:
             return
+        self._detach()
+        model = self._model_ref()
+        if model is not None and SharedHooks._BY_MODEL.get(model) is self:
+            del SharedHooks._BY_MODEL[model]
+
+    def _detach(self) -> None:
+        """Remove every hook and give the rotary function back (idempotent)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         if self.capture is not None:
             self.capture.detach()
-        model = self._model_ref()
-        if model is not None and SharedHooks._BY_MODEL.get(model) is self:
-            del SharedHooks._BY_MODEL[model]
 
     # The hooks act through the attachment of the running forward's cache alone (``active``): a compiled forward
     # then reads one attachment, whatever number of caches the model has, and is not recompiled when it changes.

@@ -302,31 +302,49 @@ class _Patch:
         def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
             # Only the outermost pass-through delivers: another may sit inside `original` (the global was
             # wrapped again by someone else, then by us).
-            if getattr(_LOCAL, "depth", 0) == 0:
-                frames = _active().get(id(module))
+            state = _state()
+            if state.depth == 0:
+                frames = state.active.get(id(module))
                 if frames:
                     innermost = frames[-1].attention
                     for frame in frames:  # every capture attached to this attention module sees the call
                         if frame.attention is innermost:
                             frame.see(args, kwargs)
-            _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+            state.depth += 1
             try:
                 return original(*args, **kwargs)
             finally:
-                _LOCAL.depth -= 1
+                state.depth -= 1
 
         apply_rotary_pos_emb._hf_ropekv_original = original  # type: ignore[attr-defined]
         self.wrapper = apply_rotary_pos_emb
 
 
-_LOCAL = threading.local()
+class _FrameState:
+    """Attention forwards in progress, per modeling module (innermost last), and the pass-throughs' nesting."""
+
+    def __init__(self) -> None:
+        self.active: dict[int, list[Any]] = {}
+        self.depth = 0
+
+
+class _ThreadFrames(threading.local):
+    def __init__(self) -> None:
+        self.state = _FrameState()
+
+
+_LOCAL = _ThreadFrames()  # eager forwards: one state per thread
+#: The state of forwards being traced by torch.compile: dynamo does not trace thread-locals on every torch
+#: version, and a traced forward pushes and pops its frames within the trace.
+_TRACED = _FrameState()
+
+
+def _state() -> _FrameState:
+    return _TRACED if torch.compiler.is_compiling() else _LOCAL.state
 
 
 def _active() -> dict[int, list[Any]]:
-    """Attention forwards in progress on this thread, per modeling module (innermost last)."""
-    if not hasattr(_LOCAL, "active"):
-        _LOCAL.active = {}
-    return _LOCAL.active
+    return _state().active
 
 
 def install(function: RotaryFunction) -> "_Patch":
@@ -335,9 +353,9 @@ def install(function: RotaryFunction) -> "_Patch":
     Users share the pass-through that is in place; if the global is something else (first use, or someone
     replaced it since, e.g. a test's monkeypatch), a new pass-through wraps whatever is there now.
     """
-    # The thread's frame lists exist before any forward: torch.compile then guards on a layout that stays.
-    _active().setdefault(id(function.module), [])
-    _LOCAL.depth = getattr(_LOCAL, "depth", 0)
+    # The frame lists exist before any forward: torch.compile then guards on a layout that stays.
+    for state in (_LOCAL.state, _TRACED):
+        state.active.setdefault(id(function.module), [])
     current = getattr(function.module, function.name)
     patch = getattr(current, "_hf_ropekv_patch", None)
     if patch is None:

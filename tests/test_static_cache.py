@@ -62,6 +62,9 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
+    # A static cache's hooks stay on its model for the model's lifetime (SharedHooks); let the test's models go,
+    # so that the rotary functions they patched are restored for the tests that come after.
+    gc.collect()
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
@@ -196,3 +199,22 @@ def test_clear_refusals() -> None:
         RopeKVCache(model, budget=16, scorer=SnapKVScorer(window=4), static=True)
     with pytest.raises(ValueError, match="sliding-window layers"):
         RopeKVCache(tiny_model("gemma3_text"), budget=16, static=True)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_decode_step() -> None:
+    """On CUDA, generate's own compilation (inductor, CUDA graphs): the eager static cache's tokens, CUDA graphs
+    not skipped (every tensor the step mutates is a static address), no recompile for a second cache."""
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in padded_batch(model.config.vocab_size, lengths=(11, 6, 3)))
+    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask,
+                        disable_compile=True)
+    graphs = []
+    for _ in range(2):
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+        torch.testing.assert_close(generate(model, cache, ids, mask, compile_config=CompileConfig(fullgraph=True)),
+                                   expected, atol=0, rtol=0)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] > 0
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert cache.num_compactions >= 8
