@@ -378,6 +378,8 @@ def summarize_variant(point: dict[str, Any], variant: Variant) -> dict[str, Any]
         compile_warmup_s=warm[0]["wall_s"] - timed[0]["wall_s"] if same_shape else None,
         graphs_compiled_in_warmup=warm[0]["graphs_compiled"] if warm else None,
         graphs_compiled_in_timed_runs=sum(r["graphs_compiled"] for r in timed),
+        # inductor decides at compile time: a skipped step runs the compiled code without CUDA graphs
+        cudagraph_skips=sum(r["dynamo_counters"].get("inductor", {}).get("cudagraph_skips", 0) for r in warm + timed),
         cudagraphs_recorded_in_timed_runs=None if None in recorded else sum(recorded),
         peak_allocated=max(peaks) if peaks else None,
         cache_bytes=timed[-1]["cache_bytes"],
@@ -533,23 +535,23 @@ def render_point(point: dict[str, Any]) -> list[str]:
         f"Prefill {how}.",
         "",
         "| variant | p50 ms | p90 ms | mean ms | steps | prefill s | compile warm-up s | graphs compiled (timed) | "
-        "CUDA graphs recorded (timed) | peak allocated | cache | speed-up vs DynamicCache eager | "
+        "CUDA graphs recorded (timed) | CUDA graph skips | peak allocated | cache | speed-up vs DynamicCache eager | "
         "speed-up vs StaticCache compiled |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     summary = point["summary"]
     dyn, sta = summary.get("dynamic", {}), summary.get("static", {})
     for key, row in summary.items():
         if row.get("error") or row.get("skipped"):
             what = f"error: {row['error'][:160]}" if row.get("error") else row["skipped"]
-            lines.append(f"| {row['label']} | {what} |" + " |" * 11)
+            lines.append(f"| {row['label']} | {what} |" + " |" * 12)
             continue
         recorded = row["cudagraphs_recorded_in_timed_runs"]
         lines.append(
             f"| {row['label']} | {_f(row['p50_ms'])} | {_f(row['p90_ms'])} | {_f(row['mean_ms'])} | {row['steps']} | "
             f"{_f(row['prefill_ms'] / 1e3)} | {_f(row['compile_warmup_s'], '.1f')} | "
             f"{row['graphs_compiled_in_timed_runs']} | {'n/a' if recorded is None else recorded} | "
-            f"{fmt_bytes(row['peak_allocated'])} | {fmt_bytes(row['cache_bytes'])} | {_ratio(dyn, row)} | "
+            f"{row['cudagraph_skips']} | {fmt_bytes(row['peak_allocated'])} | {fmt_bytes(row['cache_bytes'])} | {_ratio(dyn, row)} | "
             f"{_ratio(sta, row)} |"
         )
     if point["skipped"]:
