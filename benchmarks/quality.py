@@ -242,8 +242,9 @@ def _copy_prefix(source: RopeKVCache, target: RopeKVCache, online_sums: Any | No
     if getattr(target, "_online", None) is not None:
         if online_sums is None:
             raise RuntimeError("an online-statistics cache needs the query sums of the shared prefix")
-        # No public setter exists: give the cache a copy of the statistics the prefix's forwards gathered.
-        target._online = copy.deepcopy(online_sums)
+        # No public setter exists: give the cache's statistics (the object its hooks feed) the state the prefix's
+        # forwards gathered.
+        target._online.__dict__.update(copy.deepcopy(online_sums).__dict__)
 
 
 # =========================================================================== metrics

@@ -42,11 +42,9 @@ class AttachedCache(Protocol):
     ) -> torch.Tensor | None:
         """A forward of ``new`` tokens starts; returns the 2-D mask the model must use instead, or None."""
 
-    def _forward_ends(self) -> None:
-        """The forward started last finished without raising."""
-
-    def _take_queries(self, layer_idx: int, queries: torch.Tensor) -> None:
-        """One layer's pre-RoPE queries ``[B, S, H, D]`` of the running forward."""
+    def _query_consumers(self) -> list[Any]:
+        """What takes each forward's pre-RoPE queries: objects with ``add(layer_idx, queries)`` (``[B, S, H, D]``)
+        and ``end_forward()`` (the forward finished without raising)."""
 
 _WRAPPED_MARK = "_hf_ropekv_continuation_check"
 
@@ -67,6 +65,9 @@ class ModelAttachment:
         # the input tensor of the forward so prepared, for the pre-hook to recognise it.
         self.static = bool(getattr(cache, "static", False))
         self._prepared: torch.Tensor | None = None
+        # What takes each forward's queries (online statistics, a scorer's query window): they hold no reference
+        # to the cache.
+        self._query_consumers = cache._query_consumers()
         self._hooks = SharedHooks.of(model)
         self._hooks.add(self, cache.geometry, collect_queries, keep=self.static)
         self.attention_modules: list[nn.Module] = self._hooks.capture.attention_modules if collect_queries else []
@@ -156,16 +157,18 @@ class ModelAttachment:
         replaced = cache._forward_starts(mask, new, source.shape[0], source.device)
         return None if replaced is mask else replaced
 
+    # Called only while this attachment's cache runs the forward (SharedHooks.active), also inside compiled
+    # forwards: so they reach the query consumers directly, without dereferencing the cache.
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        cache = self._cache_ref()
-        if self._collecting and cache is not None and _compat.cache_from_forward_kwargs(kwargs) is cache:
-            cache._forward_ends()
+        if self._collecting:
+            for consumer in self._query_consumers:
+                consumer.end_forward()
         self._collecting = False
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
-        cache = self._cache_ref()
-        if self._collecting and cache is not None:
-            cache._take_queries(layer_idx, queries)
+        if self._collecting:
+            for consumer in self._query_consumers:
+                consumer.add(layer_idx, queries)
 
     # ------------------------------------------------------------------ token log (continuation check)
     def _log_tokens(self, input_ids: torch.Tensor) -> None:

@@ -396,19 +396,9 @@ class RopeKVCache(Cache):
             self._queries.begin_forward(self.get_seq_length(), new, pads, new_token_mask)
         return replaced
 
-    def _forward_ends(self) -> None:
-        """Called by the model attachment when a forward with this cache finished: its queries now count."""
-        if self._online is not None:
-            self._online.end_forward()
-        if self._queries is not None:
-            self._queries.end_forward()
-
-    def _take_queries(self, layer_idx: int, queries: torch.Tensor) -> None:
-        """One layer's pre-RoPE queries of the running forward, from the model attachment's hooks."""
-        if self._online is not None:
-            self._online.add(layer_idx, queries)
-        if self._queries is not None:
-            self._queries.add(layer_idx, queries)
+    def _query_consumers(self) -> list[Any]:
+        """What the model attachment hands each forward's pre-RoPE queries to (see ``AttachedCache``)."""
+        return [consumer for consumer in (self._online, self._queries) if consumer is not None]
 
     def _attention_mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor:
         """The 2-D mask this forward must use: generate's own, with each row's holes hidden once rows differ.

@@ -62,6 +62,7 @@ class RotaryFunction:
         # Read once from the signature: the per-call path then touches plain values only (torch.compile traces
         # it without a graph break; a signature's mapping proxy would break it).
         object.__setattr__(self, "_call_layout", self._read_call_layout())
+        object.__setattr__(self, "key", id(self.module))  # frames are filed by module; dynamo cannot id() a module
 
     def _read_call_layout(self) -> tuple[str, int | None, int]:
         """``(tensor_param, unsqueeze_dim's position or None, its default)``."""
@@ -298,13 +299,14 @@ class _Patch:
     def __init__(self, module: Any, name: str, original: Callable) -> None:
         self.module, self.name, self.original = module, name, original
         self.users = 0
+        key = id(module)  # read here: the pass-through runs inside compiled forwards, where id(module) cannot be traced
 
         def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
             # Only the outermost pass-through delivers: another may sit inside `original` (the global was
             # wrapped again by someone else, then by us).
             state = _state()
             if state.depth == 0:
-                frames = state.active.get(id(module))
+                frames = state.active.get(key)
                 if frames:
                     innermost = frames[-1].attention
                     for frame in frames:  # every capture attached to this attention module sees the call
@@ -355,7 +357,7 @@ def install(function: RotaryFunction) -> "_Patch":
     """
     # The frame lists exist before any forward: torch.compile then guards on a layout that stays.
     for state in (_LOCAL.state, _TRACED):
-        state.active.setdefault(id(function.module), [])
+        state.active.setdefault(function.key, [])
     current = getattr(function.module, function.name)
     patch = getattr(current, "_hf_ropekv_patch", None)
     if patch is None:
@@ -376,11 +378,11 @@ def uninstall(patch: "_Patch") -> None:
 
 def push_frame(function: RotaryFunction, frame: Any) -> None:
     """An attention forward starts: ``frame.see(args, kwargs)`` gets its rotary calls (``frame.attention``: the module)."""
-    _active().setdefault(id(function.module), []).append(frame)
+    _active().setdefault(function.key, []).append(frame)
 
 
 def pop_frame(function: RotaryFunction, frame: Any) -> None:
-    frames = _active().get(id(function.module), [])
+    frames = _active().get(function.key, [])
     for i in range(len(frames) - 1, -1, -1):
         if frames[i] is frame:
             del frames[i]
