@@ -37,8 +37,9 @@ batch, ``--capacity-batches`` overrides it; at most ``--capacity-runs`` runs eac
 ``budget + compress_every``, so its capacity runs may use a shorter prompt (``--capacity-prompt``); the prompt
 used is recorded per run. Results are rewritten after every run (a process killed half way leaves what it had).
 
-    python benchmarks/compiled_decode.py --out cd_b1 --commit SHA --points 1x4096,1x32768
-    python benchmarks/compiled_decode.py --out cd_b16 --commit SHA --points 16x16384,16x32768 --prefill-chunk auto
+    python benchmarks/compiled_decode.py --out cd_b1 --commit SHA --points 1x4096,1x32768 --max-minutes 8
+    python benchmarks/compiled_decode.py --out cd_16k --commit SHA --points 16x16384 --prefill-chunk auto
+    python benchmarks/compiled_decode.py --out cd_32k --commit SHA --points 16x32768 --prefill-chunk auto --repeats 1
     python benchmarks/compiled_decode.py --out cd_cap --commit SHA --points none --capacity --capacity-prompt 4096
     python benchmarks/compiled_decode.py --dry-run --out /tmp/cd_dry     # tiny shapes on the CPU: a code check
 """
