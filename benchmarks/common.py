@@ -335,6 +335,66 @@ def cache_tensor_bytes(cache: Any) -> int:
     return total
 
 
+# ---------------------------------------------------------------------------------------------- generate timing
+class StepClock:
+    """A logits processor that records the host time at which each step's logits arrive; changes nothing.
+
+    ``generate`` calls it once for the prefill's logits (``stamps[0]``) and once per decode step after that, and
+    synchronises with the device once per step (its stopping check), so the gaps between stamps are the steps.
+    ``LogitsProcessorList`` accepts any callable of ``(input_ids, scores)``.
+    """
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def run_generate(
+    model: torch.nn.Module,
+    cache: Any,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    kwarg: str,
+    clock: StepClock | None = None,
+    **generate_kwargs: Any,
+) -> dict[str, Any]:
+    """Greedy ``generate`` of exactly ``new_tokens`` from ``prompt`` (all-ones mask) with ``cache``, timed by steps.
+
+    Returns the tokens generated, the wall time, the time to the first logits (prefill) and ``steps_ms``: the
+    gaps between successive logits, one per decode step. Pass ``clock`` to see how far a failed call got.
+    ``generate_kwargs`` go to ``generate`` (e.g. ``prefill_chunk_size``, ``compile_config``).
+    """
+    from transformers import LogitsProcessorList
+
+    clock = StepClock() if clock is None else clock
+    if prompt.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        logits_processor=LogitsProcessorList([clock]),
+        **{kwarg: cache},
+        **generate_kwargs,
+    )
+    if prompt.device.type == "cuda":
+        torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    steps_ms = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]  # decode steps only
+    return dict(
+        new_tokens=out.shape[1] - prompt.shape[1],
+        total_s=total,
+        prefill_and_first_ms=1e3 * (clock.stamps[0] - t0),
+        steps_ms=steps_ms,
+    )
+
+
 # ---------------------------------------------------------------------------------------------- model calls
 def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any, kwarg: str) -> torch.Tensor:
     """One forward over ``input_ids`` with ``cache``; returns the next greedy token of every row, ``[B, 1]``."""

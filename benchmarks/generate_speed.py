@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,56 +28,20 @@ from common import (  # first: sets the hub defaults before transformers is impo
     import_hf_ropekv,
     median,
     run_device,
+    run_generate,
     run_header,
     run_metadata,
     write_results,
 )
 
 import torch
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache
 
 import models
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
-
-
-class StepClock(LogitsProcessor):
-    """Records the host time at which each step's logits arrive; changes nothing."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.stamps.append(time.perf_counter())
-        return scores
-
-
-def run_generate(model, cache, prompt: torch.Tensor, new_tokens: int, kwarg: str) -> dict[str, Any]:
-    clock = StepClock()
-    if prompt.device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        logits_processor=LogitsProcessorList([clock]),
-        **{kwarg: cache},
-    )
-    if prompt.device.type == "cuda":
-        torch.cuda.synchronize()
-    total = time.perf_counter() - t0
-    steps_ms = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]  # decode steps only
-    return dict(
-        new_tokens=out.shape[1] - prompt.shape[1],
-        total_s=total,
-        prefill_and_first_ms=1e3 * (clock.stamps[0] - t0),
-        steps_ms=steps_ms,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,13 +182,15 @@ class ModelAttachment:
         self._tokens[:, self._num_tokens : end] = input_ids
         self._num_tokens = end
 
-    def check_continuation(self, input_ids: torch.Tensor, attention_mask: Any = None) -> None:
+    def check_continuation(
+        self, input_ids: torch.Tensor, attention_mask: Any = None, position_ids: Any = None
+    ) -> None:
         """Refuse generate() inputs that do not continue the tokens this cache holds."""
         seen = self._num_tokens
         if not self._tokens_known or seen == 0 or input_ids.shape[1] == seen + 1:  # fresh cache, or an ordinary decoding step
             return
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] == seen + input_ids.shape[1]:
-            return  # only the new tokens, after those seen (a prefill chunk): nothing to compare them with
+        if self._next_prefill_chunk(input_ids.shape[1], attention_mask, position_ids):
+            return
         same = (
             input_ids.shape[1] > seen
             and self._tokens is not None
@@ -201,6 +203,21 @@ class ModelAttachment:
                 "them. Reusing a cache across batches corrupts the output: create a fresh RopeKVCache for every "
                 "generate() call (or use hf_ropekv.enable(model, ...), which does it for you)."
             )
+
+    def _next_prefill_chunk(self, new: int, attention_mask: Any, position_ids: Any) -> bool:
+        """Whether ``new`` tokens are the next chunk of generate's chunked prefill (``prefill_chunk_size``).
+
+        Each chunk comes alone, without the tokens before it. Its mask, when there is one, covers the tokens held
+        plus exactly the chunk; transformers 5.24 drops an all-ones mask, and then the chunk's position ids start
+        where the tokens held end. A reused cache gets a whole new sequence instead, whose mask and positions
+        start from its own first token.
+        """
+        seen = self._num_tokens
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
+            return attention_mask.shape[-1] == seen + new
+        if isinstance(position_ids, torch.Tensor) and position_ids.ndim >= 2 and position_ids.shape[-1] == new:
+            return bool((position_ids[..., 0] == seen).all())
+        return False
 
     def truncate(self, length: int) -> None:
         """Forget logged tokens past ``length`` (the cache was cropped)."""
@@ -309,7 +326,7 @@ def _wrap_prepare_inputs(model: nn.Module) -> None:
         cache = _compat.cache_from_forward_kwargs(kwargs)
         attachment = getattr(cache, "_attachment", None)
         if isinstance(attachment, ModelAttachment) and input_ids is not None:
-            attachment.check_continuation(input_ids, kwargs.get("attention_mask"))
+            attachment.check_continuation(input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
         if isinstance(attachment, ModelAttachment) and attachment.static:
             return attachment.prepare_generation_step(original, input_ids, args, kwargs)
         return original(input_ids, *args, **kwargs)

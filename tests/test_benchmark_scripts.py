@@ -89,3 +89,39 @@ def test_stats_overhead_dry_run(tmp_path: Path) -> None:
     for row in per_cache.values():
         assert row["median_step_ms"] > 0 and row["compaction_steps"] >= 1  # both evicted on the same clock
         assert row["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]
+
+
+def test_compiled_decode_dry_run_alternates_variants_and_finds_capacity(tmp_path: Path) -> None:
+    run_script("compiled_decode.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "compiled_decode.json").read_text())
+    assert "cudnn" not in result["meta"]["sdpa_backends"]  # forced off, without the flag
+    settings = result["settings"]
+    steps_per_run = settings["new_tokens"] - 2  # gaps between logits, the first decode step left out
+    points = result["points"]
+    assert [(p["batch"], p["prompt"]) for p in points] == [(1, 48), (2, 80)]
+    for point in points:
+        summary = point["summary"]
+        assert sorted(summary) == ["dynamic", "ropekv", "ropekv_static", "static"]
+        for key in ("dynamic", "static", "ropekv"):
+            row = summary[key]
+            assert "error" not in row, row
+            assert row["runs"] == settings["repeats"] and row["steps"] == settings["repeats"] * steps_per_run
+            assert 0 < row["p50_ms"] <= row["p90_ms"] and row["mean_ms"] > 0 and row["prefill_ms"] > 0
+        # generate compiled the StaticCache once, in its warm-up; the timed runs reused it
+        assert summary["static"]["graphs_compiled_in_warmup"] >= 1
+        assert summary["static"]["graphs_compiled_in_timed_runs"] == 0 and summary["static"]["compile_warmup_s"] > 0
+        assert summary["dynamic"]["compile_warmup_s"] is None
+        assert summary["ropekv"]["kept"] <= settings["budget"] + settings["compress_every"] < point["prompt"]
+        # RopeKVCache(static=True): measured once the option exists, else an error entry and the run went on
+        rope_static = summary["ropekv_static"]
+        assert "constructing the cache" in rope_static.get("error", "") or rope_static["p50_ms"] > 0
+    # The last point's (simulated) out-of-memory prefill was retried in chunks, which RopeKVCache accepts.
+    assert points[0]["prefill_chunk"] is None and points[1]["prefill_chunk"] == 32
+    assert points[1]["chunked_after_oom_of"] and not points[1]["errors"].get("ropekv")
+    capacity = result["capacity"]["variants"]
+    dynamic = capacity["dynamic"]  # the simulated cap fits two rows and not three
+    assert [r["batch"] for r in dynamic["runs"]] == [2, 3] and dynamic["largest_batch"] == 2 and dynamic["exact"]
+    assert dynamic["tokens_per_s"] > 0 and dynamic["prompt"] == 96
+    assert capacity["ropekv_static"]["prompt"] == 64  # the bounded cache's shorter prompt, recorded
+    markdown = (tmp_path / "compiled_decode.md").read_text()
+    assert "speed-up vs StaticCache compiled" in markdown and "## Capacity" in markdown

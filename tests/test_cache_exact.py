@@ -80,6 +80,26 @@ def test_multi_turn_continuation_identical(arch: str) -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "all-ones-mask"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chunked_prefill_identical(arch: str, padded: bool) -> None:
+    """generate(prefill_chunk_size=...) sends the prompt in chunks, each alone: the cache takes them as one prompt.
+
+    Without padding, transformers 5.24 drops the all-ones mask, so the chunks come with their positions only.
+    """
+    model = tiny_model(arch)
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 9, 6) if padded else (12, 12, 12))
+    ref = generate(model, DynamicCache(config=model.config), ids, mask, do_sample=False, prefill_chunk_size=4)
+    out = generate(model, RopeKVCache(model, budget=4096), ids, mask, do_sample=False, prefill_chunk_size=4)
+    assert torch.equal(out.sequences, ref.sequences)
+    for got, want in zip(out.logits, ref.logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # With eviction: each chunk compacts what is over the budget, and the cache stays within its bound.
+    cache = RopeKVCache(model, budget=6, compress_every=2, protect_prompt=False)
+    generate(model, cache, ids, mask, do_sample=False, prefill_chunk_size=4)
+    assert cache.evicted and cache.tokens_kept <= 6 + 2
+
+
 def test_mixed_sliding_layers_identical() -> None:
     """Gemma3: sliding layers stay windows, the full-attention layer is budgeted; nothing evicted here."""
     model = tiny_model("gemma3_text")
