@@ -20,6 +20,7 @@ from .scorers import (
     SnapKVScorer,
 )
 from .scoring import score_keys
+from .static_buffers import release_static_buffers
 from .stats import FrequencyStats
 from .summary import CacheSummary
 
@@ -33,6 +34,7 @@ __all__ = [
     "is_enabled",
     "last_cache",
     "last_summary",
+    "release_static_buffers",
     "CacheSummary",
     "FrequencyScorer",
     "FrequencyStats",

@@ -19,6 +19,7 @@ from .model_info import FULL, SLIDING, ModelGeometry, describe, shared_geometry
 from .schedule import Plan, plan_forward
 from .scorers.base import ScoreContext, Scorer
 from .selection import Guards, hashed_uniform, select_keep, slot_masks
+from .static_buffers import BufferLease, BufferPool
 from .storage import PagedKV, StaticKV, compact_arenas
 
 logger = logging.get_logger(__name__)
@@ -108,14 +109,16 @@ class RopeKVCache(Cache):
         self.seed = seed
         self.stats_half_life = stats_half_life
         self.static = static
+        self._lease: BufferLease | None = None
         if static:
             _check_static(self.geometry, budget, model_or_config)
+            self._lease = BufferLease(self, BufferPool.of(model_or_config))
 
         hint = None if budget is None else budget + compress_every
         layers: list[Any] = []
         for idx, (kind, sliding_window) in enumerate(zip(self.geometry.layer_types, self.geometry.sliding_windows)):
             if kind == FULL and static:
-                layers.append(StaticBudgetedLayer(self, idx, StaticKV(hint, page_size)))
+                layers.append(StaticBudgetedLayer(self, idx, StaticKV(hint, page_size, idx, self._lease)))
             elif kind == FULL:
                 layers.append(BudgetedLayer(self, idx, PagedKV(page_size, capacity_hint=hint)))
             else:
@@ -263,6 +266,9 @@ class RopeKVCache(Cache):
             self._queries.reset()
         self._rollback_expected = False
         if self._online is not None:
+            if self._lease is not None:
+                for tensor in self._online.buffers():
+                    self._lease.give_back(tensor)
             self._online.reset()
         if self._attachment is not None:
             self._attachment.reset()
@@ -488,13 +494,15 @@ class RopeKVCache(Cache):
         devices = {layer.storage.keys.device for layer in self._full_layers if layer.storage.keys is not None}
         for device in devices | {input_device}:
             if device not in self._static_clock:
-                clock = (torch.zeros(1, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device))
-                for tensor in clock:
-                    torch._dynamo.mark_static_address(tensor)
-                self._static_clock[device] = clock
+                self._static_clock[device] = tuple(
+                    self._lease.take(("clock", i, device), lambda shape=shape: torch.zeros(shape, dtype=torch.int64, device=device))
+                    for i, shape in enumerate(((1,), ()))
+                )
             first_slot, seen_before = self._static_clock[device]
             first_slot.fill_(slots)
             seen_before.fill_(seen)
+        if new == 1 and self._online is not None and not self._online.on_buffers:
+            self._online.move_to_buffers(self._lease.take)  # decoding starts: the sums a compiled step updates
         if new > 1:
             return {device: torch.arange(slots, slots + new, device=device) for device in devices}
         return {device: self._static_clock[device][0] for device in devices}

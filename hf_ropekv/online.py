@@ -16,6 +16,7 @@ With ``half_life`` set, older queries weigh less: before a forward's queries are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Hashable
 
 import torch
 
@@ -67,6 +68,7 @@ class OnlineStatistics:
         self._mask: torch.Tensor | None = None  # this forward's new-token mask [B, S] (True = real)
         self._new = 0
         self._snapshot: RowStatistics | None = None
+        self._on_buffers = False
 
     # ------------------------------------------------------------------ one forward
     def begin_forward(self, new_token_mask: torch.Tensor | None, new_tokens: int) -> None:
@@ -145,6 +147,25 @@ class OnlineStatistics:
                 tokens=first.clone(),
             )
         return self._snapshot
+
+    # ------------------------------------------------------------------ static caches
+    @property
+    def on_buffers(self) -> bool:
+        return self._on_buffers
+
+    def move_to_buffers(self, take: Callable[[Hashable, Callable[[], torch.Tensor]], torch.Tensor]) -> None:
+        """Move the running sums into buffers from ``take(key, make)`` (a static cache's lease): a compiled decode
+        step updates them in place at addresses the next cache of the model takes over."""
+        for table, name in ((self._sums, "online_sums"), (self._counts, "online_counts")):
+            for device, value in table.items():
+                buffer = take((name, tuple(value.shape), value.dtype, device), lambda v=value: torch.empty_like(v))
+                table[device] = buffer.copy_(value)
+        self._on_buffers = True
+        self._snapshot = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The running sums' tensors (a static cache gives them back to its lease on reset)."""
+        return [*self._sums.values(), *self._counts.values()]
 
     # ------------------------------------------------------------------ batch reshuffles (beam search, expansion)
     def select_batch(self, index: torch.Tensor) -> None:

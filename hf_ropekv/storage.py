@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .kernels.compact import compact_
+
+if TYPE_CHECKING:
+    from .static_buffers import BufferLease
 
 
 class PagedKV:
@@ -199,8 +204,10 @@ class StaticKV(PagedKV):
     into the fixed arena again (:meth:`_shrink_to_hint`).
     """
 
-    def __init__(self, capacity: int, page_size: int) -> None:
+    def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: "BufferLease | None" = None) -> None:
         super().__init__(page_size, capacity_hint=capacity)
+        self.layer_idx = layer_idx
+        self._lease = lease  # where the arena's keys and values come from (hf_ropekv.static_buffers)
         self.static_capacity = -(-capacity // page_size) * page_size
         self._arena: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the fixed keys, values, positions
         self.write_index: torch.Tensor | None = None  # int64 [q] on the arena's device: slots of this forward's tokens
@@ -211,12 +218,9 @@ class StaticKV(PagedKV):
         and a temporary one when the first forward needs ``needed`` slots, more than the fixed arena holds."""
         batch, heads, _, head_dim = key_states.shape
         device, capacity = key_states.device, self.static_capacity
-        keys = torch.zeros(batch, heads, capacity, head_dim, dtype=key_states.dtype, device=device)
-        values = torch.zeros(batch, heads, capacity, value_states.shape[-1], dtype=value_states.dtype, device=device)
-        positions = torch.full((batch, heads, capacity), -1, dtype=torch.int64, device=device)
-        if not torch.compiler.is_compiling():
-            for tensor in (keys, values, positions):
-                torch._dynamo.mark_static_address(tensor)
+        keys = self._buffer("keys", (batch, heads, capacity, head_dim), key_states.dtype, device)
+        values = self._buffer("values", (batch, heads, capacity, value_states.shape[-1]), value_states.dtype, device)
+        positions = torch.full((batch, heads, capacity), -1, dtype=torch.int64, device=device)  # read eagerly only
         self._arena = (keys, values, positions)
         self.keys, self.values, self.positions = keys, values, positions
         if needed > capacity:  # nothing is stored before the first forward: a fresh temporary arena, no copy
@@ -262,9 +266,24 @@ class StaticKV(PagedKV):
         self._adopt_as_arena()
 
     def clear(self) -> None:
+        if self._arena is not None and self._lease is not None:
+            for tensor in self._arena[:2]:
+                self._lease.give_back(tensor)
         super().clear()
         self._arena = None
         self.write_index = None
+
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed buffer at a static address: from the lease (the model's previous static cache), or new."""
+        def make() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        if self._lease is not None:
+            return self._lease.take((name, self.layer_idx, shape, dtype, device), make)
+        tensor = make()
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(tensor)
+        return tensor
 
     def _adopt_as_arena(self) -> None:
         if self.keys is not None and self.capacity == self.static_capacity:

@@ -234,3 +234,29 @@ def test_beam_search_and_sampled_sequences() -> None:
                                        **{cache_kwarg(model): cache}, **{"do_sample": False, **extra}))
             assert cache.num_compactions >= 5
         torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+
+
+def test_next_cache_takes_over_the_buffers_of_one_that_is_gone() -> None:
+    """CUDA graphs replay at the addresses they recorded: a new static cache of the same model and shapes takes
+    the arenas, clock and statistics buffers of a freed one (never those of a live one)."""
+    from hf_ropekv import release_static_buffers
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+
+    def run():
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+        out = generate(model, cache, ids, mask, new=12)
+        addresses = (cache._full_layers[1].storage.keys.data_ptr(), next(iter(cache._online._sums.values())).data_ptr(),
+                     next(iter(cache._static_clock.values()))[0].data_ptr())
+        return cache, out, addresses
+
+    first, out, addresses = run()
+    alive, alive_out, alive_addresses = run()  # the first is still alive: its buffers are its own
+    assert not set(addresses) & set(alive_addresses)
+    del first, alive
+    _, again, again_addresses = run()
+    assert again_addresses in (addresses, alive_addresses)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)  # buffers are zeroed when taken over
+    release_static_buffers(model)  # frees what the model kept; the next cache allocates anew and still works
+    torch.testing.assert_close(run()[1], out, atol=0, rtol=0)

@@ -1,0 +1,86 @@
+"""The device buffers a compiled decode step captures, handed from one static cache of a model to the next.
+
+CUDA graphs replay at fixed addresses. A static cache's compiled step captures the addresses of its arenas, its
+step clock and its online statistics; a new cache (a new ``generate()`` call) at new addresses makes inductor's
+CUDA-graph trees record again at every step (measured on an H200: 255 recordings in 256 steps, and the step
+slower by a quarter). So a model keeps the buffers of a static cache that is gone, and the next static cache of
+the same shapes takes them over: same addresses, the recorded graph replays.
+
+A buffer belongs to one live cache at a time (its :class:`BufferLease`); it goes back to the model's pool when
+that cache is freed or reset. The pool keeps one free buffer per key and goes with the model;
+:func:`release_static_buffers` frees it earlier.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Hashable
+
+import torch
+from torch import nn
+
+Make = Callable[[], torch.Tensor]
+
+
+class BufferPool:
+    """Free static buffers of one model, by key (what the buffer is for, its shape, dtype and device)."""
+
+    _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, BufferPool]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "BufferPool":
+        pool = cls._BY_MODEL.get(model)
+        if pool is None:
+            pool = cls._BY_MODEL[model] = cls()
+        return pool
+
+    def __init__(self) -> None:
+        self.free: dict[Hashable, torch.Tensor] = {}
+
+    def put(self, key: Hashable, tensor: torch.Tensor) -> None:
+        self.free[key] = tensor  # one per key: a second free buffer of the same key is let go
+
+
+class BufferLease:
+    """The static buffers one cache holds; they go back to its model's pool when the cache goes."""
+
+    def __init__(self, owner: object, pool: BufferPool) -> None:
+        self._pool = pool
+        # (key, tensor) pairs; a list, not a dict by id(): a compiled prefill allocates through take(), and dynamo
+        # cannot trace id() of a tensor it creates.
+        self._held: list[tuple[Hashable, torch.Tensor]] = []
+        weakref.finalize(owner, _give_all_back, pool, self._held)
+
+    def take(self, key: Hashable, make: Make) -> torch.Tensor:
+        """A buffer for ``key``: the pool's (zeroed), else ``make()``; marked as a static address."""
+        tensor = self._pool.free.pop(key, None)
+        if tensor is None:
+            tensor = make()
+        else:
+            tensor.zero_()
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(tensor)
+        self._held.append((key, tensor))
+        return tensor
+
+    def give_back(self, tensor: torch.Tensor | None) -> None:
+        """Return a buffer this lease holds (the cache was reset); other tensors are ignored."""
+        for i, (key, held) in enumerate(self._held):
+            if held is tensor:
+                del self._held[i]
+                self._pool.put(key, held)
+                return
+
+
+def _give_all_back(pool: BufferPool, held: list[tuple[Hashable, torch.Tensor]]) -> None:
+    for key, tensor in held:
+        pool.put(key, tensor)
+    held.clear()
+
+
+def release_static_buffers(model: nn.Module) -> None:
+    """Free the static buffers a model keeps for its next static cache (the next one then records its CUDA
+    graphs again)."""
+    pool = BufferPool._BY_MODEL.pop(model, None)
+    if pool is not None:
+        pool.free.clear()
