@@ -75,6 +75,11 @@ class OnlineStatistics:
         """Start a forward of ``new_tokens`` tokens; drop queries of a forward that never finished (it raised)."""
         self._pending, self._stash = {}, []
         self._mask, self._new = new_token_mask, new_tokens
+        if self._on_buffers and new_tokens == 1:
+            # A static cache's decoding step: each layer folds its query into its sums during the forward
+            # (_fold_now, inside the compiled step, so no query outlives it); the counts move here, before it.
+            self._decay_counts_and_add()
+            self._snapshot = None
 
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Take one layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
@@ -84,7 +89,9 @@ class OnlineStatistics:
                 f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
                 f"got {tuple(queries.shape)}."
             )
-        if queries.shape[1] == 1:
+        if queries.shape[1] == 1 and self._on_buffers:
+            self._fold_now(layer_idx, queries.detach())
+        elif queries.shape[1] == 1:
             self._stash.append((layer_idx, queries.detach()))  # folded with the other layers at the end
         else:
             self._pending[layer_idx] = self._row_sums(queries.detach(), self._mask_on(queries.device, queries.shape[:2]))
@@ -162,6 +169,25 @@ class OnlineStatistics:
                 table[device] = buffer.copy_(value)
         self._on_buffers = True
         self._snapshot = None
+
+    def _fold_now(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """One layer's decoding-step query into its sums, in place: the same arithmetic as ``end_forward``
+        (decay, then add), one layer at a time."""
+        device, index = self._slot[layer_idx]
+        parts = self._parts(queries[:, 0])  # [B, 3, H, F]
+        mask = self._mask_on(queries.device, queries.shape[:2])
+        if mask is not None:
+            parts = torch.where(mask[:, :, None, None], parts, 0.0)
+        sums = self._sums[device][index]
+        if self.half_life is not None:
+            sums.mul_(0.5 ** (1 / self.half_life))
+        sums.add_(parts)
+
+    def _decay_counts_and_add(self) -> None:
+        for device, counts in self._counts.items():
+            if self.half_life is not None:
+                counts.mul_(0.5 ** (1 / self.half_life))
+            counts.add_(self._count_on(device))
 
     def buffers(self) -> list[torch.Tensor]:
         """The running sums' tensors (a static cache gives them back to its lease on reset)."""
