@@ -392,7 +392,9 @@ class RopeKVCache(Cache):
         self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device
     ) -> torch.Tensor | None:
         """Called by the model attachment before a forward with this cache: returns the mask to use, or None."""
-        new_token_mask = None if attention_mask is None else attention_mask[:, -new:].bool()
+        # Contiguous: a slice of the growing mask has a stride that changes every step, and a compiled step that
+        # reads it (online statistics) would be recompiled with dynamic strides and record a CUDA graph per step.
+        new_token_mask = None if attention_mask is None else attention_mask[:, -new:].bool().clone(memory_format=torch.contiguous_format)
         if self.static:
             replaced = self._prepare_static_forward(attention_mask, new, batch, device)
         else:
