@@ -408,3 +408,15 @@ def fmt_bytes(value: int | None) -> str:
     if abs(value) >= GIB:
         return f"{value / GIB:.2f} GiB"
     return f"{value / MIB:.1f} MiB"
+
+
+def padded_prompts(batch: int, longest: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded random prompts, row ``i`` shorter by ``i * longest / (2 * batch)`` tokens."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (batch, longest), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        pad = row * longest // (2 * batch)
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids.to(device), mask.to(device)

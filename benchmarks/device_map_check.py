@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from common import padded_prompts
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Qwen3-1.7B's shape (its real config ties the embeddings; untied here: same cache behaviour, simpler split).
@@ -80,18 +82,6 @@ def log(msg: str) -> None:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-def padded_prompts(batch: int, longest: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded random prompts, row ``i`` shorter by ``i * longest / (2 * batch)`` tokens."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, vocab, (batch, longest), generator=g)
-    mask = torch.ones_like(ids)
-    for row in range(batch):
-        pad = row * longest // (2 * batch)
-        ids[row, :pad] = 0
-        mask[row, :pad] = 0
-    return ids.to(device), mask.to(device)
 
 
 def generate(model, ids, mask, new_tokens: int, cache=None, logits: bool = False):

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import add_run_args, apply_run_args, import_hf_ropekv, run_device, run_header, run_metadata, write_results
+from common import (
+    add_run_args, apply_run_args, import_hf_ropekv, padded_prompts, run_device, run_header, run_metadata, write_results,
+)
 
 import torch
 from torch._dynamo.utils import counters
@@ -31,17 +33,6 @@ import models
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
-
-
-def left_padded_prompt(vocab: int, batch: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids; row ``r`` has ``r * length // (2 * batch)`` left pads (row 0 none)."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    for row in range(batch):
-        pads = row * length // (2 * batch)
-        ids[row, :pads], mask[row, :pads] = 0, 0
-    return ids.to(device), mask.to(device)
 
 
 def run(model, cache, ids, mask, steps: int, compile_config: CompileConfig | None) -> tuple[torch.Tensor, list, float]:
@@ -93,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_metadata(device, args.commit, sys.argv if argv is None else argv)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = models.build_random_model(models.make_config(args.shape), dtype=dtype, device=device)
-    ids, mask = left_padded_prompt(model.config.vocab_size, args.batch, args.prompt, device)
+    ids, mask = padded_prompts(args.batch, args.prompt, model.config.vocab_size, device)
     options = dict(budget=args.budget, compress_every=args.compress_every, protect_prompt=False)
     compile_config = CompileConfig(fullgraph=True)
     if device.type != "cuda":
