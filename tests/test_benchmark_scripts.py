@@ -89,3 +89,17 @@ def test_stats_overhead_dry_run(tmp_path: Path) -> None:
     for row in per_cache.values():
         assert row["median_step_ms"] > 0 and row["compaction_steps"] >= 1  # both evicted on the same clock
         assert row["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]
+
+
+def test_host_overhead_dry_run_counts_ops_and_times_both_caches(tmp_path: Path) -> None:
+    run_script("host_overhead.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "host_overhead.json").read_text())
+    rows = {row["cache"]: row for row in result["rows"]}
+    assert sorted(rows) == ["DynamicCache", "RopeKVCache"]
+    for row in rows.values():
+        assert row["steps_counted"] > 0 and row["host_us_per_step"] > 0 and row["cpu_us_per_step"] > 0
+        assert row["nonzero_per_step"] == 0 and row["host_tensors_per_step"] == 0
+    dynamic, rope = rows["DynamicCache"], rows["RopeKVCache"]
+    assert rope["syncs_per_step"] == dynamic["syncs_per_step"]  # the cache adds no host synchronisation
+    assert rope["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]
+    assert "| RopeKVCache |" in (tmp_path / "host_overhead.md").read_text()
