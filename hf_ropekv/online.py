@@ -120,7 +120,7 @@ class OnlineStatistics:
                 sums.add_(parts)
             else:
                 sums.index_add_(0, index, parts.to(torch.float64))
-        for device in stash_devices | {self._slot[i][0] for i in self._pending}:
+        for device in self._devices_touched():
             if self._mask is None:
                 self._counts[device].add_(float(self._new))  # the same float64 sum as adding a tensor of them
             else:
@@ -225,6 +225,11 @@ class OnlineStatistics:
                 self._sums[device] = zeros
                 self._counts[device] = torch.zeros(batch, dtype=torch.float64, device=device)
         return self._slot[layer_idx]
+
+    def _devices_touched(self) -> set[torch.device]:
+        devices = {self._slot[i][0] for i in self._pending}
+        devices |= {q.device for _, q in self._stash}
+        return devices
 
     def _decay(self, new_tokens: int) -> None:
         if self.half_life is None or not self._counts:
