@@ -68,6 +68,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         head_dim=32,
         tie_word_embeddings=False,
     ),
+    # Qwen3-8B's depth (36 layers, so as many hooks and per-layer ops as the real model) with negligible compute:
+    # the host's work per decode step (benchmarks/host_overhead.py).
+    "tiny-deep": dict(
+        _QWEN3_COMMON,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=36,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ),
     # Large enough for quanto's int4 group size (128) and its bf16 "tinygemm" kernels, like the 32B model.
     "tiny-int4": dict(
         _QWEN3_COMMON,

@@ -379,22 +379,46 @@ class RopeKVCache(Cache):
     def _observe_padding(self, attention_mask: torch.Tensor, new: int) -> None:
         """Record left padding from generate's 2-D attention mask (covers tokens seen + new).
 
-        The host copy (one synchronisation) is refreshed only when new tokens may be padding: in multi-token
-        forwards (a prompt or its chunks). Decoding steps append real tokens, so the padding stays as it was.
+        The padding is counted again (and its host copy, one synchronisation, refreshed) only when new tokens may
+        be padding: in multi-token forwards (a prompt or its chunks). Decoding steps append real tokens, so the
+        padding stays as it was (see ``_appends_real_token``).
         """
         self._check_batch(attention_mask.shape[0])
+        if self._appends_real_token(attention_mask.shape[-1], new, attention_mask.shape[0]):
+            self._pads_total = attention_mask.shape[-1]
+            return
         self._pads = (attention_mask == 0).sum(-1)
         self._pads_total = attention_mask.shape[-1]
         if self._pads_host is None or new > 1 or len(self._pads_host) != attention_mask.shape[0]:
             self._pads_host = tuple(self._pads.tolist())
 
+    def _appends_real_token(self, total: int, new: int, batch: int) -> bool:
+        """Whether this forward is a decoding step right after a forward whose padding the cache recorded.
+
+        A single-token forward appends a real token at the next position: ``generate`` appends a one to its
+        mask and one to its positions, and ``_pads_host`` (what planning reads) is only ever taken from
+        multi-token forwards. The padding of every row is then the one already recorded and the new token needs
+        no mask, which saves each decoding step the ops on generate's full-length mask (or on the positions).
+        """
+        return (
+            new == 1
+            and self._pads_total == total - 1
+            and self._pads is not None
+            and self._pads.shape[0] == batch
+            and self._pads_host is not None
+            and len(self._pads_host) == batch
+        )
+
     def _forward_starts(
         self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device
     ) -> torch.Tensor | None:
         """Called by the model attachment before a forward with this cache: returns the mask to use, or None."""
-        # Contiguous: a slice of the growing mask has a stride that changes every step, and a compiled step that
-        # reads it (online statistics) would be recompiled with dynamic strides and record a CUDA graph per step.
-        new_token_mask = None if attention_mask is None else attention_mask[:, -new:].bool().clone(memory_format=torch.contiguous_format)
+        if attention_mask is None or self._appends_real_token(attention_mask.shape[-1], new, batch):
+            new_token_mask = None  # a decoding step's token is real (see _appends_real_token)
+        else:
+            # Canonical strides: a slice of the growing mask keeps its stride, which changes every step; a compiled
+            # step that read it would be recompiled with dynamic strides and record a CUDA graph per step.
+            new_token_mask = attention_mask[:, -new:].bool().clone(memory_format=torch.contiguous_format)
         if self.static:
             replaced = self._prepare_static_forward(attention_mask, new, batch, device)
         else:
@@ -420,6 +444,11 @@ class RopeKVCache(Cache):
         self._observe_padding(attention_mask, new)
         plan = self._plan_for(new)
         if self._holes is None and not plan.compacts:
+            return attention_mask
+        # Left padding hides the first max(0, pad - (seen - slots)) columns of the region: when that is each row's
+        # holes (no padding and rows kept alike, e.g. batch 1), generate's mask is already the one to use.
+        evicted = plan.seen - plan.slots_after
+        if plan.holes_after == tuple(max(0, pad - evicted) for pad in self._pads_host):
             return attention_mask
         holes = self._device_rows(plan.holes_after, attention_mask.device)
         region = torch.arange(plan.slots_after + new, device=attention_mask.device)[None, :] >= holes[:, None]
@@ -595,6 +624,9 @@ class RopeKVCache(Cache):
     def _refresh_padding(self, total: int, new: int, device: torch.device, args: tuple, kwargs: dict) -> None:
         if self._pads is not None and self._pads_total == total:
             return  # the model attachment saw this forward's attention mask
+        if self._appends_real_token(total, new, self._batch_size):
+            self._pads_total = total  # a decoding step: the positions go on from the padding already known
+            return
         position_ids = _compat.position_ids_from_update(args, kwargs)
         if position_ids is not None:
             last = position_ids[..., -1].reshape(-1).to(device)

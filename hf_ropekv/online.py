@@ -69,6 +69,7 @@ class OnlineStatistics:
         self._new = 0
         self._snapshot: RowStatistics | None = None
         self._on_buffers = False
+        self._fold_indices: dict[tuple, tuple[torch.Tensor | None, int]] = {}  # see _fold_index
 
     # ------------------------------------------------------------------ one forward
     def begin_forward(self, new_token_mask: torch.Tensor | None, new_tokens: int) -> None:
@@ -89,12 +90,14 @@ class OnlineStatistics:
                 f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
                 f"got {tuple(queries.shape)}."
             )
+        if queries.requires_grad:  # a forward with autograd on: keep the statistics out of its graph
+            queries = queries.detach()
         if queries.shape[1] == 1 and self._on_buffers:
-            self._fold_now(layer_idx, queries.detach())
+            self._fold_now(layer_idx, queries)
         elif queries.shape[1] == 1:
-            self._stash.append((layer_idx, queries.detach()))  # folded with the other layers at the end
+            self._stash.append((layer_idx, queries))  # folded with the other layers at the end
         else:
-            self._pending[layer_idx] = self._row_sums(queries.detach(), self._mask_on(queries.device, queries.shape[:2]))
+            self._pending[layer_idx] = self._row_sums(queries, self._mask_on(queries.device, queries.shape[:2]))
 
     def end_forward(self) -> None:
         """The forward finished: its queries now count."""
@@ -104,27 +107,51 @@ class OnlineStatistics:
         for layer_idx, sums in self._pending.items():
             device, index = self._place(layer_idx, sums)
             self._sums[device][index] += sums
-        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        for layer_idx, q in self._stash:
-            by_device.setdefault(q.device, []).append((layer_idx, q))
+        stash_devices = {q.device for _, q in self._stash}
+        if len(stash_devices) == 1:  # the usual case: no grouping to do
+            by_device = {device: self._stash for device in stash_devices}
+        else:
+            by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+            for layer_idx, q in self._stash:
+                by_device.setdefault(q.device, []).append((layer_idx, q))
         for device, items in by_device.items():
-            stacked = torch.stack([q[:, 0] for _, q in items])  # [L, B, H, D]
-            parts = self._parts(stacked)  # [L, B, 3, H, F]
-            mask = self._mask_on(device, stacked.shape[1:2] + (1,))
+            # One concatenation of the layers' [B, 1, H, D] queries, [B, L, H, D], and one fold: a decoding step
+            # costs a handful of launches whatever the depth (no per-layer views).
+            stacked = torch.cat([q for _, q in items], dim=1) if len(items) > 1 else items[0][1]
+            parts = self._parts(stacked)  # [B, L, 3, H, F]
+            mask = self._mask_on(device, (stacked.shape[0], 1))
             if mask is not None:
-                parts = torch.where(mask[None, :, :, None, None], parts, 0.0)
-            for layer_idx, _ in items:
-                self._place(layer_idx, parts[0])
-            index = [self._slot[layer_idx][1] for layer_idx, _ in items]
+                parts = torch.where(mask[:, :, None, None, None], parts, 0.0)
+            index = self._fold_index(device, tuple(layer_idx for layer_idx, _ in items), parts)
             sums = self._sums[device]
-            if index == list(range(sums.shape[0])):  # the usual case: every layer of the device, in order
+            parts = parts.transpose(0, 1)  # [L, B, 3, H, F], as the sums
+            if index is None:  # the usual case: every layer of the device, in order
                 sums.add_(parts)
             else:
-                sums.index_add_(0, torch.tensor(index, device=device), parts.to(torch.float64))
+                sums.index_add_(0, index, parts.to(torch.float64))
         for device in self._devices_touched():
-            self._counts[device] += self._count_on(device)
+            if self._mask is None:
+                self._counts[device].add_(float(self._new))  # the same float64 sum as adding a tensor of them
+            else:
+                self._counts[device] += self._count_on(device)
         self._pending, self._stash = {}, []
         self._snapshot = None
+
+    def _fold_index(self, device: torch.device, layers: tuple[int, ...], parts: torch.Tensor) -> torch.Tensor | None:
+        """Rows of ``device``'s sums that ``layers``' queries (``parts [B, L, 3, H, F]``) go to, placing the layers
+        seen for the first time; ``None`` when they are all rows, in order. Memoised: the same layers come in
+        every decoding step, and a layer once placed stays where it is (until ``reset``)."""
+        memo = self._fold_indices.get((device, layers))
+        if memo is not None and memo[1] == self._sums[device].shape[0]:
+            return memo[0]
+        for position, layer_idx in enumerate(layers):
+            if layer_idx not in self._slot:
+                self._place(layer_idx, parts[:, position])
+        index = [self._slot[layer_idx][1] for layer_idx in layers]
+        rows = self._sums[device].shape[0]
+        result = None if index == list(range(rows)) else torch.tensor(index, device=device)
+        self._fold_indices[(device, layers)] = (result, rows)
+        return result
 
     # ------------------------------------------------------------------ reading
     def snapshot(self) -> RowStatistics:
@@ -207,7 +234,9 @@ class OnlineStatistics:
     def _parts(self, q: torch.Tensor) -> torch.Tensor:
         """``[..., H, D]`` queries -> float32 ``[..., 3, H, F]``: real parts, imaginary parts, moduli."""
         pairs = self._pairs
-        q = q[..., : 2 * pairs].float()
+        if q.shape[-1] != 2 * pairs:  # partial rotary: only the rotary dims
+            q = q[..., : 2 * pairs]
+        q = q.float()
         real, imag = split_pairs(q, self._layout, pairs)
         return torch.stack((real, imag, torch.hypot(real, imag)), dim=-3)
 

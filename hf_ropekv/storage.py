@@ -41,6 +41,7 @@ class PagedKV:
         self._positions_valid = 0
         self._pending_position = 0
         self.num_compactions = 0
+        self._step_views = _StepViews()
 
     # -- introspection -------------------------------------------------------------------------
     @property
@@ -66,15 +67,22 @@ class PagedKV:
         self, key_states: torch.Tensor, value_states: torch.Tensor, first_position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``q`` new tokens after the live slots; return views of all live slots (keys, values)."""
-        batch, heads, q, _ = key_states.shape
+        q = key_states.shape[2]
         self._reserve(key_states, value_states, self.length + q)
         end = self.length + q
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
+        views = self._step_views.get(self) if q == 1 else None
+        if views is not None:
+            write_keys, write_values, keys, values = views
+            write_keys.copy_(key_states)  # what `self.keys[:, :, length:end] = key_states` does, minus the slicing
+            write_values.copy_(value_states)
+        else:
+            self.keys[:, :, self.length : end] = key_states
+            self.values[:, :, self.length : end] = value_states
+            keys, values = self.keys[:, :, :end], self.values[:, :, :end]
         if self._positions_valid == self.length:
             self._pending_position = first_position
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return keys, values
 
     def compact(self, keep: torch.Tensor, start: torch.Tensor | None = None) -> None:
         """Keep slots ``keep[b, :, start[b]:]`` (ascending per row and head), moved in order to ``[start[b], K')``.
@@ -121,6 +129,7 @@ class PagedKV:
         self.keys = self.values = self.positions = None
         self.length = self._positions_valid = self._pending_position = 0
         self.num_compactions = 0
+        self._step_views = _StepViews()
 
     # -- views ---------------------------------------------------------------------------------
     def live_keys(self) -> torch.Tensor:
@@ -168,6 +177,47 @@ class PagedKV:
             values[:, :, : self.length] = self.values[:, :, : self.length]
             positions[:, :, : self.length] = self.positions[:, :, : self.length]
         self.keys, self.values, self.positions = keys, values, positions
+
+
+class _StepViews:
+    """Views of one arena for single-token appends, made once per live length and reused.
+
+    In steady state a decoding step appends at one of the ``compress_every`` or so lengths the compaction cycle
+    goes through, every cycle: slicing the arena anew each step (the slot to write, the live slots to return:
+    four views per layer and step, about a microsecond of host time each) is the same work over again. The views
+    are reused only under ``torch.no_grad()`` (``generate``), where an in-place write into them is exactly the
+    sliced assignment; with autograd or inference mode on, ``append`` slices as before. They belong to the
+    arenas they were cut from (checked by identity, so a reallocated arena starts afresh) and are never copied:
+    a deep copy of the storage starts with none.
+    """
+
+    #: Lengths remembered per arena: a whole compaction cycle for ``compress_every`` up to this.
+    LIMIT = 512
+
+    __slots__ = ("keys", "values", "by_length")
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.by_length: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def __deepcopy__(self, memo: dict) -> "_StepViews":
+        return _StepViews()
+
+    def get(self, arena: "PagedKV") -> tuple[torch.Tensor, ...] | None:
+        """``(slot keys, slot values, live keys, live values)`` for appending one token to ``arena``, or None."""
+        if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return None
+        if self.keys is not arena.keys or self.values is not arena.values:
+            self.keys, self.values, self.by_length = arena.keys, arena.values, {}
+        length = arena.length
+        views = self.by_length.get(length)
+        if views is None and len(self.by_length) < self.LIMIT:
+            end = length + 1
+            keys, values = arena.keys, arena.values
+            views = (keys[:, :, length:end], values[:, :, length:end], keys[:, :, :end], values[:, :, :end])
+            self.by_length[length] = views
+        return views
 
 
 def compact_arenas(arenas: list[PagedKV], keep: torch.Tensor, start: torch.Tensor | None = None) -> None:

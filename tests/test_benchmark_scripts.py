@@ -125,3 +125,19 @@ def test_compiled_decode_dry_run_alternates_variants_and_finds_capacity(tmp_path
     assert capacity["ropekv_static"]["prompt"] == 64  # the bounded cache's shorter prompt, recorded
     markdown = (tmp_path / "compiled_decode.md").read_text()
     assert "speed-up vs StaticCache compiled" in markdown and "## Capacity" in markdown
+
+
+def test_host_overhead_dry_run_counts_ops_and_times_both_caches(tmp_path: Path) -> None:
+    run_script("host_overhead.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "host_overhead.json").read_text())
+    rows = {row["cache"]: row for row in result["rows"]}
+    assert sorted(rows) == ["DynamicCache", "RopeKVCache"]
+    for row in rows.values():
+        assert row["steps_counted"] > 0 and row["host_us_per_step"] > 0 and row["cpu_us_per_step"] > 0
+        assert row["nonzero_per_step"] == 0 and row["host_tensors_per_step"] == 0
+    dynamic, rope = rows["DynamicCache"], rows["RopeKVCache"]
+    assert rope["syncs_per_step"] == dynamic["syncs_per_step"]  # the cache adds no host synchronisation
+    # Steady state: a handful of ops per step plus one per layer (the captured query's view), not ~8.5 per layer.
+    assert rope["ops_per_step"] - dynamic["ops_per_step"] <= result["shape"]["layers"] + 16
+    assert rope["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]
+    assert "| RopeKVCache |" in (tmp_path / "host_overhead.md").read_text()
