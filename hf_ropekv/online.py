@@ -85,19 +85,20 @@ class OnlineStatistics:
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Take one layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
         g = self.geometry
-        if queries.ndim != 4 or g.num_q_heads % queries.shape[2] or queries.shape[3] < g.rotary_dim:  # TP: a share
+        shape = queries.shape  # (the rotary width is 2 * self._pairs: geometry.rotary_dim counts inv_freq each call)
+        if len(shape) != 4 or g.num_q_heads % shape[2] or shape[3] < 2 * self._pairs:  # TP: a share of the heads
             raise ValueError(
                 f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
                 f"got {tuple(queries.shape)}."
             )
         if queries.requires_grad:  # a forward with autograd on: keep the statistics out of its graph
             queries = queries.detach()
-        if queries.shape[1] == 1 and self._on_buffers:
+        if shape[1] == 1 and self._on_buffers:
             self._fold_now(layer_idx, queries)
-        elif queries.shape[1] == 1:
+        elif shape[1] == 1:
             self._stash.append((layer_idx, queries))  # folded with the other layers at the end
         else:
-            self._pending[layer_idx] = self._row_sums(queries, self._mask_on(queries.device, queries.shape[:2]))
+            self._pending[layer_idx] = self._row_sums(queries, self._mask_on(queries.device, shape[:2]))
 
     def end_forward(self) -> None:
         """The forward finished: its queries now count."""

@@ -68,8 +68,9 @@ class PagedKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``q`` new tokens after the live slots; return views of all live slots (keys, values)."""
         q = key_states.shape[2]
-        self._reserve(key_states, value_states, self.length + q)
         end = self.length + q
+        if self.keys is None or end > self.keys.shape[2]:
+            self._reserve(key_states, value_states, end)
         views = self._step_views.get(self) if q == 1 else None
         if views is not None:
             write_keys, write_values, keys, values = views
