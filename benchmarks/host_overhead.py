@@ -20,8 +20,10 @@ CPU. For each context length and cache it
 
 Only steady-state steps count: the steps of the second compaction cycle (``--warm`` defaults to
 ``compress_every``), without its compacting step. A ``RopeKVCache`` meets each of its kept lengths for the first
-time in its first cycle. ``RopeKVCache`` runs with its defaults (online statistics with a half-life, per-layer
-selection, window 32) and ``protect_prompt=False``.
+time in its first cycle (and makes its views of the arena then). With a prompt shorter than ``budget +
+compress_every`` the arena still grows during the first cycle and the views are made again in the second: then
+pass ``--warm`` and ``--steps`` of one cycle more. ``RopeKVCache`` runs with its defaults (online statistics
+with a half-life, per-layer selection, window 32) and ``protect_prompt=False``.
 
 On the CPU, ``DynamicCache``'s step also copies its whole cache (``torch.cat``), so its time grows with the
 context there (on a GPU that copy is device time, hidden under a host-bound step): compare op counts, and
