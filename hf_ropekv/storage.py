@@ -277,11 +277,19 @@ class StaticKV(PagedKV):
         if needed > capacity:  # nothing is stored before the first forward: a fresh temporary arena, no copy
             self.keys = None
             super()._reserve(key_states, value_states, needed)
+            self._zero_from(0)
 
     def reserve(self, needed: int) -> None:
         """Make room for ``needed`` slots before a forward: beyond the fixed arena, a temporary one (eager only)."""
         if self.keys is not None and needed > self.capacity:
             super()._reserve(self.keys, self.values, needed)
+            self._zero_from(self.length)
+
+    def _zero_from(self, slot: int) -> None:
+        # Attention reads the whole arena and the mask hides the slots past the live ones; a hidden slot still
+        # multiplies its zero weight, so it must hold a finite value, not the garbage of torch.empty (NaN * 0).
+        self.keys[:, :, slot:].zero_()
+        self.values[:, :, slot:].zero_()
 
     def advance(self, new: int, first_position: int) -> None:
         """Count ``new`` tokens (positions ``first_position, ...``) as written after the live slots (host only)."""

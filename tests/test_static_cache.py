@@ -263,3 +263,21 @@ def test_next_cache_takes_over_the_buffers_of_one_that_is_gone() -> None:
     torch.testing.assert_close(again, out, atol=0, rtol=0)  # buffers are zeroed when taken over
     release_static_buffers(model)  # frees what the model kept; the next cache allocates anew and still works
     torch.testing.assert_close(run()[1], out, atol=0, rtol=0)
+
+
+def test_temporary_arena_hides_no_garbage(monkeypatch) -> None:
+    """A forward longer than the fixed arena spills into a temporary one that attention reads whole: its unused
+    slots must be finite (a masked slot still multiplies its zero weight). Poisoned: torch.empty gives NaN."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(200, 157))
+    options = dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False)
+    expected = generate(model, RopeKVCache(model, **options), ids, mask, new=20)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    out = generate(model, RopeKVCache(model, **options, static=True), ids, mask, new=20)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
