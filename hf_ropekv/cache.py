@@ -491,7 +491,7 @@ class RopeKVCache(Cache):
             self._record_compaction(plan)
             per_layer = self.selection == "per_layer"
             for layers in [[layer] for layer in self._full_layers] if per_layer else [self._full_layers]:
-                compact_arenas([layer.storage for layer in layers], *self._select(layers, plan))
+                self._compact(layers, plan)
         needed = plan.slots_after + new
         for layer in self._full_layers:
             layer.storage.reserve(needed)
@@ -571,11 +571,15 @@ class RopeKVCache(Cache):
         if first:
             self._record_compaction(plan)
         if self.selection == "per_layer":
-            layer.storage.compact(*self._select([layer], plan))
+            self._compact([layer], plan)
         elif first:
             # One ranking for all layers: compact them all now, in one launch per device. Safe here: this is
             # the first layer of the forward, so no tensor returned in this forward aliases any arena yet.
-            compact_arenas([full.storage for full in self._full_layers], *self._select(self._full_layers, plan))
+            self._compact(self._full_layers, plan)
+
+    def _compact(self, layers: list[BudgetedLayer], plan: Plan) -> None:
+        """Rank ``layers`` together (one selection for all of them) and compact them, one launch per device."""
+        compact_arenas([layer.storage for layer in layers], *self._select(layers, plan))
 
     def _record_compaction(self, plan: Plan) -> None:
         """Per-row bookkeeping of a compaction (host only)."""

@@ -22,6 +22,7 @@ import torch
 
 from .layouts import split_pairs
 from .model_info import ModelGeometry
+from .static_buffers import mark_static  # the running sums: a static cache's compiled step updates them in place
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ class OnlineStatistics:
             for device, value in table.items():
                 dim = 1 if value.ndim > 1 else 0
                 table[device] = value.index_select(dim, index.to(device))
-                _mark_static(table[device])
+                mark_static(table[device])
         self._snapshot = None
 
 
@@ -273,7 +274,7 @@ class OnlineStatistics:
                 self._slot[layer_idx] = (device, 0)
                 self._sums[device] = zeros
                 self._counts[device] = torch.zeros(batch, dtype=torch.float64, device=device)
-            _mark_static(self._sums[device], self._counts[device])
+            mark_static(self._sums[device], self._counts[device])
         return self._slot[layer_idx]
 
     def _devices_touched(self) -> set[torch.device]:
@@ -289,10 +290,3 @@ class OnlineStatistics:
             for value in table.values():
                 value.mul_(factor)
 
-
-def _mark_static(*tensors: torch.Tensor) -> None:
-    """The running sums are updated in place by every decoding step: a compiled step (static cache) captures
-    them by address, and CUDA graphs are only used when every tensor a step mutates is a static address."""
-    if not torch.compiler.is_compiling():
-        for tensor in tensors:
-            torch._dynamo.mark_static_address(tensor)

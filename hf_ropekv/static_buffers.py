@@ -58,8 +58,7 @@ class BufferLease:
             tensor = make()
         else:
             tensor.zero_()
-        if not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(tensor)
+        mark_static(tensor)
         self._held.append((key, tensor))
         return tensor
 
@@ -70,6 +69,14 @@ class BufferLease:
                 del self._held[i]
                 self._pool.put(key, held)
                 return
+
+
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Mark tensors that a compiled step mutates in place as static addresses: CUDA graphs are used only when
+    every tensor a step mutates is one (marking is an eager-time act; inside a trace it is skipped)."""
+    if not torch.compiler.is_compiling():
+        for tensor in tensors:
+            torch._dynamo.mark_static_address(tensor)
 
 
 def _give_all_back(pool: BufferPool, held: list[tuple[Hashable, torch.Tensor]]) -> None:

@@ -15,6 +15,7 @@ import torch
 from typing import TYPE_CHECKING
 
 from .kernels.compact import compact_
+from .static_buffers import mark_static
 
 if TYPE_CHECKING:
     from .static_buffers import BufferLease
@@ -80,17 +81,15 @@ class PagedKV:
             self.keys[:, :, self.length : end] = key_states
             self.values[:, :, self.length : end] = value_states
             keys, values = self.keys[:, :, :end], self.values[:, :, :end]
-        if self._positions_valid == self.length:
-            self._pending_position = first_position
-        self.length = end
+        self.advance(q, first_position)
         return keys, values
 
-    def compact(self, keep: torch.Tensor, start: torch.Tensor | None = None) -> None:
-        """Keep slots ``keep[b, :, start[b]:]`` (ascending per row and head), moved in order to ``[start[b], K')``.
-
-        ``K' = keep.shape[-1]``; slots before ``start[b]`` become holes (their position reads -1).
-        """
-        compact_arenas([self], keep, start)
+    def advance(self, new: int, first_position: int) -> None:
+        """Count ``new`` tokens (positions ``first_position, ...``) as written after the live slots (host only;
+        their positions are written lazily, see ``_write_positions``)."""
+        if self._positions_valid == self.length:
+            self._pending_position = first_position
+        self.length += new
 
     def _after_compaction(self, keep: torch.Tensor, start: torch.Tensor | None) -> None:
         kept = keep.shape[-1]
@@ -225,6 +224,8 @@ def compact_arenas(arenas: list[PagedKV], keep: torch.Tensor, start: torch.Tenso
     """Compact several arenas that keep the same slots, one kernel launch per device.
 
     At batch 1 a single layer gives the kernel only ``kv_heads`` programs; all layers together fill the GPU.
+    Each arena keeps slots ``keep[b, :, start[b]:]`` (ascending per row and head), moved in order to
+    ``[start[b], K')`` with ``K' = keep.shape[-1]``; slots before ``start[b]`` become holes (their position reads -1).
     ``start`` [B] (optional): first destination slot of each row (see :func:`hf_ropekv.kernels.compact.compact_`).
     """
     by_device: dict[torch.device, list[PagedKV]] = {}
@@ -291,12 +292,6 @@ class StaticKV(PagedKV):
         self.keys[:, :, slot:].zero_()
         self.values[:, :, slot:].zero_()
 
-    def advance(self, new: int, first_position: int) -> None:
-        """Count ``new`` tokens (positions ``first_position, ...``) as written after the live slots (host only)."""
-        if self._positions_valid == self.length:
-            self._pending_position = first_position
-        self.length += new
-
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's tokens at ``write_index``; return the whole arena (the mask hides unused slots)."""
         self.keys.index_copy_(2, self.write_index, key_states)
@@ -340,16 +335,13 @@ class StaticKV(PagedKV):
         if self._lease is not None:
             return self._lease.take((name, self.layer_idx, shape, dtype, device), make)
         tensor = make()
-        if not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(tensor)
+        mark_static(tensor)
         return tensor
 
     def _adopt_as_arena(self) -> None:
         if self.keys is not None and self.capacity == self.static_capacity:
             self._arena = (self.keys, self.values, self.positions)
-            if not torch.compiler.is_compiling():
-                for tensor in self._arena:
-                    torch._dynamo.mark_static_address(tensor)
+            mark_static(*self._arena)
 
     def _shrink_to_hint(self) -> None:
         """After a compaction: leave a temporary arena for the fixed one once the survivors fit in it."""
