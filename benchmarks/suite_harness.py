@@ -326,11 +326,9 @@ def instrument_compaction(cache, timer: StepTimer):
         import hf_ropekv.cache as cache_module
 
         wrap(cache, "_select", "select_ms")
-        # Global selection compacts every layer in one call of cache.py's compact_arenas; per-layer selection
-        # calls each storage's compact instead (which reaches the kernel through storage.py's own name).
+        # Every compaction (global: all layers in one call; per layer: one call each) goes through cache.py's
+        # compact_arenas.
         wrap(cache_module, "compact_arenas", "compact_ms")
-        for layer in cache._full_layers:
-            wrap(layer.storage, "compact", "compact_ms")
     try:
         yield record if available else None
     finally:
