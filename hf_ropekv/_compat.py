@@ -6,6 +6,8 @@
 - ``Cache.crop(n)``: ``n < 0`` removes ``-n`` tokens and ``n == 0`` removes none on every version (generate's
   assisted decoding calls ``crop(-rejected)``, often ``crop(0)``). A positive ``n`` was the length to keep,
   deprecated through 5.19 (``DynamicLayer`` returns early when ``n >= length``); from 5.20 it raises.
+- Attention functions: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` on every version;
+  5.24 folds grouped query heads for a masked decoding token in eager mode only (``pack_gqa``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 import transformers
 from packaging.version import Version
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401 - same on every version
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
@@ -60,6 +63,15 @@ def cache_kwarg(model: Any) -> str:
     except (TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
+
+
+def register_attention(name: str, function: Any) -> None:
+    """Register ``function`` as attention implementation ``name``, with the sdpa mask (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
 
 
 def crop_target(length: int, n: int) -> int:

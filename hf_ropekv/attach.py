@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _compat
+from .attention import restore_attention, use_grouped_sdpa
 from .capture import QueryCapture
 from .model_info import ModelGeometry
 
@@ -248,7 +249,9 @@ class SharedHooks:
     cache's forwards). Sharing keeps the hooks' identities the same from one cache to the next: a compiled
     forward traces the hooks and guards on them, so per-cache hooks would recompile it for every new cache.
     The hooks go with the last attachment, unless a static cache was attached: then they stay, idle, for the
-    model's lifetime, so the next static cache (a new ``generate()`` call) reuses the compiled step.
+    model's lifetime, so the next static cache (a new ``generate()`` call) reuses the compiled step. A static
+    cache also switches an sdpa grouped-query model to :func:`~hf_ropekv.attention.grouped_sdpa` (same attention,
+    no copy of the key/value heads under its mask), for as long as the hooks stay.
     """
 
     _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, SharedHooks]" = weakref.WeakKeyDictionary()
@@ -266,6 +269,7 @@ class SharedHooks:
         self.capture: QueryCapture | None = None
         self.active: ModelAttachment | None = None  # the attachment of the forward in progress
         self.keep = False
+        self._attention_before: str | None = None  # the implementation a static cache replaced
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             model.register_forward_hook(self._post_forward, with_kwargs=True),
@@ -276,6 +280,8 @@ class SharedHooks:
         if collect_queries and self.capture is None:
             self.capture = QueryCapture(self._model_ref(), geometry, self._on_query).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
+        if keep and not self.keep:
+            self._attention_before = use_grouped_sdpa(self._model_ref())
         self.keep = self.keep or keep
 
     def remove(self, attachment: "ModelAttachment") -> None:
@@ -296,6 +302,10 @@ class SharedHooks:
         self._handles = []
         if self.capture is not None:
             self.capture.detach()
+        model = self._model_ref()
+        if model is not None:
+            restore_attention(model, self._attention_before)
+        self._attention_before = None
 
     # The hooks act through the attachment of the running forward's cache alone (``active``): a compiled forward
     # then reads one attachment, whatever number of caches the model has, and is not recompiled when it changes.
