@@ -125,12 +125,24 @@ def _ropekv(static: bool) -> Callable[[Bench, int], Any]:
     return make
 
 
+def _stock_sdpa(make: Callable[[Bench, int], Any]) -> Callable[[Bench, int], Any]:
+    """``make``, run with transformers' own sdpa: a static RopeKVCache switches the model to its grouped-query
+    sdpa (``hf_ropekv.attention``), which the other variants must not get."""
+
+    def make_with_stock_sdpa(bench: Bench, prompt_len: int) -> Any:
+        if bench.model.config._attn_implementation == getattr(getattr(hf_ropekv, "attention", None), "GROUPED_SDPA", None):
+            bench.model.config._attn_implementation = "sdpa"
+        return make(bench, prompt_len)
+
+    return make_with_stock_sdpa
+
+
 VARIANTS: dict[str, Variant] = {
     "dynamic": Variant("dynamic", "DynamicCache eager", False, False,
-                       lambda b, n: DynamicCache(config=b.model.config)),
+                       _stock_sdpa(lambda b, n: DynamicCache(config=b.model.config))),
     "static": Variant("static", "StaticCache compiled", True, False,
-                      lambda b, n: StaticCache(config=b.model.config, max_cache_len=n + b.args.new_tokens)),
-    "ropekv": Variant("ropekv", "RopeKVCache eager", False, True, _ropekv(static=False)),
+                      _stock_sdpa(lambda b, n: StaticCache(config=b.model.config, max_cache_len=n + b.args.new_tokens))),
+    "ropekv": Variant("ropekv", "RopeKVCache eager", False, True, _stock_sdpa(_ropekv(static=False))),
     "ropekv_static": Variant("ropekv_static", "RopeKVCache(static=True) compiled", True, True, _ropekv(static=True)),
 }
 

@@ -9,7 +9,7 @@ For each point (batch x prompt tokens) and attention implementation (``--attenti
    eager preparation of each step (``_prepare_static_forward``, host time) and each compaction (``_compact``,
    host time with the device synchronised before and after), and the CUDA graphs recorded;
 2. one profiled call (``torch.profiler``, CPU and CUDA) over a window of ``--window`` steps from ``--skip`` that
-   holds a compaction step: GPU kernel time per step, the top kernels and host operators, written as tables.
+   holds a compaction step: GPU kernel time per step, the top kernels and host operators (``tables_b*.txt``).
 
 The implementations: ``grouped`` is the library's default for a static cache on an sdpa grouped-query model
 (``hf_ropekv.attention.grouped_sdpa``: no copy of the key/value heads under the mask); ``sdpa`` puts the model's
@@ -22,8 +22,6 @@ implementation back to transformers' sdpa after the cache switched it (``repeat_
 from __future__ import annotations
 
 import argparse
-import gzip
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -48,6 +46,7 @@ from compiled_decode import cudagraph_recordings
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
+from hf_ropekv.attention import GROUPED_SDPA  # noqa: E402
 
 
 class Instrumented:
@@ -84,8 +83,8 @@ class Instrumented:
 def new_cache(model: torch.nn.Module, args: argparse.Namespace, attention: str) -> RopeKVCache:
     cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every, protect_prompt=False,
                         static=True)
-    if attention == "sdpa":
-        model.config._attn_implementation = "sdpa"  # undo the static cache's switch: transformers' own sdpa
+    # The cache switched the model to the grouped sdpa; "sdpa" puts transformers' own back for this run.
+    model.config._attn_implementation = "sdpa" if attention == "sdpa" else GROUPED_SDPA
     return cache
 
 
@@ -144,15 +143,12 @@ def profiled_run(model, args, attention: str, prompt: torch.Tensor, kwarg: str, 
     kernels = sorted(averages, key=lambda a: getattr(a, gpu_attr, 0), reverse=True)
     gpu_ms = sum(getattr(a, gpu_attr, 0) for a in averages) / 1e3
     host = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)
-    table = averages.table(sort_by=gpu_attr.replace("_total", "_total"), row_limit=45, max_name_column_width=90)
-    (out / f"kernels_{tag}.txt").write_text(table)
-    (out / f"host_{tag}.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=45,
-                                                        max_name_column_width=90))
-    trace = out / f"trace_{tag}.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    trace.unlink()
+    tables = out / f"tables_{tag.split('_')[0]}.txt"  # one file per point (the device returns few files)
+    with open(tables, "a") as f:
+        f.write(f"# {tag}: by GPU time\n")
+        f.write(averages.table(sort_by=gpu_attr, row_limit=40, max_name_column_width=90) + "\n")
+        f.write(f"# {tag}: by host self time\n")
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90) + "\n")
     window_stamps = clock.stamps[args.skip + 2: args.skip + 2 + args.window + 1]
     return dict(
         attention=attention,

@@ -280,8 +280,9 @@ class SharedHooks:
         if collect_queries and self.capture is None:
             self.capture = QueryCapture(self._model_ref(), geometry, self._on_query).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
-        if keep and not self.keep:
-            self._attention_before = use_grouped_sdpa(self._model_ref())
+        if keep:  # every static cache: the user may have set the implementation back since the last one
+            before = use_grouped_sdpa(self._model_ref())
+            self._attention_before = before if before is not None else self._attention_before
         self.keep = self.keep or keep
 
     def remove(self, attachment: "ModelAttachment") -> None:

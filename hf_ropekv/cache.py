@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import weakref
 from typing import Any
 
@@ -489,9 +490,10 @@ class RopeKVCache(Cache):
             self._decode_steps += 1
         if plan.compacts:
             self._record_compaction(plan)
-            per_layer = self.selection == "per_layer"
-            for layers in [[layer] for layer in self._full_layers] if per_layer else [self._full_layers]:
-                self._compact(layers, plan)
+            if self.selection == "per_layer":
+                self._compact_each(self._full_layers, plan)
+            else:
+                self._compact(self._full_layers, plan)
         needed = plan.slots_after + new
         for layer in self._full_layers:
             layer.storage.reserve(needed)
@@ -581,6 +583,25 @@ class RopeKVCache(Cache):
         """Rank ``layers`` together (one selection for all of them) and compact them, one launch per device."""
         compact_arenas([layer.storage for layer in layers], *self._select(layers, plan))
 
+    def _compact_each(self, layers: list[BudgetedLayer], plan: Plan) -> None:
+        """Rank and compact each of ``layers`` on its own (per-layer selection), all layers of a device at once.
+
+        The same selection as :meth:`_compact` of one layer at a time, batched: the masks, noise and top-k of
+        every layer go through one set of ops with the layers stacked along the rows, and a scorer with a
+        ``score_layers`` method scores them together. A static cache compacts every layer before its forward,
+        so it can; one op set instead of one per layer is what keeps a compaction step's host time small.
+        """
+        first = layers[0].storage
+        per_layer = first.keys.shape[0] * first.keys.shape[1] * plan.slots_before  # slots a layer ranks
+        chunk = max(1, _SELECTION_WORKSPACE // max(1, per_layer))  # layers ranked in one go: bounded workspace
+        for _, same_device in itertools.groupby(layers, key=lambda layer: layer.storage.keys.device):
+            same_device = list(same_device)
+            for i in range(0, len(same_device), chunk):
+                group = same_device[i : i + chunk]
+                keep, start = self._select(group, plan, each=True)
+                for layer, layer_keep in zip(group, keep):
+                    compact_arenas([layer.storage], layer_keep, start)
+
     def _record_compaction(self, plan: Plan) -> None:
         """Per-row bookkeeping of a compaction (host only)."""
         if self._attachment is None and any(self._pads_host or ()):
@@ -648,48 +669,91 @@ class RopeKVCache(Cache):
             self._pads_host = (0,) * self._batch_size
         self._pads_total = total
 
-    def _select(self, layers: list[BudgetedLayer], plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score ``layers`` (all holding the same tokens), average their scores, pick each row's survivors.
+    def _select(
+        self, layers: list[BudgetedLayer], plan: Plan, each: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score ``layers`` (all holding the same number of slots) and pick each row's survivors.
 
         Returns ``(keep, start)`` for :func:`~hf_ropekv.storage.compact_arenas`: row ``b`` keeps
-        ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``.
+        ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``. By default the layers hold the same
+        tokens and are ranked together (their scores averaged): ``keep`` is ``[B, H, K]``. With ``each``, every
+        layer is ranked on its own, the layers stacked along the rows: ``keep`` is ``[L, B, H, K]``.
         """
         first = layers[0].storage
         device = first.keys.device
-        seen = plan.seen
+        seen, count = plan.seen, len(layers)
         pads = self._pads.to(device)
         holes = torch.tensor([plan.slots_before - k for k in plan.kept_before], device=device)
-        guards = Guards(pinned=self._pinned_tokens(seen), sink=self.sink, window=self._window_for(plan, device))
-        slot_positions = first.live_positions()
-        is_hole, protected = slot_masks(slot_positions, holes, pads, seen, guards)
-        candidates = ~(is_hole | protected)
+        window = self._window_for(plan, device)
+        slot_positions = torch.stack([layer.storage.live_positions() for layer in layers]) if each else None
+        if slot_positions is None:
+            slot_positions = first.live_positions()[None]  # [1, B, H, S]: every layer holds these tokens
+        rows = slot_positions.shape[0]  # layers ranked apart (1: all together)
+        flat_positions = slot_positions.flatten(0, 1)
+        guards = Guards(
+            pinned=self._pinned_tokens(seen),
+            sink=self.sink,
+            window=window.repeat(rows) if isinstance(window, torch.Tensor) else window,
+        )
+        is_hole, protected = slot_masks(flat_positions, holes.repeat(rows), pads.repeat(rows), seen, guards)
+        candidates = (~(is_hole | protected)).view(slot_positions.shape)
         position = seen - pads
         self._prepare_scorer()
-        total = None
-        for layer in layers:
+        scores = self._score(layers, position, seen, slot_positions, candidates, is_hole.view(slot_positions.shape))
+        if not each:  # one ranking for all layers: their mean score (summed in layer order)
+            total = scores[0]
+            for layer_scores in scores[1:]:
+                total = total + layer_scores
+            scores = (total / count)[None]
+        # Tie-break noise that depends on the token (real index) and head only, never on the batch.
+        heads = torch.arange(flat_positions.shape[1], device=device).view(1, -1, 1)
+        noise = hashed_uniform(self.seed, flat_positions - pads.repeat(rows).view(-1, 1, 1), heads)
+        # A row whose left padding reaches into this forward's tokens has a negative count (its holes then cover
+        # them); it keeps no stored token.
+        targets = torch.tensor(plan.kept_after, device=device).clamp_min(0)
+        keep, start = select_keep(scores.flatten(0, 1), is_hole, protected, targets.repeat(rows), plan.slots_after,
+                                  noise)
+        keep = keep.view(rows, *slot_positions.shape[1:3], keep.shape[-1])
+        return (keep if each else keep[0]), start[: targets.shape[0]]
+
+    def _score(
+        self,
+        layers: list[BudgetedLayer],
+        position: torch.Tensor,
+        seen: int,
+        slot_positions: torch.Tensor,
+        candidates: torch.Tensor,
+        is_hole: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 ``[L, B, H, S]`` scores of ``layers`` on the first layer's device.
+
+        ``slot_positions``, ``candidates`` and ``is_hole`` are ``[L, B, H, S]``, or ``[1, B, H, S]`` when every
+        layer holds the same tokens. A scorer with ``score_layers`` gets every layer in one call.
+        """
+        device = layers[0].storage.keys.device
+        contexts = []
+        for i, layer in enumerate(layers):
             storage = layer.storage
             layer_device = storage.keys.device
-            ctx = ScoreContext(
+            j = i if slot_positions.shape[0] > 1 else 0
+            contexts.append(ScoreContext(
                 layer_idx=layer.layer_idx,
                 position=position.to(layer_device),
                 tokens_seen=seen,
                 slot_positions=storage.live_positions(),
-                # In global mode every layer kept the same slots, so one mask serves all of them.
-                candidates=candidates.to(layer_device),
-                **self._query_fields(layer.layer_idx, is_hole, layer_device),
-            )
-            scores = self.scorer.score(storage.live_keys(), ctx).to(device, torch.float32)
-            total = scores if total is None else total + scores
-            if self._queries is not None:
+                candidates=candidates[j].to(layer_device),
+                **self._query_fields(layer.layer_idx, is_hole[j], layer_device),
+            ))
+        keys = [layer.storage.live_keys() for layer in layers]
+        score_layers = getattr(self.scorer, "score_layers", None)
+        if score_layers is not None and len(keys) > 1 and all(k.device == device for k in keys):
+            scores = score_layers(keys, contexts)
+        else:
+            scores = torch.stack([self.scorer.score(k, ctx).to(device, torch.float32) for k, ctx in zip(keys, contexts)])
+        if self._queries is not None:
+            for layer in layers:
                 self._queries.compacted(layer.layer_idx)
-        total = total / len(layers)
-        # Tie-break noise that depends on the token (real index) and head only, never on the batch.
-        heads = torch.arange(slot_positions.shape[1], device=device).view(1, -1, 1)
-        noise = hashed_uniform(self.seed, slot_positions - pads.view(-1, 1, 1), heads)
-        # A row whose left padding reaches into this forward's tokens has a negative count (its holes then cover
-        # them); it keeps no stored token.
-        targets = torch.tensor(plan.kept_after, device=device).clamp_min(0)
-        return select_keep(total, is_hole, protected, targets, plan.slots_after, noise)
+        return scores.float()
 
     def _window_for(self, plan: Plan, device: torch.device) -> int | torch.Tensor:
         """The recent window each row protects: the one asked for, or the default cut to what the budget
@@ -764,6 +828,10 @@ class RopeKVCache(Cache):
         if self._online is not None:
             self.scorer.stats = self._online.snapshot()
 
+
+#: Slots (rows x heads x slots) one batched per-layer selection ranks at most: its float32 scores, int64 sort
+#: indices and masks then take a few hundred MiB, whatever the batch.
+_SELECTION_WORKSPACE = 1 << 23
 
 #: The default recent window: what measured best on GSM8K (README, "Quality"), capped for small budgets.
 DEFAULT_WINDOW = 32

@@ -215,3 +215,33 @@ def test_every_compaction_scores_with_the_statistics_of_the_finished_forwards(ca
         assert stats.tokens.tolist() == [float(tokens)]  # every finished forward, answer tokens included
         torch.testing.assert_close(got, FrequencyScorer(stats).score(keys, ctx), atol=0, rtol=0)
     assert "different numbers of positions" not in caplog.text
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-stats", "per-row-stats"])
+def test_score_layers_equals_scoring_each_layer(per_row: bool) -> None:
+    """score_layers (one set of query-weight ops for every layer) gives exactly score()'s result per layer."""
+    model = tiny_model("llama")
+    geometry = describe(model)
+    stats = random_stats(model, seed=4)
+    batch, slots = 3, 37
+    g = torch.Generator().manual_seed(6)
+    if per_row:  # per-row statistics, as online statistics give them
+        q_mean = tuple(torch.complex(torch.randn(batch, *s.shape, generator=g), torch.randn(batch, *s.shape, generator=g))
+                       for s in stats.q_mean)
+        q_abs = tuple(q.abs() * (1 + torch.rand(q.shape, generator=g)) for q in q_mean)
+        stats = RowStatistics(q_mean, q_abs, dict(stats.metadata), torch.ones(batch, dtype=torch.float64))
+    scorer = FrequencyScorer(stats)
+    keys, contexts = [], []
+    for layer in range(geometry.num_layers):
+        keys.append(torch.randn(batch, geometry.num_kv_heads, slots, geometry.head_dim, generator=g))
+        contexts.append(ScoreContext(
+            layer_idx=layer,
+            position=torch.tensor([50, 47, 61]),
+            tokens_seen=61,
+            slot_positions=torch.arange(slots).expand(batch, geometry.num_kv_heads, slots),
+            candidates=torch.rand(batch, geometry.num_kv_heads, slots, generator=g) > 0.2,
+        ))
+    together = scorer.score_layers(keys, contexts)
+    assert together.shape == (geometry.num_layers, batch, geometry.num_kv_heads, slots)
+    for layer in range(geometry.num_layers):
+        assert torch.equal(together[layer], scorer.score(keys[layer], contexts[layer]))

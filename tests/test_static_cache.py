@@ -81,6 +81,9 @@ def test_static_cache_keeps_what_the_growing_cache_keeps(name: str) -> None:
     torch.testing.assert_close(generate(model, eager, ids, mask), expected, atol=0, rtol=0)
     assert eager.num_compactions == reference.num_compactions
     assert eager.tokens_kept_per_row == reference.tokens_kept_per_row
+    # Every layer kept the same tokens: the static cache ranks its layers together, the growing one layer by layer.
+    for mine, theirs in zip(eager._full_layers, reference._full_layers):
+        assert torch.equal(mine.storage.live_positions(), theirs.storage.live_positions())
 
     options = OPTIONS[name](model)  # fresh scorer state
     traced = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, **options)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..layouts import ROTATE_HALF
-from ..scoring import score_keys
+from ..scoring import query_weights, score_keys_weighted
 from .base import ScoreContext, standardize
 
 if TYPE_CHECKING:
@@ -39,16 +39,39 @@ class FrequencyScorer:
     _cached_stats: "FrequencyStats | None" = field(default=None, init=False, repr=False)
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
+        return self.score_layers([keys], [ctx])[0]
+
+    def score_layers(self, keys: list[torch.Tensor], contexts: list[ScoreContext]) -> torch.Tensor:
+        """:meth:`score` of several layers at once (same batch, heads, slots and positions; one device):
+        float32 ``[L, B, H_kv, S]``. The query weights of every layer come from one set of ops; only the
+        scoring kernel runs once per layer."""
         if self.stats is None:
             raise RuntimeError("FrequencyScorer has no statistics: pass stats= or let RopeKVCache gather them.")
-        q_mean, q_abs_mean, inv_freq = self._layer_tensors(ctx.layer_idx, keys.device, keys.shape[1])
+        first, ctx = keys[0], contexts[0]
+        batch, kv_heads, slots = first.shape[:3]
+        if any(k.shape[:3] != first.shape[:3] for k in keys):
+            raise ValueError("score_layers needs layers of one shape; score them one by one with score().")
+        tensors = [self._layer_tensors(c.layer_idx, first.device, kv_heads) for c in contexts]
+        q_mean = torch.stack([t[0] for t in tensors])  # [L, H_q, F] or [L, B, H_q, F]
+        q_abs_mean = torch.stack([t[1] for t in tensors])
+        inv_freq = tensors[0][2]
+        layers, (q_heads, pairs) = len(keys), q_mean.shape[-2:]
+        if q_mean.dim() == 4:  # one set per row: rows first, the layers' heads side by side
+            q_mean, q_abs_mean = (t.transpose(0, 1).reshape(t.shape[1], layers * q_heads, pairs) for t in (q_mean, q_abs_mean))
+        else:
+            q_mean, q_abs_mean = (t.reshape(1, layers * q_heads, pairs) for t in (q_mean, q_abs_mean))
+        w, c = query_weights(q_mean, q_abs_mean, inv_freq, ctx.position, self.offsets)
+        # [B', L * H_q, *] -> [L, B', H_q, *]: each layer's weights contiguous, as the kernel reads them.
+        w = w.view(w.shape[0], layers, q_heads, -1).transpose(0, 1).contiguous().to(first.device)
+        c = c.view(c.shape[0], layers, q_heads, -1).transpose(0, 1).contiguous().to(first.device)
         layout = self.stats.metadata.get("rotary_layout", ROTATE_HALF)
-        raw = score_keys(keys, q_mean, q_abs_mean, inv_freq, ctx.position, self.offsets, layout=layout)  # [B, H_q, S]
-        batch, kv_heads, slots = keys.shape[:3]
-        group = raw.shape[1] // kv_heads
-        candidates = ctx.candidates.repeat_interleave(group, dim=1)
+        raw = torch.empty(layers, batch, q_heads, slots, dtype=torch.float32, device=first.device)
+        for i, layer_keys in enumerate(keys):
+            score_keys_weighted(layer_keys, w[i], c[i], out=raw[i], layout=layout)
+        group = q_heads // kv_heads
+        candidates = torch.stack([c.candidates for c in contexts]).repeat_interleave(group, dim=2)
         z = standardize(raw, candidates)
-        return z.view(batch, kv_heads, group, slots).amax(dim=2)
+        return z.view(layers, batch, kv_heads, group, slots).amax(dim=3)
 
     def _layer_tensors(self, layer_idx: int, device: torch.device, kv_heads: int) -> tuple[torch.Tensor, ...]:
         if self._cached_stats is not self.stats:
