@@ -6,6 +6,8 @@
 - ``Cache.crop(n)``: ``n < 0`` removes ``-n`` tokens and ``n == 0`` removes none on every version (generate's
   assisted decoding calls ``crop(-rejected)``, often ``crop(0)``). A positive ``n`` was the length to keep,
   deprecated through 5.19 (``DynamicLayer`` returns early when ``n >= length``); from 5.20 it raises.
+- ``model._get_static_cache_init_shape()`` (5.17+, private): the per-rank key shape generate uses to initialise a
+  ``StaticCache`` before a compiled prefill; an int pair on 5.17, per-layer lists on newer versions.
 - Attention functions: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` on every version;
   5.24 folds grouped query heads for a masked decoding token in eager mode only (``pack_gqa``).
 """
@@ -72,6 +74,20 @@ def register_attention(name: str, function: Any) -> None:
 
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def static_init_shape(model: Any, num_layers: int) -> tuple[list[int], list[int]] | None:
+    """Per decoder layer, the ``(kv heads, head_dim)`` of its keys on this rank, as transformers itself works them
+    out to initialise a ``StaticCache`` before a compiled prefill (ints on 5.17, per-layer lists on newer
+    versions); ``None`` where it cannot tell (layers on several devices, MLA, uneven tensor-parallel shards)."""
+    get_shape = getattr(model, "_get_static_cache_init_shape", None)
+    shape = get_shape() if callable(get_shape) else None
+    if shape is None:
+        return None
+    heads, head_dim = shape
+    heads = list(heads) if isinstance(heads, (list, tuple)) else [heads] * num_layers
+    head_dim = list(head_dim) if isinstance(head_dim, (list, tuple)) else [head_dim] * num_layers
+    return heads, head_dim
 
 
 def crop_target(length: int, n: int) -> int:

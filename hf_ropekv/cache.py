@@ -501,6 +501,8 @@ class RopeKVCache(Cache):
         # whole pages for a forward longer than it; a layer allocates at its first forward, to this size).
         page = self.page_size
         kv_length = first.storage.capacity or max(first.storage.static_capacity, -(-needed // page) * page)
+        if not first.is_initialized:
+            self._initialize_static_layers(batch, kv_length)
         self._query_offset = plan.slots_after
         indices = self._static_write_indices(plan.slots_after, new, seen, device)
         for layer in self._full_layers:
@@ -514,6 +516,24 @@ class RopeKVCache(Cache):
         holes = self._device_rows(plan.holes_after, device)[:, None]
         mask = (slot >= holes) & (slot < plan.slots_after + new)
         return mask if attention_mask is None else mask.to(attention_mask.dtype)
+
+    def _initialize_static_layers(self, batch: int, kv_length: int) -> None:
+        """Allocate every layer's arena before the first forward, as generate does for a StaticCache before a
+        compiled prefill: allocated inside a CUDA graph, an arena would live in the graph's memory pool and be
+        overwritten by the next replay. Left to the first forward when transformers cannot tell the shapes
+        (layers on several devices)."""
+        model = self._attachment._model_ref() if self._attachment is not None else None
+        shape = None if model is None else _compat.static_init_shape(model, len(self.layers))
+        if shape is None:
+            return
+        heads, head_dims = shape
+        embeddings = model.get_input_embeddings()
+        dtype = embeddings.weight.dtype if embeddings is not None else model.dtype  # what the keys are computed in
+        for layer in self._full_layers:
+            like = torch.empty(batch, heads[layer.layer_idx], 0, head_dims[layer.layer_idx], dtype=dtype,
+                               device=model.device)
+            layer.kv_length = kv_length
+            layer.initialize(like, like)
 
     def _static_write_indices(
         self, slots: int, new: int, seen: int, input_device: torch.device

@@ -142,14 +142,19 @@ class StaticBudgetedLayer(BudgetedLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:  # the first forward (eager): the arena's shape is known from here on
-            self.lazy_initialization(key_states, value_states)
-            self.storage.allocate(key_states, value_states, self.kv_length)
+        if not self.is_initialized:  # the cache could not allocate before the forward: the arena's shape is known now
+            self.initialize(key_states, value_states)
             start, count = self.storage.planned_write
             self.storage.write_index = torch.arange(start, start + count, device=key_states.device)
         keys, values = self.storage.write(key_states, value_states)
         self.keys, self.values = keys, values
         return keys, values
+
+    def initialize(self, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
+        """Allocate the arena for keys and values shaped like these (any length: only batch, heads, head dim,
+        dtype and device count), with room for the coming forward's ``kv_length`` slots."""
+        self.lazy_initialization(key_like, value_like)
+        self.storage.allocate(key_like, value_like, self.kv_length)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kv_length, 0

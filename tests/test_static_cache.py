@@ -117,6 +117,32 @@ def test_unpinned_prompt_longer_than_the_arena(prefill: str) -> None:
     assert arena.keys is arena._arena[0] and arena.capacity == arena.static_capacity  # back in the fixed arena
 
 
+@pytest.mark.parametrize("prefill_chunk", [None, 8])
+def test_arenas_exist_before_the_first_forward(prefill_chunk: int | None) -> None:
+    """The cache allocates every arena before the first forward runs (so a compiled prefill never allocates
+    one inside a CUDA graph, whose pool the next replay overwrites), at the address decoding then uses."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(30, 21))
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, protect_prompt=False, static=True)
+    seen = []
+
+    def check(module, args, kwargs):
+        storages = [layer.storage for layer in cache._full_layers]
+        seen.append(all(s.keys is not None and s.write_index is not None for s in storages))
+
+    first_layer = model.model.layers[0]
+    handle = first_layer.register_forward_pre_hook(check, with_kwargs=True)
+    try:
+        chunk = {} if prefill_chunk is None else {"prefill_chunk_size": prefill_chunk}
+        generate(model, cache, ids, mask, new=6, **chunk)
+    finally:
+        handle.remove()
+    assert seen and all(seen)
+    arena = cache._full_layers[0].storage
+    assert arena.keys is arena._arena[0]
+    assert arena.keys.dtype == model.dtype and arena.keys.shape[:2] == (2, model.config.num_key_value_heads)
+
+
 @pytest.mark.parametrize("lengths", [(9,), (9, 5)])
 def test_compiled_step_is_compiled_once(lengths: tuple[int, ...]) -> None:
     """No recompilation for a new step, a compaction, or a new cache of the same batch size and budget (a new
@@ -225,6 +251,13 @@ def test_cuda_graphs_replay_the_decode_step() -> None:
     assert graphs[0] == graphs[1] > 0
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert cache.num_compactions >= 8
+    # A chunked prefill is compiled too (chunk by chunk): no arena may live in a CUDA graph's pool.
+    chunked = dict(prefill_chunk_size=4)
+    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask,
+                        disable_compile=True, **chunked)
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+    torch.testing.assert_close(generate(model, cache, ids, mask, compile_config=CompileConfig(fullgraph=True),
+                                        **chunked), expected, atol=0, rtol=0)
 
 
 def test_beam_search_and_sampled_sequences() -> None:
