@@ -251,7 +251,14 @@ def test_cuda_graphs_replay_the_decode_step() -> None:
     assert graphs[0] == graphs[1] > 0
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert cache.num_compactions >= 8
-    # A chunked prefill is compiled too (chunk by chunk): no arena may live in a CUDA graph's pool.
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_compiled_chunked_prefill() -> None:
+    """A chunked prefill is compiled too (chunk by chunk): no arena may live in a CUDA graph's pool, where the
+    next replay would overwrite it. Same tokens as the eager static cache."""
+    model = tiny_model("llama").cuda()
+    ids, mask = (t.cuda() for t in padded_batch(model.config.vocab_size, lengths=(11, 6, 3)))
     chunked = dict(prefill_chunk_size=4)
     expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask,
                         disable_compile=True, **chunked)
