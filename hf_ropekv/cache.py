@@ -705,10 +705,12 @@ class RopeKVCache(Cache):
         pads = self._pads.to(device)
         holes = torch.tensor([plan.slots_before - k for k in plan.kept_before], device=device)
         window = self._window_for(plan, device)
-        slot_positions = torch.stack([layer.storage.live_positions() for layer in layers]) if each else None
-        if slot_positions is None:
-            slot_positions = first.live_positions()[None]  # [1, B, H, S]: every layer holds these tokens
-        rows = slot_positions.shape[0]  # layers ranked apart (1: all together)
+        # [L, B, H, S], or [1, B, H, S] when the layers hold the same tokens and are ranked together.
+        if each:
+            slot_positions = torch.stack([layer.storage.live_positions() for layer in layers])
+        else:
+            slot_positions = first.live_positions()[None]
+        rows = slot_positions.shape[0]  # rankings made side by side
         flat_positions = slot_positions.flatten(0, 1)
         guards = Guards(
             pinned=self._pinned_tokens(seen),

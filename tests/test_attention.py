@@ -1,0 +1,92 @@
+"""The grouped-query sdpa a static cache attends with (``hf_ropekv.attention``): transformers' sdpa without
+copying the key/value heads for a masked decoding token, and the switch a static cache makes to it."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from conftest import padded_batch, tiny_model
+from hf_ropekv import RopeKVCache
+from hf_ropekv._compat import cache_kwarg, sdpa_attention_forward
+from hf_ropekv.attention import GROUPED_SDPA, grouped_sdpa
+
+BATCH, HEADS, KV_HEADS, SLOTS, DIM = 3, 8, 2, 37, 16
+
+
+class Attention(torch.nn.Module):
+    num_key_value_groups = HEADS // KV_HEADS
+    is_causal = True
+
+
+def inputs(q_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(BATCH, HEADS, q_len, DIM, generator=g), torch.randn(BATCH, KV_HEADS, SLOTS, DIM, generator=g),
+            torch.randn(BATCH, KV_HEADS, SLOTS, DIM, generator=g))
+
+
+def masks(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    per_row = torch.rand(BATCH, 1, 1, SLOTS, generator=g) > 0.3
+    per_head = torch.rand(BATCH, HEADS, 1, SLOTS, generator=g) > 0.3
+    per_row[..., -1] = per_head[..., -1] = True  # every row and head sees at least one slot
+    additive = torch.where(per_row, 0.0, torch.finfo(torch.float32).min) + torch.randn(BATCH, 1, 1, SLOTS, generator=g)
+    return {"bool per row": per_row, "bool per head": per_head, "additive": additive}
+
+
+@pytest.mark.parametrize("kind", ["bool per row", "bool per head", "additive"])
+def test_masked_decoding_token_equals_transformers_sdpa(kind: str) -> None:
+    query, key, value = inputs(1, seed=1)
+    mask = masks(seed=2)[kind]
+    got, weights = grouped_sdpa(Attention(), query, key, value, mask, scaling=0.3)
+    expected, _ = sdpa_attention_forward(Attention(), query, key, value, mask, scaling=0.3)
+    assert weights is None and got.shape == expected.shape == (BATCH, 1, HEADS, DIM)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["no mask", "several query tokens", "no groups"])
+def test_every_other_call_is_transformers_sdpa(case: str) -> None:
+    query, key, value = inputs(5 if case == "several query tokens" else 1, seed=3)
+    mask = None if case == "no mask" else masks(seed=4)["bool per row"].expand(-1, -1, query.shape[2], -1)
+    module = Attention()
+    if case == "no groups":
+        module.num_key_value_groups = 1
+        key, value = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (key, value))
+    got, _ = grouped_sdpa(module, query, key, value, mask)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask)
+    assert torch.equal(got, expected)
+
+
+def test_a_static_cache_switches_the_model_to_it() -> None:
+    """An sdpa grouped-query model attends with it while static caches are about (again after the user set sdpa
+    back); the generated tokens are the ones transformers' sdpa gives; eager and plain multi-head models are
+    left alone."""
+    model = tiny_model("llama")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(14, 9))
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+
+    def run() -> torch.Tensor:
+        cache = RopeKVCache(model, budget=12, compress_every=4, protect_prompt=False, static=True)
+        return model.generate(ids, **kwargs, **{cache_kwarg(model): cache})
+
+    grouped = run()
+    assert model.config._attn_implementation == GROUPED_SDPA
+    model.config._attn_implementation = "sdpa"  # the user opts out: the next static cache switches again
+    assert torch.equal(grouped, run()) and model.config._attn_implementation == GROUPED_SDPA
+    model.config._attn_implementation = "sdpa"
+    cache = RopeKVCache(model, budget=12, compress_every=4, protect_prompt=False, static=True)
+    model.config._attn_implementation = "sdpa"  # opted out for this cache's whole generation
+    stock = model.generate(ids, **kwargs, **{cache_kwarg(model): cache})
+    assert torch.equal(grouped, stock)
+
+    eager = tiny_model("llama", attn_implementation="eager")
+    RopeKVCache(eager, budget=12, static=True)
+    assert eager.config._attn_implementation == "eager"
+    multi_head = tiny_model("llama", num_key_value_heads=4)
+    RopeKVCache(multi_head, budget=12, static=True)
+    assert multi_head.config._attn_implementation == "sdpa"
+    del cache
+    gc.collect()
