@@ -170,6 +170,7 @@ class _Frame:
         self.calls = 0
         self.full_attention = capture.geometry.layer_types[layer_idx] == FULL
         self.head_dim = capture.geometry.head_dim
+        self.key = function.key  # where the pass-through looks for the frames of this rotary function
 
     # ---------------------------------------------------------------- the attention module's forward, wrapped
     def wrap(self) -> None:
@@ -204,7 +205,7 @@ class _Frame:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.live:
             return self.inner(*args, **kwargs)
-        frames = rotary.frame_stack(self.function.key)
+        frames = rotary.frame_stack(self.key)
         self.calls = 0
         frames.append(self)
         try:
