@@ -2,11 +2,11 @@
 
 One mechanism for every family: while a capture is attached, the modeling module's ``apply_rotary_pos_emb``
 global is replaced by a pass-through (``hf_ropekv.rotary``), and each attention module's ``forward`` is wrapped
-so that the pass-through knows which layer is running. (A wrapper, not a pre-hook and a forward hook: hooks
-send every call of the module through ``nn.Module``'s slow path, about 4 µs a layer and forward, which at
-batch 1 is a visible share of a host-bound decoding step.) The query it receives is the pre-RoPE query whatever produced it: ``q_proj``, a
-query norm (Qwen3, Gemma3, OLMo2, StableLM), or a fused QKV projection split by the model itself (Phi-3,
-GPT-NeoX, Falcon, Persimmon, CodeGen). Nothing is recomputed and no linear is hooked, so weight-quantized
+so that the pass-through knows which layer is running. (A wrapper, not a pre-hook and a forward hook: hooks send
+every call of the module through ``nn.Module``'s slow path, about 4 µs a layer and forward, a visible share of a
+host-bound decoding step at batch 1.) The query it receives is the pre-RoPE query whatever produced it:
+``q_proj``, a query norm (Qwen3, Gemma3, OLMo2, StableLM), or a fused QKV projection split by the model itself
+(Phi-3, GPT-NeoX, Falcon, Persimmon, CodeGen). Nothing is recomputed and no linear is hooked, so weight-quantized
 linears (bitsandbytes, quanto) work unchanged; head counts are those the tensors show (tensor parallelism
 gives each rank its own heads).
 

@@ -345,14 +345,6 @@ _LOCAL = _ThreadFrames()  # eager forwards: one state per thread
 _TRACED = _FrameState()
 
 
-def _state() -> _FrameState:
-    return _TRACED if torch.compiler.is_compiling() else _LOCAL.state
-
-
-def _active() -> dict[int, list[Any]]:
-    return _state().active
-
-
 def install(function: RotaryFunction) -> "_Patch":
     """Make the module global a pass-through; returns the patch to hand to :func:`uninstall`.
 
@@ -382,7 +374,8 @@ def uninstall(patch: "_Patch") -> None:
 
 def frame_stack(key: int) -> list[Any]:
     """The attention forwards in progress (innermost last) whose rotary function is filed under ``key``
-    (``RotaryFunction.key``): this thread's, or those of the forward being traced."""
+    (``RotaryFunction.key``): this thread's, or those of the forward being traced. An attention forward pushes its
+    frame here; ``frame.see(args, kwargs)`` then gets the rotary calls (``frame.attention``: the module)."""
     active = (_TRACED if torch.compiler.is_compiling() else _LOCAL.state).active
     stack = active.get(key)
     if stack is None:  # a thread that has not run a forward yet
@@ -390,12 +383,8 @@ def frame_stack(key: int) -> list[Any]:
     return stack
 
 
-def push_frame(function: RotaryFunction, frame: Any) -> None:
-    """An attention forward starts: ``frame.see(args, kwargs)`` gets its rotary calls (``frame.attention``: the module)."""
-    frame_stack(function.key).append(frame)
-
-
 def pop_frame(function: RotaryFunction, frame: Any) -> None:
+    """An attention forward ends: its frame leaves the stack (wherever it is, should forwards end out of order)."""
     frames = frame_stack(function.key)
     if frames and frames[-1] is frame:  # the usual case: the innermost forward ends
         frames.pop()
