@@ -579,22 +579,28 @@ class RopeKVCache(Cache):
 
     # ------------------------------------------------------------------ called by BudgetedLayer.update
     def _before_layer_update(self, layer: BudgetedLayer, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        if layer is not self._full_layers[0]:
+            # A later layer of the forward (every layer but one, every step): it follows the plan the first layer
+            # fixed, so it only checks the batch and compacts when that plan says so (kept to a few lookups).
+            if key_states.shape[0] != self._batch_size:
+                self._check_batch(key_states.shape[0])
+            plan = self._plan
+            if plan.compacts and self.selection == "per_layer":
+                self._compact([layer], plan)
+            return
         seen, q = layer.tokens_seen, key_states.shape[-2]
         self._check_batch(key_states.shape[0])
-        first = layer is self._full_layers[0]
-        if first:
-            self._begin_step(seen, q, key_states, args, kwargs)
+        self._begin_step(seen, q, key_states, args, kwargs)
         # The first layer fixes the forward's plan; later layers follow it (the state it depends on has moved).
-        plan = self._plan_for(q) if first else self._plan
-        if first and q == 1:
+        plan = self._plan_for(q)
+        if q == 1:
             self._decode_steps += 1
         if not plan.compacts:
             return
-        if first:
-            self._record_compaction(plan)
+        self._record_compaction(plan)
         if self.selection == "per_layer":
             self._compact([layer], plan)
-        elif first:
+        else:
             # One ranking for all layers: compact them all now, in one launch per device. Safe here: this is
             # the first layer of the forward, so no tensor returned in this forward aliases any arena yet.
             self._compact(self._full_layers, plan)

@@ -1,10 +1,12 @@
 """Deliver each decoder layer's query exactly as RoPE receives it: at the model's own rotary function.
 
 One mechanism for every family: while a capture is attached, the modeling module's ``apply_rotary_pos_emb``
-global is replaced by a pass-through (``hf_ropekv.rotary``), and a pre-hook on each attention module tells it
-which layer is running. The query it receives is the pre-RoPE query whatever produced it: ``q_proj``, a
-query norm (Qwen3, Gemma3, OLMo2, StableLM), or a fused QKV projection split by the model itself (Phi-3,
-GPT-NeoX, Falcon, Persimmon, CodeGen). Nothing is recomputed and no linear is hooked, so weight-quantized
+global is replaced by a pass-through (``hf_ropekv.rotary``), and each attention module's ``forward`` is wrapped
+so that the pass-through knows which layer is running. (A wrapper, not a pre-hook and a forward hook: hooks send
+every call of the module through ``nn.Module``'s slow path, about 4 µs a layer and forward, a visible share of a
+host-bound decoding step at batch 1.) The query it receives is the pre-RoPE query whatever produced it:
+``q_proj``, a query norm (Qwen3, Gemma3, OLMo2, StableLM), or a fused QKV projection split by the model itself
+(Phi-3, GPT-NeoX, Falcon, Persimmon, CodeGen). Nothing is recomputed and no linear is hooked, so weight-quantized
 linears (bitsandbytes, quanto) work unchanged; head counts are those the tensors show (tensor parallelism
 gives each rank its own heads).
 
@@ -121,30 +123,30 @@ class QueryCapture:
             None if fn.paired else _query_call_of(model, attn, fn)
             for attn, fn in zip(self.attention_modules, self._functions)
         ]
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._frames: list[_Frame] = []
         self._installed: list[rotary._Patch] = []
 
     @property
     def attached(self) -> bool:
-        return bool(self._handles)
+        return bool(self._frames)
 
     def attach(self) -> "QueryCapture":
-        """Install the pass-through and the attention hooks (idempotent)."""
-        if self._handles:
+        """Install the pass-through and wrap the attention modules' forwards (idempotent)."""
+        if self._frames:
             return self
         for fn in dict.fromkeys(self._functions):
             self._installed.append(rotary.install(fn))
         for layer_idx, attention in enumerate(self.attention_modules):
             frame = _Frame(self, attention, layer_idx, self._functions[layer_idx], self._query_calls[layer_idx])
-            self._handles.append(attention.register_forward_pre_hook(frame.enter))
-            self._handles.append(attention.register_forward_hook(frame.leave, always_call=True))
+            frame.wrap()
+            self._frames.append(frame)
         return self
 
     def detach(self) -> None:
-        """Remove the hooks and give the rotary function back (idempotent)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Unwrap the attention modules and give the rotary function back (idempotent)."""
+        for frame in reversed(self._frames):
+            frame.unwrap()
+        self._frames = []
         for patch in self._installed:
             rotary.uninstall(patch)
         self._installed = []
@@ -167,14 +169,53 @@ class _Frame:
         self.function, self.query_call = function, query_call
         self.calls = 0
         self.full_attention = capture.geometry.layer_types[layer_idx] == FULL
+        self.head_dim = capture.geometry.head_dim
+        self.key = function.key  # where the pass-through looks for the frames of this rotary function
 
-    def enter(self, module: nn.Module, args: tuple) -> None:
+    # ---------------------------------------------------------------- the attention module's forward, wrapped
+    def wrap(self) -> None:
+        """Make ``attention.forward`` this frame's :meth:`forward` (an instance attribute over whatever ran before:
+        the class's forward, or another capture's or library's wrapper)."""
+        attention = self.attention
+        self.live = True
+        self.had_instance_forward = "forward" in attention.__dict__
+        self.inner = attention.forward
+        attention.forward = self.forward
+
+    def unwrap(self) -> None:
+        """Give ``attention`` back the forward it had, or, when another wrapper went on top since, take this one out
+        of the chain; a wrapper that cannot be reached any more just passes calls through (``live`` off)."""
+        self.live = False
+        attention = self.attention
+        current = attention.__dict__.get("forward")
+        if _frame_of(current) is self:
+            if self.had_instance_forward:
+                attention.forward = self.inner
+            else:
+                del attention.forward  # back to the class's forward
+            return
+        outer = _frame_of(current)
+        while outer is not None:
+            if _frame_of(outer.inner) is self:
+                outer.inner, outer.had_instance_forward = self.inner, self.had_instance_forward
+                return
+            outer = _frame_of(outer.inner)
+
+    # forward and see run for every layer of every forward while attached: each is a few lookups.
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.live:
+            return self.inner(*args, **kwargs)
+        frames = rotary.frame_stack(self.key)
         self.calls = 0
-        rotary.push_frame(self.function, self)
-
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        rotary.pop_frame(self.function, self)
-        if self.calls == 0 and self.full_attention and _finished(output):
+        frames.append(self)
+        try:
+            output = self.inner(*args, **kwargs)
+        finally:
+            if frames and frames[-1] is self:  # the usual case: the innermost forward ends
+                frames.pop()
+            else:
+                rotary.pop_frame(self.function, self)
+        if self.calls == 0 and self.full_attention:
             name = type(self.attention).__name__
             raise ValueError(
                 f"Layer {self.layer_idx} ({name}) ran without rotating its query through "
@@ -182,9 +223,11 @@ class _Frame:
                 "elsewhere, so hf_ropekv cannot gather its query statistics. Use RecencyScorer, KeyNormScorer or "
                 "RandomScorer (hf_ropekv.scorers), which need none."
             )
+        return output
 
     def see(self, args: tuple, kwargs: dict) -> None:
-        call, self.calls = self.calls, self.calls + 1
+        call = self.calls
+        self.calls = call + 1
         if self.query_call is not None and call % 2 != self.query_call:
             return  # one tensor per call: this one is the key
         fn = self.function
@@ -197,7 +240,9 @@ class _Frame:
             )
         if heads_dim == 1:
             q = q.transpose(1, 2)
-        self.capture.callback(self.layer_idx, _whole_head(q, self.capture.geometry.head_dim))
+        if q.shape[-1] < self.head_dim:  # only the rotary part: see _whole_head
+            q = _whole_head(q, self.head_dim)
+        self.capture.callback(self.layer_idx, q)
 
 
 def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -214,9 +259,10 @@ def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
     return q.as_strided((*q.shape[:-1], head_dim), q.stride(), q.storage_offset())
 
 
-def _finished(output: Any) -> bool:
-    """False when the forward raised (the hook runs anyway, with no output): do not mask that error."""
-    return output is not None
+def _frame_of(forward: Any) -> "_Frame | None":
+    """The frame whose :meth:`_Frame.forward` ``forward`` is (a bound method), else None."""
+    owner = getattr(forward, "__self__", None)
+    return owner if isinstance(owner, _Frame) and getattr(forward, "__func__", None) is _Frame.forward else None
 
 
 def _rotary_function_of(model: nn.Module, attention: nn.Module) -> rotary.RotaryFunction:

@@ -303,15 +303,19 @@ class _Patch:
 
         def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
             # Only the outermost pass-through delivers: another may sit inside `original` (the global was
-            # wrapped again by someone else, then by us).
-            state = _state()
+            # wrapped again by someone else, then by us). Runs for every layer of every forward: kept to a few
+            # lookups (the state inline, one frame without a loop).
+            state = _TRACED if torch.compiler.is_compiling() else _LOCAL.state
             if state.depth == 0:
                 frames = state.active.get(key)
                 if frames:
-                    innermost = frames[-1].attention
-                    for frame in frames:  # every capture attached to this attention module sees the call
-                        if frame.attention is innermost:
-                            frame.see(args, kwargs)
+                    if len(frames) == 1:
+                        frames[0].see(args, kwargs)
+                    else:
+                        innermost = frames[-1].attention
+                        for frame in frames:  # every capture attached to this attention module sees the call
+                            if frame.attention is innermost:
+                                frame.see(args, kwargs)
             state.depth += 1
             try:
                 return original(*args, **kwargs)
@@ -341,14 +345,6 @@ _LOCAL = _ThreadFrames()  # eager forwards: one state per thread
 _TRACED = _FrameState()
 
 
-def _state() -> _FrameState:
-    return _TRACED if torch.compiler.is_compiling() else _LOCAL.state
-
-
-def _active() -> dict[int, list[Any]]:
-    return _state().active
-
-
 def install(function: RotaryFunction) -> "_Patch":
     """Make the module global a pass-through; returns the patch to hand to :func:`uninstall`.
 
@@ -376,13 +372,23 @@ def uninstall(patch: "_Patch") -> None:
         setattr(patch.module, patch.name, patch.original)
 
 
-def push_frame(function: RotaryFunction, frame: Any) -> None:
-    """An attention forward starts: ``frame.see(args, kwargs)`` gets its rotary calls (``frame.attention``: the module)."""
-    _active().setdefault(function.key, []).append(frame)
+def frame_stack(key: int) -> list[Any]:
+    """The attention forwards in progress (innermost last) whose rotary function is filed under ``key``
+    (``RotaryFunction.key``): this thread's, or those of the forward being traced. An attention forward pushes its
+    frame here; ``frame.see(args, kwargs)`` then gets the rotary calls (``frame.attention``: the module)."""
+    active = (_TRACED if torch.compiler.is_compiling() else _LOCAL.state).active
+    stack = active.get(key)
+    if stack is None:  # a thread that has not run a forward yet
+        stack = active.setdefault(key, [])
+    return stack
 
 
 def pop_frame(function: RotaryFunction, frame: Any) -> None:
-    frames = _active().get(function.key, [])
+    """An attention forward ends: its frame leaves the stack (wherever it is, should forwards end out of order)."""
+    frames = frame_stack(function.key)
+    if frames and frames[-1] is frame:  # the usual case: the innermost forward ends
+        frames.pop()
+        return
     for i in range(len(frames) - 1, -1, -1):
         if frames[i] is frame:
             del frames[i]

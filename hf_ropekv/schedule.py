@@ -25,6 +25,7 @@ Everything here is host arithmetic on Python ints: planning never synchronises w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 def row_target(kept: int, new: int, budget: int | None, compress_every: int, decode_step: int | None = None) -> int:
@@ -64,7 +65,7 @@ class Plan:
     kept_before: tuple[int, ...]
     kept_after: tuple[int, ...]
 
-    @property
+    @cached_property  # read by every layer of every forward
     def compacts(self) -> bool:
         return self.slots_after != self.slots_before or self.kept_after != self.kept_before
 

@@ -290,6 +290,40 @@ def test_rotary_function_is_restored_and_shared_by_captures() -> None:
     assert seen == [[0, 1], [0, 1, 0, 1]]
 
 
+@pytest.mark.parametrize("order", ["first_in_first_out", "last_in_first_out"])
+def test_captures_wrap_and_unwrap_attention_forwards_in_any_order(order: str) -> None:
+    """A capture wraps each attention module's forward (no hooks); detached in either order, every module gets its
+    class's forward back, a detached capture sees nothing more, and a forward that raised leaves no frame behind."""
+    from hf_ropekv import rotary
+
+    model = family_model("llama")
+    geometry = describe(model)
+    attention = find_attention_modules(model)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    seen: list[list[int]] = [[], []]
+    captures = [QueryCapture(model, geometry, lambda i, q, k=k: seen[k].append(i)).attach() for k in range(2)]
+    assert all("forward" in module.__dict__ for module in attention)
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in attention)
+    original = attention[1].__dict__["forward"].__self__.inner  # the first capture's wrapper, under the second's
+    attention[1].__dict__["forward"].__self__.inner = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
+        model(input_ids=ids, use_cache=False)
+    attention[1].__dict__["forward"].__self__.inner = original
+    key = rotary.find_rotary_function(type(attention[0]).forward.__module__).key
+    assert rotary.frame_stack(key) == []  # the raising forward popped its frames
+    first, second = captures if order == "first_in_first_out" else captures[::-1]
+    first.detach()
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+    second.detach()
+    assert not any("forward" in module.__dict__ for module in attention)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    live = 1 if first is captures[0] else 0
+    assert seen[live] == [0, 0, 1] and seen[1 - live] == [0]  # layer 0 of the raising forward, then one forward
+
+
 def test_query_layout_follows_unsqueeze_dim() -> None:
     """(q, k, cos, sin, position_ids, unsqueeze_dim): heads at dim 1 by default, at dim 2 when unsqueeze_dim=2."""
     import sys

@@ -58,6 +58,9 @@ OPTIONS = {
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
+    # Models and caches of earlier test files may still wait for the cyclic collector with a capture attached: were
+    # they collected during a compilation, the rotary global dynamo is guarding on would change under it.
+    gc.collect()
     torch._dynamo.reset()
     counters.clear()
     yield
