@@ -269,6 +269,7 @@ class SharedHooks:
         self.capture: QueryCapture | None = None
         self.active: ModelAttachment | None = None  # the attachment of the forward in progress
         self.keep = False
+        self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
         self._attention_before: str | None = None  # the implementation a static cache replaced
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
@@ -291,6 +292,16 @@ class SharedHooks:
             self.active = None
         if self.attachments or self.keep:
             return
+        if _dynamo_compiling():
+            # A cache freed by the garbage collector in the middle of a compile (its finalizer runs here): taking
+            # the rotary pass-through out now would change a function dynamo is guarding on. The next forward
+            # that is not being compiled takes the idle hooks out instead.
+            self._detach_pending = True
+            return
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        self._detach_pending = False
         self._detach()
         model = self._model_ref()
         if model is not None and SharedHooks._BY_MODEL.get(model) is self:
@@ -314,6 +325,9 @@ class SharedHooks:
         active = self.active
         if active is not None and active.static and torch.compiler.is_compiling():
             return None  # generate compiled the whole call: prepare_inputs_for_generation prepared this forward
+        if self._detach_pending and not self.attachments and not torch.compiler.is_compiling():
+            self._remove_hooks()
+            return None
         cache = _compat.cache_from_forward_kwargs(kwargs)
         # Another cache's forward, or none: every attachment's query hooks stay idle through it.
         self.active = next((a for a in self.attachments if a.owns(cache)), None)
@@ -326,6 +340,15 @@ class SharedHooks:
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         if self.active is not None:
             self.active._on_query(layer_idx, queries)
+
+
+def _dynamo_compiling() -> bool:
+    """Whether dynamo is compiling a frame on this thread right now (a finalizer may run in the middle of it)."""
+    try:
+        from torch._guards import TracingContext
+    except ImportError:  # a torch without dynamo's tracing context: nothing is compiled
+        return False
+    return TracingContext.try_get() is not None
 
 
 def _wrap_prepare_inputs(model: nn.Module) -> None:

@@ -8,6 +8,7 @@ from transformers import DynamicCache, GPT2Config, LlamaConfig, T5Config
 
 from conftest import padded_batch, tiny_model
 from hf_ropekv import RecencyScorer, RopeKVCache
+from hf_ropekv._compat import cache_kwarg
 
 
 @pytest.mark.parametrize("budget", [0, -5, 2.5, True])
@@ -155,6 +156,30 @@ def test_cache_is_freed_without_the_cyclic_collector() -> None:
         assert len(model._forward_pre_hooks) == hooks_before
     finally:
         gc.enable()
+
+
+def test_a_cache_freed_during_a_compile_leaves_its_hooks_until_the_next_forward(monkeypatch) -> None:
+    """The garbage collector may free a cache while dynamo compiles (its finalizer then runs mid-compile); taking
+    the rotary pass-through out then would change a function dynamo guards on. The idle hooks wait for the next
+    forward that is not compiled, and go then."""
+    import hf_ropekv.attach as attach
+    from hf_ropekv.attach import SharedHooks
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (1, 6))
+    hooks_before = len(model._forward_pre_hooks)
+    attention = model.model.layers[0].self_attn
+    plain_forward = attention.forward
+    cache = RopeKVCache(model, budget=12, compress_every=4)
+    model(input_ids=ids, **{cache_kwarg(model): cache})
+    assert attention.forward != plain_forward  # the query capture wraps the attention forwards
+    monkeypatch.setattr(attach, "_dynamo_compiling", lambda: True)
+    del cache
+    assert len(model._forward_pre_hooks) == hooks_before + 1 and attention.forward != plain_forward
+    monkeypatch.setattr(attach, "_dynamo_compiling", lambda: False)
+    model(input_ids=ids)  # no cache: the next plain forward takes the idle hooks out
+    assert len(model._forward_pre_hooks) == hooks_before and attention.forward == plain_forward
+    assert SharedHooks._BY_MODEL.get(model) is None
 
 
 def test_generate_continues_after_a_crop() -> None:
