@@ -1,18 +1,10 @@
 """A/B: thread-CPU µs per plain decode step, variants alternated in one process, paired ratios vs DynamicCache."""
-import copy, gc, sys, time, statistics, argparse
-import os
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))  # benchmarks/
-sys.path.insert(0, os.environ.get("BASE", HERE))  # a folder holding hf_ropekv_base (an older copy), for the base* variants
+import argparse, copy, gc, statistics, sys, time
+from ab_imports import hf_ropekv, hf_ropekv_base  # sets the paths first
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 import models
 from host_overhead import StepRecorder, run_generate, fill
-import hf_ropekv, hf_ropekv.scorers
-try:
-    import hf_ropekv_base, hf_ropekv_base.scorers
-except ImportError:
-    hf_ropekv_base = None
 from hf_ropekv._compat import cache_kwarg
 p = argparse.ArgumentParser()
 p.add_argument("--variants", nargs="+", default=["dyn", "base", "new"])

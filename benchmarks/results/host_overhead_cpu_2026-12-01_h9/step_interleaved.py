@@ -2,20 +2,12 @@
 
 Variants: dyn (DynamicCache), new (RopeKVCache of this checkout), base (of BASE/hf_ropekv_base); suffix rec:
 RecencyScorer (no query capture); suffix contig: attention gets contiguous copies of the arena's keys/values."""
-import copy, gc, sys, time, statistics, argparse
-import os
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))  # benchmarks/
-sys.path.insert(0, os.environ.get("BASE", HERE))  # a folder holding hf_ropekv_base (an older copy), for the base* variants
+import argparse, copy, gc, statistics, sys, time
+from ab_imports import hf_ropekv, hf_ropekv_base  # sets the paths first
 import torch
 from transformers import DynamicCache
 import models
 from host_overhead import fill
-import hf_ropekv, hf_ropekv.scorers
-try:
-    import hf_ropekv_base, hf_ropekv_base.scorers
-except ImportError:
-    hf_ropekv_base = None
 from hf_ropekv._compat import cache_kwarg
 p = argparse.ArgumentParser()
 p.add_argument("--variants", nargs="+", default=["dyn", "base", "new"])
