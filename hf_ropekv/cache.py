@@ -857,8 +857,9 @@ class RopeKVCache(Cache):
             self.scorer.stats = self._online.snapshot()
 
 
-#: Slots (rows x heads x slots) one batched per-layer selection ranks at most: its float32 scores, int64 sort
-#: indices and masks then take a few hundred MiB, whatever the batch.
+#: Slots (layers x rows x KV heads x slots) one batched per-layer selection ranks at most, whatever the batch: its
+#: temporaries (per-query-head float32 scores and their z-scores, int64 positions and sort indices, masks) then
+#: stay under about 1 GiB.
 _SELECTION_WORKSPACE = 1 << 23
 
 #: The default recent window: what measured best on GSM8K (README, "Quality"), capped for small budgets.
