@@ -282,7 +282,7 @@ class SharedHooks:
             self.capture = QueryCapture(self._model_ref(), geometry, self._on_query).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
         if keep:  # every static cache: the user may have set the implementation back since the last one
-            before = use_grouped_sdpa(self._model_ref())
+            before = use_grouped_sdpa(self._model_ref(), geometry)
             self._attention_before = before if before is not None else self._attention_before
         self.keep = self.keep or keep
 

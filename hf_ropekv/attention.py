@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import _compat
+from .model_info import ModelGeometry
 
 #: The attention implementation name under which :func:`grouped_sdpa` is registered with transformers.
 GROUPED_SDPA = "hf_ropekv_sdpa"
@@ -71,20 +72,17 @@ def grouped_sdpa(
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def use_grouped_sdpa(model: nn.Module) -> str | None:
+def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
     """Make an sdpa grouped-query ``model`` attend with :func:`grouped_sdpa`; return the implementation it had.
 
     Returns ``None`` and changes nothing when the model does not use sdpa or has as many key/value heads as
-    query heads (nothing to copy). The change sets ``model.config._attn_implementation`` (and its sub-configs'),
-    so ``restore_attention`` can undo it.
+    query heads (``geometry``: nothing to copy). The change sets ``model.config._attn_implementation`` (and its
+    sub-configs'), so ``restore_attention`` can undo it.
     """
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if not heads or kv_heads == heads:
+    if geometry.num_kv_heads == geometry.num_q_heads:
         return None
     _compat.register_attention(GROUPED_SDPA, grouped_sdpa)
     config._attn_implementation = GROUPED_SDPA

@@ -723,11 +723,12 @@ class RopeKVCache(Cache):
             sink=self.sink,
             window=window.repeat(rows) if isinstance(window, torch.Tensor) else window,
         )
-        is_hole, protected = slot_masks(flat_positions, holes.repeat(rows), pads.repeat(rows), seen, guards)
+        row_pads = pads.repeat(rows)
+        is_hole, protected = slot_masks(flat_positions, holes.repeat(rows), row_pads, seen, guards)
         candidates = (~(is_hole | protected)).view(slot_positions.shape)
         position = seen - pads
         self._prepare_scorer()
-        scores = self._score(layers, position, seen, slot_positions, candidates, is_hole.view(slot_positions.shape))
+        scores = self._score(layers, position, seen, candidates, is_hole.view(slot_positions.shape))
         if not each:  # one ranking for all layers: their mean score (summed in layer order)
             total = scores[0]
             for layer_scores in scores[1:]:
@@ -735,7 +736,7 @@ class RopeKVCache(Cache):
             scores = (total / count)[None]
         # Tie-break noise that depends on the token (real index) and head only, never on the batch.
         heads = torch.arange(flat_positions.shape[1], device=device).view(1, -1, 1)
-        noise = hashed_uniform(self.seed, flat_positions - pads.repeat(rows).view(-1, 1, 1), heads)
+        noise = hashed_uniform(self.seed, flat_positions - row_pads.view(-1, 1, 1), heads)
         # A row whose left padding reaches into this forward's tokens has a negative count (its holes then cover
         # them); it keeps no stored token.
         targets = torch.tensor(plan.kept_after, device=device).clamp_min(0)
@@ -749,21 +750,20 @@ class RopeKVCache(Cache):
         layers: list[BudgetedLayer],
         position: torch.Tensor,
         seen: int,
-        slot_positions: torch.Tensor,
         candidates: torch.Tensor,
         is_hole: torch.Tensor,
     ) -> torch.Tensor:
         """float32 ``[L, B, H, S]`` scores of ``layers`` on the first layer's device.
 
-        ``slot_positions``, ``candidates`` and ``is_hole`` are ``[L, B, H, S]``, or ``[1, B, H, S]`` when every
-        layer holds the same tokens. A scorer with ``score_layers`` gets every layer in one call.
+        ``candidates`` and ``is_hole`` are ``[L, B, H, S]``, or ``[1, B, H, S]`` when every layer holds the same
+        tokens. A scorer with ``score_layers`` gets every layer in one call.
         """
         device = layers[0].storage.keys.device
         contexts = []
         for i, layer in enumerate(layers):
             storage = layer.storage
             layer_device = storage.keys.device
-            j = i if slot_positions.shape[0] > 1 else 0
+            j = i if candidates.shape[0] > 1 else 0
             contexts.append(ScoreContext(
                 layer_idx=layer.layer_idx,
                 position=position.to(layer_device),

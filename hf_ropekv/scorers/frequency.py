@@ -69,7 +69,7 @@ class FrequencyScorer:
         for i, layer_keys in enumerate(keys):
             score_keys_weighted(layer_keys, w[i], c[i], out=raw[i], layout=layout)
         group = q_heads // kv_heads
-        candidates = torch.stack([c.candidates for c in contexts]).repeat_interleave(group, dim=2)
+        candidates = torch.stack([context.candidates for context in contexts]).repeat_interleave(group, dim=2)
         z = standardize(raw, candidates)
         return z.view(layers, batch, kv_heads, group, slots).amax(dim=3)
 
