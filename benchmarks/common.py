@@ -233,6 +233,14 @@ def median(values: list[float]) -> float | None:
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
+def gpu_kernels(events: list[Any]) -> list[Any]:
+    """The GPU kernels (and copies) among a profile's ``events``: device events that are not the device-side
+    ranges of annotations (``ProfilerStep#``, ``record_function`` labels, inductor's graph calls), which carry
+    the name of a host event and span the kernels they enclose."""
+    host_names = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in host_names]
+
+
 # ---------------------------------------------------------------------------------------------- memory
 MIB = 2**20
 GIB = 2**30

@@ -26,6 +26,7 @@ from typing import Any
 
 from common import (  # first: sets the hub defaults before transformers is imported
     Memory,
+    gpu_kernels,
     Progress,
     add_run_args,
     apply_run_args,
@@ -82,7 +83,7 @@ def profiled_step(bench: suite_harness.Bench, cache, nxt: torch.Tensor, top: int
         nxt = bench.step(cache, nxt)
         bench.timer.sync()
     events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = gpu_kernels(events)
     launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")]
     gpu_us = sum(e.device_time for e in kernels) if kernels else None
     averages = prof.key_averages()

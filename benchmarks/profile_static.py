@@ -29,6 +29,7 @@ from typing import Any
 
 from common import (  # first: sets the hub defaults before transformers is imported
     Progress,
+    gpu_kernels,
     StepClock,
     import_hf_ropekv,
     median,
@@ -141,7 +142,7 @@ def profiled_run(model, args, attention: str, prompt: torch.Tensor, kwarg: str, 
     averages = prof.key_averages()
     gpu_attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
     kernels = sorted(averages, key=lambda a: getattr(a, gpu_attr, 0), reverse=True)
-    gpu_ms = sum(getattr(a, gpu_attr, 0) for a in averages) / 1e3
+    gpu_ms = sum(e.device_time for e in gpu_kernels(prof.events())) / 1e3  # kernels only, no annotation ranges
     host = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)
     tables = out / f"tables_{tag.split('_')[0]}.txt"  # one file per point (the device returns few files)
     with open(tables, "a") as f:
