@@ -333,6 +333,11 @@ class SharedHooks:
         self.active = next((a for a in self.attachments if a.owns(cache)), None)
         return None if self.active is None else self.active._pre_forward(module, args, kwargs)
 
+    # Never compiled, even when generate compiles the model's call: folding a forward's queries into the running
+    # statistics creates and grows tensors that outlive the call, and a tensor made inside a compiled call would,
+    # under CUDA graphs, live in the graph's pool and be overwritten by the next replay. Run eagerly, it reads
+    # the forward's outputs right after the forward. (A static decode step folds in place during the forward.)
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         if self.active is not None:
             self.active._post_forward(module, args, kwargs, output)

@@ -146,6 +146,31 @@ def test_arenas_exist_before_the_first_forward(prefill_chunk: int | None) -> Non
     assert arena.keys.dtype == model.dtype and arena.keys.shape[:2] == (2, model.config.num_key_value_heads)
 
 
+def test_statistics_are_never_allocated_inside_a_compiled_forward(monkeypatch) -> None:
+    """generate compiles a chunked prefill chunk by chunk. A running sum of the query statistics created inside a
+    compiled call would, under CUDA graphs, live in the graph's pool and be overwritten by the next replay (H200,
+    ea25e5a: "accessing tensor output of CUDAGraphs that has been overwritten"). The sums must be created and
+    grown where nothing is compiled, so a forward's queries are folded in after it, eagerly."""
+    from hf_ropekv.online import OnlineStatistics
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(30, 21))
+    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, protect_prompt=False,
+                                           static=True), ids, mask, new=8, prefill_chunk_size=8)
+    places: list[bool] = []
+    place = OnlineStatistics._place
+
+    def recording_place(self, layer_idx, like):
+        places.append(torch.compiler.is_compiling())
+        return place(self, layer_idx, like)
+
+    monkeypatch.setattr(OnlineStatistics, "_place", recording_place)
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, protect_prompt=False, static=True)
+    got = generate(model, cache, ids, mask, new=8, prefill_chunk_size=8, compile_config=compiled())
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert places and not any(places)
+
+
 @pytest.mark.parametrize("lengths", [(9,), (9, 5)])
 def test_compiled_step_is_compiled_once(lengths: tuple[int, ...]) -> None:
     """No recompilation for a new step, a compaction, or a new cache of the same batch size and budget (a new
