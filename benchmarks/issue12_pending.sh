@@ -11,6 +11,7 @@
 #   stage b (~8 min): batch 16 at 32K, the four variants (b16/compiled_decode.{md,json}).
 #
 #   OUT=... bash benchmarks/issue12_pending.sh COMMIT a|b      # from the repository root, on the GPU machine
+#   (stage a: CAP_VARIANTS, CAP_BATCHES, CAP_RUNS choose the capacity runs; SKIP_EXACT=1 leaves out step 3)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 COMMIT=${1:?give the commit measured}
@@ -25,10 +26,11 @@ if [ "$STAGE" = a ]; then
     tail -4 "$OUT/gpu_tests.txt"
     cd benchmarks
     timeout 330 python compiled_decode.py --points none --capacity --capacity-prompt 4096 \
-        --capacity-batches 9,180 --capacity-runs 2 --out "$OUT/cap" --commit "$COMMIT" --max-minutes 5 2>&1 \
+        --capacity-variants ${CAP_VARIANTS:-dynamic,ropekv_static} --capacity-batches ${CAP_BATCHES:-9,180} \
+        --capacity-runs ${CAP_RUNS:-2} --out "$OUT/cap" --commit "$COMMIT" --max-minutes 5 2>&1 \
         | quiet > "$OUT/log.txt"
-    timeout 110 python static_exactness.py --out "$OUT/exact" --commit "$COMMIT" 2>&1 | quiet >> "$OUT/log.txt"
-    timeout 90 python host_overhead.py --out "$OUT/ho" --device cuda --shape qwen3-8b --contexts 4096 \
+    [ -n "${SKIP_EXACT:-}" ] || timeout 110 python static_exactness.py --out "$OUT/exact" --commit "$COMMIT" 2>&1 | quiet >> "$OUT/log.txt"
+    timeout 150 python host_overhead.py --out "$OUT/ho" --device cuda --shape qwen3-8b --contexts 4096 \
         --repeats 1 --commit "$COMMIT" 2>&1 | quiet >> "$OUT/log.txt"
     tail -12 "$OUT/cap/compiled_decode.md" 2>/dev/null; cat "$OUT/ho/host_overhead.md" 2>/dev/null
     head -12 "$OUT/exact/static_exactness.md" 2>/dev/null

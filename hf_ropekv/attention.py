@@ -8,10 +8,13 @@ about 0.6 GB per layer of a Qwen3-8B-shaped model. Newer transformers (5.24) avo
 each key/value head's group of query heads into the query axis; under ``torch.compile``, which is where a static
 cache runs, they still copy.
 
-:func:`grouped_sdpa` is transformers' sdpa with that fold applied in every mode: for a single query token with a
-mask, the ``groups`` query heads that share a key/value head become ``groups`` query rows of that head. Each row
-sees the same keys, values and mask as before, so the result is the same attention. Every other call goes to
-transformers' own sdpa function unchanged. It is registered as the attention implementation
+:func:`grouped_sdpa` is transformers' sdpa with that fold applied in every mode: for masked queries, the
+``groups`` query heads that share a key/value head become ``groups`` blocks of query rows of that head. Each row
+sees the same keys, values and mask as before, so the result is the same attention. A decoding token's mask is
+shared by its group as it is; several query tokens (a prefill chunk) need their mask rows repeated per group,
+which is done only while it is smaller than the key/value copy it saves (at batch 180 and 2,176 slots a prefill
+chunk's ``repeat_kv`` needs 3 GiB per key or value tensor). Every other call goes to transformers' own sdpa
+function unchanged. It is registered as the attention implementation
 ``"hf_ropekv_sdpa"``, which a static cache selects on an sdpa model (:func:`use_grouped_sdpa`).
 """
 
@@ -40,36 +43,55 @@ def grouped_sdpa(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, with a single masked query token attending per key/value head (no copy).
+    """transformers' sdpa attention, with masked queries attending per key/value head (no key/value copy).
 
     Same arguments and result as ``transformers.integrations.sdpa_attention.sdpa_attention_forward``: ``query``
-    ``[B, H, q, D]``, ``key``/``value`` ``[B, H_kv, S, D]``, ``attention_mask`` ``[B or 1, 1 or H, q, S]``; returns
-    ``([B, q, H, D], None)``.
+    ``[B, H, q, D]``, ``key``/``value`` ``[B, H_kv, S, D]``, ``attention_mask`` ``[B or 1, 1 or H, q or 1, S]``;
+    returns ``([B, q, H, D], None)``.
     """
     groups = getattr(module, "num_key_value_groups", 1)
     foldable = (
         groups > 1
         and attention_mask is not None
-        and query.shape[2] == 1
         and key.shape[1] * groups == query.shape[1]
         and kwargs.get("position_bias") is None
         and not kwargs.get("output_attentions", False)
+        and _fold_is_cheaper(query, key, attention_mask, groups)
     )
     if not foldable:
         return _compat.sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    batch, heads, _, dim = query.shape
+    batch, heads, q_len, dim = query.shape
     kv_heads = heads // groups
-    # Query head h uses key/value head h // groups (repeat_kv's order), so [B, H, 1, D] -> [B, H_kv, groups, D].
-    grouped_query = query.reshape(batch, kv_heads, groups, dim)
-    mask = attention_mask
-    if mask.shape[1] != 1:  # one mask per query head: it follows its head into the group's rows
-        mask = mask.reshape(mask.shape[0], kv_heads, groups, mask.shape[-1])
+    # Query head h uses key/value head h // groups (repeat_kv's order): [B, H, q, D] -> [B, H_kv, groups * q, D],
+    # rows ordered (group member, token).
+    grouped_query = query.reshape(batch, kv_heads, groups * q_len, dim)
     out = torch.nn.functional.scaled_dot_product_attention(
-        grouped_query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
+        grouped_query, key, value, attn_mask=_grouped_mask(attention_mask, kv_heads, groups, q_len),
+        dropout_p=dropout, scale=scaling, is_causal=False,
     )
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _grouped_mask(mask: torch.Tensor, kv_heads: int, groups: int, q_len: int) -> torch.Tensor:
+    """``mask [B or 1, 1 or H, q or 1, S]`` laid out for the grouped query rows ``[.., H_kv, groups * q, S]``."""
+    if mask.shape[1] == 1 and (q_len == 1 or mask.shape[2] == 1):
+        return mask  # the same row for every head and token: broadcasts over the grouped rows as it is
+    rows, heads, _, slots = mask.shape
+    if heads == 1:  # one mask for all heads: each group member's block of rows repeats the tokens' rows
+        return mask.expand(rows, groups, q_len, slots).reshape(rows, 1, groups * q_len, slots)
+    return mask.expand(rows, heads, q_len, slots).reshape(rows, kv_heads, groups * q_len, slots)
+
+
+def _fold_is_cheaper(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, groups: int) -> bool:
+    """Whether the mask rows the fold repeats cost fewer bytes than the key/value heads ``repeat_kv`` would copy."""
+    q_len = query.shape[2]
+    if mask.shape[1] != 1 or q_len == 1 or mask.shape[2] == 1:
+        return True  # nothing to repeat: the mask is used as it is or only viewed
+    mask_bytes = mask.shape[0] * groups * q_len * mask.shape[-1] * mask.element_size()
+    kv_bytes = 2 * key.shape[0] * key.shape[1] * groups * key.shape[2] * key.shape[3] * key.element_size()
+    return mask_bytes < kv_bytes
 
 
 def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
