@@ -321,11 +321,13 @@ class SharedHooks:
 
     # The hooks act through the attachment of the running forward's cache alone (``active``): a compiled forward
     # then reads one attachment, whatever number of caches the model has, and is not recompiled when it changes.
+    # Never compiled (like _post_forward): preparing a forward is host work on Python state (plans, compaction,
+    # the slot of the new tokens), which a compiled frame could not redo each step. So a model compiled as a whole
+    # (torch.compile(model), generate's own compilation) still has each forward prepared here, eagerly; a forward
+    # that generate's prepare_inputs_for_generation already prepared is recognised and left alone.
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-        active = self.active
-        if active is not None and active.static and torch.compiler.is_compiling():
-            return None  # generate compiled the whole call: prepare_inputs_for_generation prepared this forward
-        if self._detach_pending and not self.attachments and not torch.compiler.is_compiling():
+        if self._detach_pending and not self.attachments:
             self._remove_hooks()
             return None
         cache = _compat.cache_from_forward_kwargs(kwargs)
@@ -333,10 +335,10 @@ class SharedHooks:
         self.active = next((a for a in self.attachments if a.owns(cache)), None)
         return None if self.active is None else self.active._pre_forward(module, args, kwargs)
 
-    # Never compiled, even when generate compiles the model's call: folding a forward's queries into the running
-    # statistics creates and grows tensors that outlive the call, and a tensor made inside a compiled call would,
-    # under CUDA graphs, live in the graph's pool and be overwritten by the next replay. Run eagerly, it reads
-    # the forward's outputs right after the forward. (A static decode step folds in place during the forward.)
+    # Never compiled either: folding a forward's queries into the running statistics creates and grows tensors
+    # that outlive the call, and a tensor made inside a compiled call would, under CUDA graphs, live in the graph's
+    # pool and be overwritten by the next replay. Run eagerly, it reads the forward's outputs right after the
+    # forward. (A static decode step folds in place during the forward.)
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         if self.active is not None:

@@ -196,8 +196,10 @@ def test_compiled_step_is_compiled_once(lengths: tuple[int, ...]) -> None:
     assert graphs[0] == graphs[-1]  # what the first generate() compiled serves the later ones
 
 
-def test_compiled_forward_in_a_hand_written_loop() -> None:
-    """transformers' documented pattern: model.forward = torch.compile(model.forward), called step by step."""
+@pytest.mark.parametrize("pattern", ["model.forward = torch.compile(model.forward)", "torch.compile(model)"])
+def test_compiled_forward_in_a_hand_written_loop(pattern: str) -> None:
+    """transformers' documented pattern, model.forward = torch.compile(model.forward), and the whole module
+    compiled, called step by step: the model's hooks prepare each forward eagerly in both."""
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
 
@@ -218,9 +220,13 @@ def test_compiled_forward_in_a_hand_written_loop() -> None:
         expected = loop(RopeKVCache(model, budget=BUDGET, compress_every=EVERY), model)
         cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
         eager_forward = model.forward
-        model.forward = torch.compile(eager_forward, backend="eager", fullgraph=True)
+        if pattern == "torch.compile(model)":
+            forward = torch.compile(model, backend="eager", fullgraph=True)
+        else:
+            forward = model
+            model.forward = torch.compile(eager_forward, backend="eager", fullgraph=True)
         try:
-            torch.testing.assert_close(loop(cache, model), expected, atol=0, rtol=0)
+            torch.testing.assert_close(loop(cache, forward), expected, atol=0, rtol=0)
         finally:
             model.forward = eager_forward
     assert cache.num_compactions >= 5
