@@ -548,7 +548,8 @@ class RopeKVCache(Cache):
         for device in devices | {input_device}:
             if device not in self._static_clock:
                 self._static_clock[device] = tuple(
-                    self._lease.take(("clock", i, device), lambda shape=shape: torch.zeros(shape, dtype=torch.int64, device=device))
+                    self._lease.take(("clock", i, device), shape, torch.int64,
+                                     lambda shape=shape: torch.zeros(shape, dtype=torch.int64, device=device))
                     for i, shape in enumerate(((1,), ()))
                 )
             first_slot, seen_before = self._static_clock[device]

@@ -189,12 +189,13 @@ class OnlineStatistics:
     def on_buffers(self) -> bool:
         return self._on_buffers
 
-    def move_to_buffers(self, take: Callable[[Hashable, Callable[[], torch.Tensor]], torch.Tensor]) -> None:
-        """Move the running sums into buffers from ``take(key, make)`` (a static cache's lease): a compiled decode
-        step updates them in place at addresses the next cache of the model takes over."""
+    def move_to_buffers(self, take: Callable[..., torch.Tensor]) -> None:
+        """Move the running sums into buffers from ``take(purpose, shape, dtype, make)`` (a static cache's
+        ``BufferLease.take``): a compiled decode step updates them in place at addresses the next cache of the
+        model takes over."""
         for table, name in ((self._sums, "online_sums"), (self._counts, "online_counts")):
             for device, value in table.items():
-                buffer = take((name, tuple(value.shape), value.dtype, device), lambda v=value: torch.empty_like(v))
+                buffer = take((name, device), tuple(value.shape), value.dtype, lambda v=value: torch.empty_like(v))
                 table[device] = buffer.copy_(value)
         self._on_buffers = True
         self._snapshot = None

@@ -7,8 +7,11 @@ slower by a quarter). So a model keeps the buffers of a static cache that is gon
 the same shapes takes them over: same addresses, the recorded graph replays.
 
 A buffer belongs to one live cache at a time (its :class:`BufferLease`); it goes back to the model's pool when
-that cache is freed or reset. The pool keeps one free buffer per key and goes with the model;
-:func:`release_static_buffers` frees it earlier.
+that cache is freed or reset. The pool keeps one free buffer per purpose (an arena's keys of layer 3, the step
+clock, ...) and goes with the model; :func:`release_static_buffers` frees it earlier. A cache that needs another
+shape for a purpose (another batch size, budget or dtype) lets the pooled buffer go before allocating its own,
+so a model never holds the arenas of a configuration that no longer runs (measured on an H200: after a batch of
+180 the pooled arenas held 80 GiB that the next, smaller batch could not use).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ Make = Callable[[], torch.Tensor]
 
 
 class BufferPool:
-    """Free static buffers of one model, by key (what the buffer is for, its shape, dtype and device)."""
+    """Free static buffers of one model, by purpose (what the buffer is for, and its device)."""
 
     _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, BufferPool]" = weakref.WeakKeyDictionary()
 
@@ -37,8 +40,8 @@ class BufferPool:
     def __init__(self) -> None:
         self.free: dict[Hashable, torch.Tensor] = {}
 
-    def put(self, key: Hashable, tensor: torch.Tensor) -> None:
-        self.free[key] = tensor  # one per key: a second free buffer of the same key is let go
+    def put(self, purpose: Hashable, tensor: torch.Tensor) -> None:
+        self.free[purpose] = tensor  # one per purpose: a second free buffer for it is let go
 
 
 class BufferLease:
@@ -46,28 +49,31 @@ class BufferLease:
 
     def __init__(self, owner: object, pool: BufferPool) -> None:
         self._pool = pool
-        # (key, tensor) pairs; a list, not a dict by id(): a compiled prefill allocates through take(), and dynamo
-        # cannot trace id() of a tensor it creates.
+        # (purpose, tensor) pairs; a list, not a dict by id(): a compiled prefill allocates through take(), and
+        # dynamo cannot trace id() of a tensor it creates.
         self._held: list[tuple[Hashable, torch.Tensor]] = []
         weakref.finalize(owner, _give_all_back, pool, self._held)
 
-    def take(self, key: Hashable, make: Make) -> torch.Tensor:
-        """A buffer for ``key``: the pool's (zeroed), else ``make()``; marked as a static address."""
-        tensor = self._pool.free.pop(key, None)
+    def take(self, purpose: Hashable, shape: tuple[int, ...], dtype: torch.dtype, make: Make) -> torch.Tensor:
+        """A buffer for ``purpose`` of ``shape`` and ``dtype``: the pool's (zeroed) when it has one of them, else
+        ``make()``; marked as a static address. A pooled buffer of another shape or dtype is let go first."""
+        tensor = self._pool.free.pop(purpose, None)
+        if tensor is not None and (tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype):
+            tensor = None  # another configuration's: its memory goes before the new buffer is made
         if tensor is None:
             tensor = make()
         else:
             tensor.zero_()
         mark_static(tensor)
-        self._held.append((key, tensor))
+        self._held.append((purpose, tensor))
         return tensor
 
     def give_back(self, tensor: torch.Tensor | None) -> None:
         """Return a buffer this lease holds (the cache was reset); other tensors are ignored."""
-        for i, (key, held) in enumerate(self._held):
+        for i, (purpose, held) in enumerate(self._held):
             if held is tensor:
                 del self._held[i]
-                self._pool.put(key, held)
+                self._pool.put(purpose, held)
                 return
 
 
@@ -80,8 +86,8 @@ def mark_static(*tensors: torch.Tensor) -> None:
 
 
 def _give_all_back(pool: BufferPool, held: list[tuple[Hashable, torch.Tensor]]) -> None:
-    for key, tensor in held:
-        pool.put(key, tensor)
+    for purpose, tensor in held:
+        pool.put(purpose, tensor)
     held.clear()
 
 

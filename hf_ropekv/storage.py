@@ -333,7 +333,7 @@ class StaticKV(PagedKV):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         if self._lease is not None:
-            return self._lease.take((name, self.layer_idx, shape, dtype, device), make)
+            return self._lease.take((name, self.layer_idx, device), shape, dtype, make)
         tensor = make()
         mark_static(tensor)
         return tensor

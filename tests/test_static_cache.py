@@ -342,6 +342,28 @@ def test_next_cache_takes_over_the_buffers_of_one_that_is_gone() -> None:
     torch.testing.assert_close(run()[1], out, atol=0, rtol=0)
 
 
+def test_a_new_batch_size_lets_the_pooled_buffers_go() -> None:
+    """The model's pool keeps the buffers of one configuration: a static cache of another batch size lets the
+    pooled ones go (they could not serve it) instead of holding both sets; its own replace them when it goes."""
+    from hf_ropekv.static_buffers import BufferPool
+
+    def rows(purpose, tensor: torch.Tensor) -> int:  # the batch dimension: sums [L, B, 3, H, F]; arenas, counts
+        return tensor.shape[1] if purpose[0] == "online_sums" else tensor.shape[0]
+
+    model = tiny_model("llama")
+    pool = BufferPool.of(model)
+    for lengths in ((9, 5, 7), (9,)):  # batch 3, then batch 1
+        ids, mask = padded_batch(model.config.vocab_size, lengths=lengths)
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+        generate(model, cache, ids, mask, new=6)
+        assert not pool.free  # every pooled buffer was taken over or let go
+        del cache
+        gc.collect()
+        pooled = {purpose: t for purpose, t in pool.free.items() if purpose[0] != "clock"}
+        assert len(pooled) == 2 * model.config.num_hidden_layers + 2  # keys and values per layer, sums, counts
+        assert {rows(*item) for item in pooled.items()} == {len(lengths)}  # batch 1's only, after batch 3's
+
+
 def test_temporary_arena_hides_no_garbage(monkeypatch) -> None:
     """A forward longer than the fixed arena spills into a temporary one that attention reads whole: its unused
     slots must be finite (a masked slot still multiplies its zero weight). Poisoned: torch.empty gives NaN."""
