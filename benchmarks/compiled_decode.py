@@ -503,7 +503,7 @@ def capacity_run(bench: Bench, variant: Variant, batch: int, prompt_len: int) ->
         torch._dynamo.reset()  # an out-of-memory error inside a CUDA graph recording leaves the tree unusable
     if variant.bounded and hasattr(hf_ropekv, "release_static_buffers"):
         # The next run has another batch size: the arenas this one left in the model's pool would only hold
-        # memory (at ea25e5a the run after an OOM at batch 180 failed at once, with 80.5 GiB still held).
+        # memory (at 1220a86 the run after an OOM at batch 180 failed at once, with 80.5 GiB in use).
         hf_ropekv.release_static_buffers(bench.model)
     bench.mem.clean()  # after the reset and the release: what they let go goes back to the device
     log_row(bench, row, "capacity")
