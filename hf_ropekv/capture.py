@@ -211,10 +211,7 @@ class _Frame:
         try:
             output = self.inner(*args, **kwargs)
         finally:
-            if frames and frames[-1] is self:  # the usual case: the innermost forward ends
-                frames.pop()
-            else:
-                rotary.pop_frame(self.function, self)
+            rotary.pop_frame(frames, self)
         if self.calls == 0 and self.full_attention:
             name = type(self.attention).__name__
             raise ValueError(

@@ -383,9 +383,9 @@ def frame_stack(key: int) -> list[Any]:
     return stack
 
 
-def pop_frame(function: RotaryFunction, frame: Any) -> None:
-    """An attention forward ends: its frame leaves the stack (wherever it is, should forwards end out of order)."""
-    frames = frame_stack(function.key)
+def pop_frame(frames: list[Any], frame: Any) -> None:
+    """An attention forward ends: its frame leaves ``frames`` (its :func:`frame_stack`), wherever it is in it, should
+    forwards end out of order."""
     if frames and frames[-1] is frame:  # the usual case: the innermost forward ends
         frames.pop()
         return
