@@ -213,13 +213,21 @@ def count_ops(model, cache, prompt, steps: int, kwarg: str, warm: int) -> dict[s
     )
 
 
-def time_steps(model, cache, prompt, steps: int, kwarg: str, warm: int) -> tuple[list[float], list[float]]:
-    """Wall and thread-CPU microseconds of each plain decode step after the first ``warm``."""
+def time_steps(model, cache, prompt, steps: int, kwarg: str, warm: int) -> tuple[list[float], list[float], float]:
+    """Wall and thread-CPU microseconds of each plain decode step after the first ``warm``, and the mean wall
+    microseconds of every decode step but the first (both cycles, compaction steps included)."""
     recorder = StepRecorder(cache)
     run_generate(model, cache, prompt, steps, kwarg, recorder)
     wall, cpu = recorder.stamps, recorder.cpu_stamps
     plain = recorder.plain_steps(warm)
-    return [1e6 * (wall[i + 1] - wall[i]) for i in plain], [1e6 * (cpu[i + 1] - cpu[i]) for i in plain]
+    every = 1e6 * (wall[-1] - wall[1]) / max(1, len(wall) - 2)
+    return [1e6 * (wall[i + 1] - wall[i]) for i in plain], [1e6 * (cpu[i + 1] - cpu[i]) for i in plain], every
+
+
+def paired_ratios(rounds: dict[str, list[float]], name: str, reference: str) -> list[float]:
+    """``name``'s figure over ``reference``'s, round by round (each round ran both, back to back): the host's speed
+    drifts in phases of seconds, so ratios within a round are steadier than best-of-run figures."""
+    return [a / b for a, b in zip(rounds[name], rounds[reference])]
 
 
 def python_profile(model, cache, prompt, steps: int, kwarg: str, top: int) -> str:
@@ -269,6 +277,17 @@ def markdown(result: dict[str, Any], contexts: list[int]) -> str:
             f"{r['host_us_per_step'] / ref['host_us_per_step']:.3f} | {r['cpu_us_per_step'] / ref['cpu_us_per_step']:.3f} |"
         )
     if all((c, name) in by for c in contexts for name in ("DynamicCache", "RopeKVCache")):
+        lines += ["", f"Paired, RopeKVCache / DynamicCache within each of the {args['repeats']} rounds (the two ran back "
+                      "to back, order alternating): the median over rounds, and the range. *Plain*: the median plain "
+                      "step of the second cycle, as above; *all steps*: the mean of every decode step but the first "
+                      "(both cycles, compaction steps included).", "",
+                  "| context | plain, median | plain, range | all steps, median | all steps, range |",
+                  "|---|---:|---:|---:|---:|"]
+        for context in contexts:
+            r = by[(context, "RopeKVCache")]
+            plain, every = r["paired_plain"], r["paired_all_steps"]
+            lines.append(f"| {context} | {median(plain):.3f} | {min(plain):.3f}–{max(plain):.3f} | "
+                         f"{median(every):.3f} | {min(every):.3f}–{max(every):.3f} |")
         lines += ["", "Ops RopeKVCache adds per step, by op (mean count; negative: ops DynamicCache runs instead):", ""]
         for context in contexts:
             rope, dyn = by[(context, "RopeKVCache")]["op_mix"], by[(context, "DynamicCache")]["op_mix"]
@@ -376,16 +395,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cache = None
         walls: dict[str, list[float]] = {name: [] for name in makers}
         cpus: dict[str, list[float]] = {name: [] for name in makers}
+        everys: dict[str, list[float]] = {name: [] for name in makers}
         for repeat in range(args.repeats):
             for name in list(makers) if repeat % 2 == 0 else list(reversed(makers)):
                 cache = fresh(name)
-                wall, cpu = time_steps(model, cache, prompt, args.steps, kwarg, args.warm)
+                wall, cpu, every = time_steps(model, cache, prompt, args.steps, kwarg, args.warm)
                 cache = None
                 walls[name].append(median(wall))
                 cpus[name].append(median(cpu))
+                everys[name].append(every)
         for name in makers:
             row = dict(context=context, cache=name, host_us_per_step=min(walls[name]), medians_us=walls[name],
-                       cpu_us_per_step=min(cpus[name]), cpu_medians_us=cpus[name], kept=kept[name], **counts[name])
+                       cpu_us_per_step=min(cpus[name]), cpu_medians_us=cpus[name], mean_all_steps_us=everys[name],
+                       kept=kept[name], **counts[name])
+            if "DynamicCache" in makers:
+                row["paired_plain"] = paired_ratios(walls, name, "DynamicCache")
+                row["paired_all_steps"] = paired_ratios(everys, name, "DynamicCache")
             if args.cprofile:
                 cache = fresh(name)
                 result["profiles"][f"{context}/{name}"] = text = python_profile(
@@ -397,7 +422,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"[{context}] {name:12}: {row['ops_per_step']:7.1f} ops, {row['syncs_per_step']:.2f} syncs, "
                   f"{row['host_tensors_per_step']:.2f} host tensors, {row['host_us_per_step']:8.0f} us per step, "
                   f"{row['cpu_us_per_step']:8.0f} CPU us (medians {', '.join(f'{m:.0f}' for m in walls[name])}; "
-                  f"CPU {', '.join(f'{m:.0f}' for m in cpus[name])})", flush=True)
+                  f"CPU {', '.join(f'{m:.0f}' for m in cpus[name])}; all-step means "
+                  f"{', '.join(f'{m:.0f}' for m in everys[name])})", flush=True)
         dynamic = None
     if timer is not None:
         result["compaction_calls"] = timer.summary()

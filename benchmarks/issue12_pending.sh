@@ -9,8 +9,11 @@
 #     3. bf16 exactness, compiled static against eager static over 256 steps (exact/static_exactness.{md,json});
 #     4. the eager default against DynamicCache at batch 1, 4K, in a fresh process (ho/host_overhead.{md,json}).
 #   stage b (~8 min): batch 16 at 32K, the four variants (b16/compiled_decode.{md,json}).
+#   stage c (~5 min): batch 16 at 16K, the four variants, compiled ones timed after their warm-up (b16/...).
+#   stage h (~7 min): the eager default against DynamicCache at batch 1, 4K and 32K, HO_REPEATS (default 6)
+#                     alternated rounds with paired ratios (ho/host_overhead.{md,json}).
 #
-#   OUT=... bash benchmarks/issue12_pending.sh COMMIT a|b      # from the repository root, on the GPU machine
+#   OUT=... bash benchmarks/issue12_pending.sh COMMIT a|b|c|h  # from the repository root, on the GPU machine
 #   (stage a: CAP_VARIANTS, CAP_BATCHES, CAP_RUNS choose the capacity runs; SKIP_EXACT=1 leaves out step 3)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -34,6 +37,16 @@ if [ "$STAGE" = a ]; then
         --repeats 1 --commit "$COMMIT" 2>&1 | quiet >> "$OUT/log.txt"
     tail -12 "$OUT/cap/compiled_decode.md" 2>/dev/null; cat "$OUT/ho/host_overhead.md" 2>/dev/null
     head -12 "$OUT/exact/static_exactness.md" 2>/dev/null
+elif [ "$STAGE" = h ]; then
+    cd benchmarks
+    timeout 560 python host_overhead.py --out "$OUT/ho" --device cuda --shape qwen3-8b --contexts 4096 32768 \
+        --repeats ${HO_REPEATS:-6} --commit "$COMMIT" 2>&1 | quiet > "$OUT/log.txt"
+    cat "$OUT/ho/host_overhead.md" 2>/dev/null || tail -30 "$OUT/log.txt"
+elif [ "$STAGE" = c ]; then
+    cd benchmarks
+    timeout 420 python compiled_decode.py --points 16x16384 --repeats 1 --out "$OUT/b16" \
+        --commit "$COMMIT" --max-minutes 6.5 2>&1 | quiet > "$OUT/log.txt"
+    tail -25 "$OUT/b16/compiled_decode.md" 2>/dev/null || tail -30 "$OUT/log.txt"
 else
     cd benchmarks
     timeout 560 python compiled_decode.py --points 16x32768 --prefill-chunk auto --repeats 1 --out "$OUT/b16" \
