@@ -368,6 +368,18 @@ def point_run(bench: Bench, point: dict[str, Any], variant: Variant, prompt: tor
     if row["error"]:
         point["errors"][variant.key] = row["error"]
     log_row(bench, row, what)
+    if row["error"] and warmup and variant.compiled and bench.args.dynamo_reset:
+        # A compiled run that failed can leave its CUDA-graph memory pool (and what it recorded) held by the
+        # cudagraph trees: at batch 16 and 32K the next variant then ran out of memory. Compiled variants warm up
+        # before the timed rounds, so a reset here costs only the warm-ups still to come.
+        held = bench.mem.allocated()
+        torch._dynamo.reset()
+        bench.mem.clean()
+        point.setdefault("reset_after_failure", []).append(
+            dict(variant=variant.key, allocated_before=held, allocated_after=bench.mem.allocated()))
+        if held is not None:
+            bench.log(f"dynamo reset after {variant.label}'s failure: {fmt_bytes(held)} -> "
+                      f"{fmt_bytes(bench.mem.allocated())} allocated")
     save(bench)
 
 

@@ -140,4 +140,10 @@ def test_host_overhead_dry_run_counts_ops_and_times_both_caches(tmp_path: Path) 
     # Steady state: a handful of ops per step plus one per layer (the captured query's view), not ~8.5 per layer.
     assert rope["ops_per_step"] - dynamic["ops_per_step"] <= result["shape"]["layers"] + 16
     assert rope["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]
-    assert "| RopeKVCache |" in (tmp_path / "host_overhead.md").read_text()
+    # Paired figures: one ratio per round, each this round's RopeKVCache figure over its DynamicCache figure.
+    repeats = result["settings"]["repeats"]
+    assert rope["paired_plain"] == [r / d for r, d in zip(rope["medians_us"], dynamic["medians_us"])]
+    assert len(rope["paired_all_steps"]) == repeats and all(x > 0 for x in rope["paired_all_steps"])
+    assert dynamic["paired_plain"] == [1.0] * repeats
+    markdown = (tmp_path / "host_overhead.md").read_text()
+    assert "| RopeKVCache |" in markdown and "Paired, RopeKVCache / DynamicCache" in markdown
