@@ -52,6 +52,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
 from . import _compat
+from .attach import _WRAPPED_MARK, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
 from .cache import RopeKVCache, _check_options, default_window
 from .model_info import ModelGeometry, describe
 from .summary import CacheSummary
@@ -68,7 +69,6 @@ _GENERATE_ATTR = "generate"
 _HOOK_MARK = "_hf_ropekv_enable_hook"  # set on both wrappers (of _HOOK_ATTR and of _GENERATE_ATTR)
 #: The instance attributes ``enable`` replaces by its wrappers, and ``disable`` restores.
 _WRAPPED_ATTRS = (_HOOK_ATTR, _GENERATE_ATTR)
-_PREPARE_INPUTS_ATTR = "prepare_inputs_for_generation"  # wrapped by hf_ropekv.attach when a cache is built
 
 #: Options of ``RopeKVCache(model, ...)`` that ``enable`` forwards (``budget`` and ``stats`` are named arguments).
 _CACHE_OPTIONS = tuple(
@@ -90,12 +90,12 @@ class _Enablement:
     """What ``enable`` stored on a model: the cache options and what it replaced."""
 
     def __init__(
-        self, options: dict[str, Any], geometry: ModelGeometry, previous: dict[str, Any], had_prepare_inputs: bool
+        self, options: dict[str, Any], geometry: ModelGeometry, previous: dict[str, Any], attach_had: set[str]
     ):
         self.options = options
         self.geometry = geometry
         self.previous = previous  # per wrapped attribute: the instance attribute that was there before, or None
-        self.had_prepare_inputs = had_prepare_inputs
+        self.attach_had = attach_had  # which of the methods hf_ropekv.attach wraps were instance attributes before
         self.caches_created = 0
 
     def new_cache(self, model: nn.Module) -> RopeKVCache:
@@ -166,9 +166,10 @@ def disable(model: ModelT) -> ModelT:
         return wrapper
     for attr in _WRAPPED_ATTRS:
         _restore(model, attr, state.previous.get(attr))
-    wrapped_inputs = model.__dict__.get(_PREPARE_INPUTS_ATTR)
-    if not state.had_prepare_inputs and wrapped_inputs is not None and _is_attach_wrapper(wrapped_inputs):
-        delattr(model, _PREPARE_INPUTS_ATTR)
+    for attr in ATTACH_WRAPPED_METHODS:  # wrapped by hf_ropekv.attach when a cache is built
+        wrapped = model.__dict__.get(attr)
+        if attr not in state.attach_had and wrapped is not None and _is_attach_wrapper(wrapped):
+            delattr(model, attr)
     delattr(model, _STATE_ATTR)
     logger.info("hf_ropekv disabled on %s (%d caches were created).", type(model).__name__, state.caches_created)
     return wrapper
@@ -368,7 +369,7 @@ def _install(model: nn.Module, config: _Config) -> None:
         config.options,
         config.geometry,
         previous=previous,
-        had_prepare_inputs=_PREPARE_INPUTS_ATTR in model.__dict__,
+        attach_had={attr for attr in ATTACH_WRAPPED_METHODS if attr in model.__dict__},
     )
     hook = types.MethodType(_make_hook(previous[_HOOK_ATTR]), model)
     generate = types.MethodType(_make_generate(previous[_GENERATE_ATTR], type(model)), model)
@@ -600,6 +601,4 @@ def _is_class_method_copy(method: Any, model: nn.Module, attr: str) -> bool:
 
 
 def _is_attach_wrapper(function: Any) -> bool:
-    from .attach import _WRAPPED_MARK
-
     return bool(getattr(function, _WRAPPED_MARK, False))
