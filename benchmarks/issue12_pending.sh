@@ -10,6 +10,9 @@
 #     4. the eager default against DynamicCache at batch 1, 4K, in a fresh process (ho/host_overhead.{md,json}).
 #   stage b (~8 min): batch 16 at 32K, the four variants (b16/compiled_decode.{md,json}).
 #   stage c (~5 min): batch 16 at 16K, the four variants, compiled ones timed after their warm-up (b16/...).
+#   stage w (~9 min): the CUDA tests of the static cache (gpu_tests.txt), then batch 16 at 32K with the prefill in
+#                     chunks, DynamicCache and the compiled static cache only: the compile warm-up with a chunked
+#                     prefill (b16/compiled_decode.{md,json}).
 #   stage h (~7 min): the eager default against DynamicCache at batch 1, 4K and 32K, HO_REPEATS (default 6)
 #                     alternated rounds with paired ratios (ho/host_overhead.{md,json}).
 #
@@ -37,6 +40,14 @@ if [ "$STAGE" = a ]; then
         --repeats 1 --commit "$COMMIT" 2>&1 | quiet >> "$OUT/log.txt"
     tail -12 "$OUT/cap/compiled_decode.md" 2>/dev/null; cat "$OUT/ho/host_overhead.md" 2>/dev/null
     head -12 "$OUT/exact/static_exactness.md" 2>/dev/null
+elif [ "$STAGE" = w ]; then
+    timeout 200 python -m pytest -q -p no:cacheprovider -p no:logging -rA -m gpu tests/test_static_cache.py \
+        > "$OUT/gpu_tests.txt" 2>&1
+    tail -4 "$OUT/gpu_tests.txt"
+    cd benchmarks
+    timeout 380 python compiled_decode.py --points 16x32768 --prefill-chunk auto --variants dynamic,ropekv_static \
+        --repeats 1 --out "$OUT/b16" --commit "$COMMIT" --max-minutes 5 2>&1 | quiet > "$OUT/log.txt"
+    tail -25 "$OUT/b16/compiled_decode.md" 2>/dev/null || tail -30 "$OUT/log.txt"
 elif [ "$STAGE" = h ]; then
     cd benchmarks
     timeout 560 python host_overhead.py --out "$OUT/ho" --device cuda --shape qwen3-8b --contexts 4096 32768 \
