@@ -160,6 +160,8 @@ class ModelAttachment:
         source = input_ids if input_ids is not None else embeds
         self._collecting = True
         self._hooks.active = self
+        if self._hooks.capture is not None:  # a decoding step of a growing cache takes the capture's fast path
+            self._hooks.capture.begin_forward(new == 1 and self._collect_queries and not self.static)
         replaced = cache._forward_starts(mask, new, source.shape[0], source.device)
         return None if replaced is mask else replaced
 
@@ -167,6 +169,8 @@ class ModelAttachment:
     # forwards: so they reach the query consumers directly, without dereferencing the cache.
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         if self._collecting:
+            if self._hooks.capture is not None:
+                self._hooks.capture.finish_forward()  # a recorded decoding step hands its queries over now
             for consumer in self._query_consumers:
                 consumer.end_forward()
         self._collecting = False
@@ -338,6 +342,8 @@ class SharedHooks:
         cache = _compat.cache_from_forward_kwargs(kwargs)
         # Another cache's forward, or none: every attachment's query hooks stay idle through it.
         self.active = next((a for a in self.attachments if a.owns(cache)), None)
+        if self.active is None and self.capture is not None:
+            self.capture.begin_forward(False)  # and no recording of an earlier forward that raised goes on
         return None if self.active is None else self.active._pre_forward(module, args, kwargs)
 
     # Never compiled either: folding a forward's queries into the running statistics creates and grows tensors

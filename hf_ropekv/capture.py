@@ -17,6 +17,7 @@ model's own tensor, no copy). The rotary pairs are always the first ``R`` dims.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -125,6 +126,13 @@ class QueryCapture:
         ]
         self._frames: list[_Frame] = []
         self._installed: list[rotary._Patch] = []
+        # The fast path of eager single-token forwards (begin_forward): which rotary call gives which layer's query.
+        keys = {fn.key for fn in self._functions}
+        self._key = keys.pop() if len(keys) == 1 else None  # one rotary function for every layer, or no fast path
+        self._plan: tuple[tuple[int, int, bool] | None, ...] | None = None
+        self._plan_failed = False
+        self._learning: list[tuple[torch.Tensor, int, int, bool]] | None = None
+        self._recording: Recording | None = None
 
     @property
     def attached(self) -> bool:
@@ -144,12 +152,81 @@ class QueryCapture:
 
     def detach(self) -> None:
         """Unwrap the attention modules and give the rotary function back (idempotent)."""
+        self.begin_forward(False)
+        self._plan, self._plan_failed = None, False
         for frame in reversed(self._frames):
             frame.unwrap()
         self._frames = []
         for patch in self._installed:
             rotary.uninstall(patch)
         self._installed = []
+
+    # ---------------------------------------------------------------- the fast path of eager decoding steps
+    # A decoding step (one new token) is host-bound, and per layer the frame path costs a wrapped forward, a frame
+    # pushed and popped, the checks of `see` and a chain of callbacks: on a Qwen3-8B-shaped model at batch 1 the
+    # capture was most of what RopeKVCache adds to DynamicCache's step. Every decoding step makes the same rotary
+    # calls in the same order, so the first one runs the checked frame path and learns which call gives which
+    # layer's query (the plan); later ones only keep the first tensor of every call (rotary: Recording) and hand
+    # the queries over when the forward has finished, as the frame path would have.
+    def begin_forward(self, record: bool) -> None:
+        """A forward of the capture's model starts; ``record``: it is an eager single-token forward whose queries
+        the capture delivers (a non-static cache's decoding step). Ends any recording left by a forward that raised."""
+        state = rotary._LOCAL.state
+        if self._recording is not None and state.recording is self._recording:
+            state.recording = None
+        self._recording = self._learning = None
+        if not record or self._key is None or self._plan_failed or not self._frames:
+            return
+        if self._plan is None:  # this forward takes the frame path and learns the plan
+            self._learning = []
+            limit = 4 * len(self._frames) + 16
+        else:
+            limit = len(self._plan)
+        self._recording = state.recording = Recording(self._key, limit)
+
+    def finish_forward(self) -> None:
+        """The forward finished without raising: a learning forward fixes the plan, a recorded one delivers."""
+        recording, learning = self._recording, self._learning
+        self.begin_forward(False)
+        if recording is None:
+            return
+        if learning is not None:
+            self._plan = self._plan_from(recording.tensors, learning)
+            self._plan_failed = self._plan is None
+        elif recording.tensors:  # none: the forward ran compiled, and the frames delivered inside it
+            self._deliver(recording.tensors)
+
+    def _plan_from(self, calls: list[Any], learning: list[tuple[torch.Tensor, int, int, bool]]) -> tuple | None:
+        """For every rotary call of the learning forward: ``(layer, heads dim, widen)`` of the query it gave the
+        frames, or None (a key, a call outside the attention modules); None when a query cannot be told apart."""
+        by_tensor = {id(q): entry for q, *entry in learning}
+        plan = tuple(tuple(by_tensor[id(t)]) if id(t) in by_tensor else None for t in calls)
+        if len(calls) >= 4 * len(self._frames) + 16 or sum(entry is not None for entry in plan) != len(learning):
+            return None
+        return plan
+
+    def _deliver(self, calls: list[Any]) -> None:
+        expected = len(self._plan)
+        if len(calls) != expected:
+            self._plan, self._plan_failed = None, True
+            warnings.warn(
+                f"hf_ropekv: a decoding step of this model made {len(calls)} rotary calls where earlier steps made "
+                f"{expected}; its queries are left out of the online statistics, and later steps take "
+                "the slower, checked path.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        callback, head_dim = self.callback, self.geometry.head_dim
+        for entry, q in zip(self._plan, calls):
+            if entry is None:
+                continue
+            layer_idx, heads_dim, widen = entry
+            if heads_dim == 1:
+                q = q.transpose(1, 2)
+            if widen:
+                q = _whole_head(q, head_dim)
+            callback(layer_idx, q)
 
     def __enter__(self) -> "QueryCapture":
         return self.attach()
@@ -203,8 +280,9 @@ class _Frame:
 
     # forward and see run for every layer of every forward while attached: each is a few lookups.
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.live:
-            return self.inner(*args, **kwargs)
+        if not self.live or (self.capture._recording is not None and self.capture._learning is None
+                             and not torch.compiler.is_compiling()):
+            return self.inner(*args, **kwargs)  # detached, or a recorded decoding step: no frame
         frames = rotary.frame_stack(self.key)
         self.calls = 0
         frames.append(self)
@@ -235,11 +313,25 @@ class _Frame:
                 f"{tuple(getattr(q, 'shape', ()))} in layer {self.layer_idx}; hf_ropekv expects a 4-D "
                 "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor."
             )
+        learning = self.capture._learning
+        if learning is not None:
+            learning.append((q, self.layer_idx, heads_dim, q.shape[-1] < self.head_dim))
         if heads_dim == 1:
             q = q.transpose(1, 2)
         if q.shape[-1] < self.head_dim:  # only the rotary part: see _whole_head
             q = _whole_head(q, self.head_dim)
         self.capture.callback(self.layer_idx, q)
+
+
+class Recording:
+    """The rotary calls of one eager single-token forward: the first tensor of each, in call order (the rotary
+    pass-through appends them while ``rotary._LOCAL.state.recording`` is this; at most ``limit``)."""
+
+    __slots__ = ("key", "limit", "tensors")
+
+    def __init__(self, key: int, limit: int) -> None:  # no reference to the capture: a thread's state holds this
+        self.key, self.limit = key, limit
+        self.tensors: list[Any] = []
 
 
 def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -300,6 +300,7 @@ class _Patch:
         self.module, self.name, self.original = module, name, original
         self.users = 0
         key = id(module)  # read here: the pass-through runs inside compiled forwards, where id(module) cannot be traced
+        tensor_param = _first_parameter(original)  # the query's name, or the one tensor's (a call by keywords)
 
         def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
             # Only the outermost pass-through delivers: another may sit inside `original` (the global was
@@ -307,6 +308,9 @@ class _Patch:
             # lookups (the state inline, one frame without a loop).
             state = _TRACED if torch.compiler.is_compiling() else _LOCAL.state
             if state.depth == 0:
+                recording = state.recording  # a recorded single-token forward (capture.Recording): keep the tensor
+                if recording is not None and recording.key == key and len(recording.tensors) < recording.limit:
+                    recording.tensors.append(args[0] if args else kwargs.get(tensor_param))
                 frames = state.active.get(key)
                 if frames:
                     if len(frames) == 1:
@@ -326,12 +330,21 @@ class _Patch:
         self.wrapper = apply_rotary_pos_emb
 
 
+def _first_parameter(function: Callable) -> str | None:
+    try:
+        first = next(iter(inspect.signature(function).parameters.values()), None)
+    except (TypeError, ValueError):
+        return None
+    return first.name if first is not None and first.kind is not first.VAR_POSITIONAL else None
+
+
 class _FrameState:
     """Attention forwards in progress, per modeling module (innermost last), and the pass-throughs' nesting."""
 
     def __init__(self) -> None:
         self.active: dict[int, list[Any]] = {}
         self.depth = 0
+        self.recording: Any = None  # the capture.Recording of the eager single-token forward in progress, if any
 
 
 class _ThreadFrames(threading.local):
