@@ -180,6 +180,18 @@ class ModelAttachment:
             for consumer in self._query_consumers:
                 consumer.add(layer_idx, queries)
 
+    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None:
+        """A recorded decoding step's queries (``capture.StepCallback``): in one call where a consumer takes them so."""
+        if not self._collecting:
+            return
+        for consumer in self._query_consumers:
+            add_step = getattr(consumer, "add_step", None)
+            if add_step is not None:
+                add_step(layers, queries, heads_dim)
+            else:
+                for layer_idx, q in zip(layers, queries):
+                    consumer.add(layer_idx, q.transpose(1, 2) if heads_dim == 1 else q)
+
     # ------------------------------------------------------------------ token log (continuation check)
     def _log_tokens(self, input_ids: torch.Tensor) -> None:
         batch, new = input_ids.shape[:2]
@@ -288,7 +300,7 @@ class SharedHooks:
 
     def add(self, attachment: "ModelAttachment", geometry: ModelGeometry, collect_queries: bool, keep: bool) -> None:
         if collect_queries and self.capture is None:
-            self.capture = QueryCapture(self._model_ref(), geometry, self._on_query).attach()
+            self.capture = QueryCapture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
         if keep:  # every static cache: the user may have set the implementation back since the last one
             before = use_grouped_sdpa(self._model_ref(), geometry)
@@ -358,6 +370,10 @@ class SharedHooks:
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         if self.active is not None:
             self.active._on_query(layer_idx, queries)
+
+    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None:
+        if self.active is not None:
+            self.active._on_step(layers, queries, heads_dim)
 
 
 def _dynamo_compiling() -> bool:

@@ -31,6 +31,9 @@ _ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 _LAYER_LIST_NAMES = ("layers", "h")
 
 QueryCallback = Callable[[int, torch.Tensor], None]
+#: ``(layers, queries, heads_dim)``: one decoding step's queries of ``layers``, each as the model handed it to RoPE
+#: (``[B, 1, H, D]`` with ``heads_dim`` 2, ``[B, H, 1, D]`` with 1), the whole head.
+StepCallback = Callable[[tuple, list, int], None]
 
 
 def find_attention_modules(model: nn.Module, geometry: ModelGeometry | None = None) -> list[nn.Module]:
@@ -114,9 +117,13 @@ class QueryCapture:
     or the rotary layout of the model cannot be found.
     """
 
-    def __init__(self, model: nn.Module, geometry: ModelGeometry, callback: QueryCallback) -> None:
+    def __init__(
+        self, model: nn.Module, geometry: ModelGeometry, callback: QueryCallback,
+        step_callback: StepCallback | None = None,
+    ) -> None:
         self.geometry = geometry
         self.callback = callback
+        self.step_callback = step_callback  # optional: a recorded decoding step's queries in one call
         geometry.require_rotary_layout()
         self.attention_modules = find_attention_modules(model, geometry)
         self._functions = [_rotary_function_of(model, attn) for attn in self.attention_modules]
@@ -130,6 +137,7 @@ class QueryCapture:
         keys = {fn.key for fn in self._functions}
         self._key = keys.pop() if len(keys) == 1 else None  # one rotary function for every layer, or no fast path
         self._plan: tuple[tuple[int, int, bool] | None, ...] | None = None
+        self._step: tuple[tuple[int, ...], tuple[int, ...], int] | None = None  # (query calls, layers, heads dim)
         self._plan_failed = False
         self._learning: list[tuple[torch.Tensor, int, int, bool]] | None = None
         self._recording: Recording | None = None
@@ -153,7 +161,7 @@ class QueryCapture:
     def detach(self) -> None:
         """Unwrap the attention modules and give the rotary function back (idempotent)."""
         self.begin_forward(False)
-        self._plan, self._plan_failed = None, False
+        self._plan, self._plan_failed, self._step = None, False, None
         for frame in reversed(self._frames):
             frame.unwrap()
         self._frames = []
@@ -193,6 +201,7 @@ class QueryCapture:
         if learning is not None:
             self._plan = self._plan_from(recording.tensors, learning)
             self._plan_failed = self._plan is None
+            self._step = self._step_from(self._plan)
         elif recording.tensors:  # none: the forward ran compiled, and the frames delivered inside it
             self._deliver(recording.tensors)
 
@@ -205,6 +214,14 @@ class QueryCapture:
             return None
         return plan
 
+    @staticmethod
+    def _step_from(plan: tuple | None) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+        """The plan as one step delivery, when every query comes whole and in one layout; else None."""
+        queries = [(i, entry) for i, entry in enumerate(plan or ()) if entry is not None]
+        if not queries or any(widen for _, (_, _, widen) in queries) or len({e[1] for _, e in queries}) != 1:
+            return None
+        return tuple(i for i, _ in queries), tuple(e[0] for _, e in queries), queries[0][1][1]
+
     def _deliver(self, calls: list[Any]) -> None:
         expected = len(self._plan)
         if len(calls) != expected:
@@ -216,6 +233,10 @@ class QueryCapture:
                 RuntimeWarning,
                 stacklevel=2,
             )
+            return
+        if self.step_callback is not None and self._step is not None:
+            indices, layers, heads_dim = self._step
+            self.step_callback(layers, [calls[i] for i in indices], heads_dim)
             return
         callback, head_dim = self.callback, self.geometry.head_dim
         for entry, q in zip(self._plan, calls):

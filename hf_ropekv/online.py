@@ -71,11 +71,15 @@ class OnlineStatistics:
         self._snapshot: RowStatistics | None = None
         self._on_buffers = False
         self._fold_indices: dict[tuple, tuple[torch.Tensor | None, int]] = {}  # see _fold_index
+        self._step: tuple[tuple[int, ...], torch.Tensor] | None = None  # this forward's add_step: [B, L, H, D]
+        self._deferred: list[torch.Tensor] = []  # finished decoding steps not folded yet, [B, L_device, H, D] each
+        self._deferred_device: torch.device | None = None
+        self._weights: dict[tuple, torch.Tensor] = {}  # the deferred steps' decay weights, by (device, steps)
 
     # ------------------------------------------------------------------ one forward
     def begin_forward(self, new_token_mask: torch.Tensor | None, new_tokens: int) -> None:
         """Start a forward of ``new_tokens`` tokens; drop queries of a forward that never finished (it raised)."""
-        self._pending, self._stash = {}, []
+        self._pending, self._stash, self._step = {}, [], None
         self._mask, self._new = new_token_mask, new_tokens
         if self._on_buffers and new_tokens == 1:
             # A static cache's decoding step: each layer folds its query into its sums during the forward
@@ -85,13 +89,8 @@ class OnlineStatistics:
 
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Take one layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
-        g = self.geometry
-        shape = queries.shape  # (the rotary width is 2 * self._pairs: geometry.rotary_dim counts inv_freq each call)
-        if len(shape) != 4 or g.num_q_heads % shape[2] or shape[3] < 2 * self._pairs:  # TP: a share of the heads
-            raise ValueError(
-                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
-                f"got {tuple(queries.shape)}."
-            )
+        self._check_queries(queries)
+        shape = queries.shape
         if queries.requires_grad:  # a forward with autograd on: keep the statistics out of its graph
             queries = queries.detach()
         if shape[1] == 1 and self._on_buffers:
@@ -101,10 +100,31 @@ class OnlineStatistics:
         else:
             self._pending[layer_idx] = self._row_sums(queries, self._mask_on(queries.device, shape[:2]))
 
+    def add_step(self, layers: tuple[int, ...], queries: list[torch.Tensor], heads_dim: int) -> None:
+        """Take a decoding step's queries of ``layers`` at once, each as the model handed it to RoPE (``[B, 1, H, D]``
+        with ``heads_dim`` 2, ``[B, H, 1, D]`` with 1): one concatenation instead of a view and a call per layer."""
+        device = queries[0].device
+        if self._on_buffers or self._stash or self._step is not None or any(q.device != device for q in queries):
+            for layer_idx, q in zip(layers, queries):  # a static cache, several devices, a mixed forward: per layer
+                self.add(layer_idx, q.transpose(1, 2) if heads_dim == 1 else q)
+            return
+        stacked = torch.cat(queries, dim=2) if heads_dim == 1 else torch.cat(queries, dim=1)
+        if heads_dim == 1:
+            stacked = stacked.transpose(1, 2)  # [B, L, H, D]
+        self._check_queries(stacked)
+        self._step = (layers, stacked.detach() if stacked.requires_grad else stacked)
+
     def end_forward(self) -> None:
         """The forward finished: its queries now count."""
+        if self._step is not None:
+            layers, stacked = self._step
+            self._step = None
+            if not self._pending and not self._stash and self._defer(layers, stacked):
+                return
+            self._stash.extend((layer_idx, stacked[:, i : i + 1]) for i, layer_idx in enumerate(layers))
         if not self._pending and not self._stash:
             return
+        self.flush()
         self._decay(self._new)
         for layer_idx, sums in self._pending.items():
             device, index = self._place(layer_idx, sums)
@@ -139,6 +159,51 @@ class OnlineStatistics:
         self._pending, self._stash = {}, []
         self._snapshot = None
 
+    # ------------------------------------------------------------------ deferred folding of decoding steps
+    #: Decoding steps folded in one go: a step then costs one concatenation of its queries instead of the fold's
+    #: dozen launches (a host-bound step at batch 1 shows each of them).
+    DEFER_STEPS = 16
+
+    def _defer(self, layers: tuple[int, ...], stacked: torch.Tensor) -> bool:
+        """Keep a finished decoding step (``stacked [B, L, H, D]``, no padding mask) for a later fold, when it holds
+        every layer of its device in order; False when it must be folded now."""
+        device = stacked.device
+        if (self._mask is None and self._new == 1 and device in self._sums and len(self._sums) == 1
+                and self._fold_indices.get((device, layers), (0,))[0] is None
+                and self._fold_indices[(device, layers)][1] == self._sums[device].shape[0]):
+            self._deferred.append(stacked)
+            self._deferred_device = device
+            self._snapshot = None
+            if len(self._deferred) >= self.DEFER_STEPS:
+                self.flush()
+            return True
+        return False
+
+    def flush(self) -> None:
+        """Fold the deferred decoding steps: the sums decay by ``f`` and gain a step's parts, once per step in order,
+        which is ``sums * f**n + sum_j f**(n-1-j) * parts_j`` (float64; the same up to its rounding)."""
+        if not self._deferred:
+            return
+        steps, device = self._deferred, self._deferred_device
+        self._deferred = []
+        n = len(steps)
+        parts = self._parts(torch.stack(steps) if n > 1 else steps[0][None])  # [n, B, L, 3, H, F]
+        parts = parts.transpose(1, 2)  # [n, L, B, 3, H, F], as the sums
+        sums, counts = self._sums[device], self._counts[device]
+        if self.half_life is None:
+            sums.add_(parts.sum(dim=0, dtype=torch.float64))
+            counts.add_(float(n))
+            return
+        factor = 0.5 ** (1 / self.half_life)
+        weights = self._weights.get((device, n))
+        if weights is None:
+            weights = torch.tensor([factor ** (n - 1 - j) for j in range(n)], dtype=torch.float64, device=device)
+            self._weights[(device, n)] = weights
+        sums.mul_(factor ** n)
+        sums.add_(torch.tensordot(weights, parts.to(torch.float64), dims=1))
+        counts.mul_(factor ** n)
+        counts.add_(weights.sum())
+
     def _fold_index(self, device: torch.device, layers: tuple[int, ...], parts: torch.Tensor) -> torch.Tensor | None:
         """Rows of ``device``'s sums that ``layers``' queries (``parts [B, L, 3, H, F]``) go to, placing the layers
         seen for the first time; ``None`` when they are all rows, in order. Memoised: the same layers come in
@@ -158,6 +223,7 @@ class OnlineStatistics:
     # ------------------------------------------------------------------ reading
     def snapshot(self) -> RowStatistics:
         """Per-row means of every finished forward's queries (cached until another forward finishes)."""
+        self.flush()
         if self._snapshot is None:
             if not self._counts or len(self._slot) < len(self.geometry.full_attention_layers):
                 raise RuntimeError(
@@ -193,6 +259,7 @@ class OnlineStatistics:
         """Move the running sums into buffers from ``take(purpose, shape, dtype, make)`` (a static cache's
         ``BufferLease.take``): a compiled decode step updates them in place at addresses the next cache of the
         model takes over."""
+        self.flush()
         for table, name in ((self._sums, "online_sums"), (self._counts, "online_counts")):
             for device, value in table.items():
                 buffer = take((name, device), tuple(value.shape), value.dtype, lambda v=value: torch.empty_like(v))
@@ -221,10 +288,12 @@ class OnlineStatistics:
 
     def buffers(self) -> list[torch.Tensor]:
         """The running sums' tensors (a static cache gives them back to its lease on reset)."""
+        self.flush()
         return [*self._sums.values(), *self._counts.values()]
 
     # ------------------------------------------------------------------ batch reshuffles (beam search, expansion)
     def select_batch(self, index: torch.Tensor) -> None:
+        self.flush()
         for table in (self._sums, self._counts):
             for device, value in table.items():
                 dim = 1 if value.ndim > 1 else 0
@@ -234,6 +303,15 @@ class OnlineStatistics:
 
 
     # ------------------------------------------------------------------ internals
+    def _check_queries(self, queries: torch.Tensor) -> None:
+        g = self.geometry
+        shape = queries.shape  # (the rotary width is 2 * self._pairs: geometry.rotary_dim counts inv_freq each call)
+        if len(shape) != 4 or g.num_q_heads % shape[2] or shape[3] < 2 * self._pairs:  # TP: a share of the heads
+            raise ValueError(
+                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], "
+                f"got {tuple(queries.shape)}."
+            )
+
     def _parts(self, q: torch.Tensor) -> torch.Tensor:
         """``[..., H, D]`` queries -> float32 ``[..., 3, H, F]``: real parts, imaginary parts, moduli."""
         pairs = self._pairs

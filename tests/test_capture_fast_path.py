@@ -19,6 +19,8 @@ from hf_ropekv import RopeKVCache, rotary
 from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.attach import SharedHooks
 from hf_ropekv.capture import _Frame
+from hf_ropekv.model_info import describe
+from hf_ropekv.online import OnlineStatistics
 
 
 class _CountSee:
@@ -43,6 +45,7 @@ def _run(model, fast: bool, new_tokens: int = 40):
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, **{cache_kwarg(model): cache})
+    cache._online.flush()  # decoding steps not folded yet (OnlineStatistics.DEFER_STEPS) count now
     sums = {device: value.clone() for device, value in cache._online._sums.items()}
     counts = {device: value.clone() for device, value in cache._online._counts.items()}
     took_fast_path = capture._plan is not None
@@ -52,6 +55,7 @@ def _run(model, fast: bool, new_tokens: int = 40):
 @pytest.mark.parametrize("name", NAMES)
 def test_fast_path_gives_the_frame_paths_statistics_and_tokens(name: str, monkeypatch) -> None:
     model = family_model(name)
+    monkeypatch.setattr(OnlineStatistics, "DEFER_STEPS", 1)  # every step folded at once: bit-identical arithmetic
     counter = _CountSee(monkeypatch)
     out_frames, sums_frames, counts_frames, cache, took = _run(model, fast=False)
     assert not took and cache.evicted
@@ -67,6 +71,56 @@ def test_fast_path_gives_the_frame_paths_statistics_and_tokens(name: str, monkey
     for device in sums_frames:
         assert torch.equal(sums_fast[device], sums_frames[device])
         assert torch.equal(counts_fast[device], counts_frames[device])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gptj", "phi4_mini"])
+def test_deferred_folds_match_step_by_step_folds_to_rounding(name: str, monkeypatch) -> None:
+    """Sixteen decoding steps folded in one go: the statistics of folding each step on its own, to float64
+    rounding, and the same tokens."""
+    model = family_model(name)
+    reference = _run(model, fast=True)
+    monkeypatch.setattr(OnlineStatistics, "DEFER_STEPS", 1)
+    exact = _run(model, fast=True)
+    assert torch.equal(reference[0], exact[0])
+    for device in exact[1]:
+        torch.testing.assert_close(reference[1][device], exact[1][device], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(reference[2][device], exact[2][device], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("half_life", [None, 5.0])
+def test_flush_is_the_sequential_decayed_sum(half_life) -> None:
+    """OnlineStatistics fed the same random decoding-step queries, deferred or folded one step at a time, against
+    the decayed sums written out by hand."""
+    model = family_model("llama")
+    geometry = describe(model)
+    layers = tuple(range(geometry.num_layers))
+    g = torch.Generator().manual_seed(3)
+    steps = [[torch.randn(2, geometry.num_q_heads, 1, geometry.head_dim, generator=g) for _ in layers]
+             for _ in range(21)]  # [B, H, 1, D]: a rotate-half model's layout (heads dim 1)
+    prompt = [torch.randn(2, 5, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in layers]
+    stats = OnlineStatistics(geometry, half_life=half_life)
+    stats.begin_forward(None, 5)
+    for layer_idx, q in zip(layers, prompt):
+        stats.add(layer_idx, q)
+    stats.end_forward()
+    for step in steps:
+        stats.begin_forward(None, 1)
+        stats.add_step(layers, step, heads_dim=1)
+        stats.end_forward()
+    # The first step places the layers' rows (folded at once); the next 16 fold together; 4 are still deferred.
+    assert len(stats._deferred) == (21 - 1) % OnlineStatistics.DEFER_STEPS
+    snap = stats.snapshot()
+    f = 1.0 if half_life is None else 0.5 ** (1 / half_life)
+    pairs = geometry.rotary_dim // 2
+    for layer_idx in layers:
+        total = prompt[layer_idx].double().sum(dim=1) * f ** 21  # [B, H, D]
+        for j, step in enumerate(steps):
+            total = total + step[layer_idx][:, :, 0].double() * f ** (20 - j)
+        weight = 5 * f ** 21 + sum(f ** (20 - j) for j in range(21))
+        mean = total / weight
+        expected = torch.complex(mean[..., :pairs], mean[..., pairs : 2 * pairs]).to(torch.complex64)
+        torch.testing.assert_close(snap.q_mean[layer_idx], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(snap.tokens, torch.full((2,), weight, dtype=torch.float64))
 
 
 def test_a_step_that_breaks_the_learned_pattern_warns_and_falls_back_to_frames(monkeypatch) -> None:
