@@ -585,10 +585,7 @@ class RopeKVCache(Cache):
             # fixed, so it only checks the batch and compacts when that plan says so (kept to a few lookups).
             if key_states.shape[0] != self._batch_size:
                 self._check_batch(key_states.shape[0])
-            plan = self._plan
-            if plan.compacts and self.selection == "per_layer":
-                self._compact([layer], plan)
-            return
+            return  # the first layer compacted every layer, if the plan says so
         seen, q = layer.tokens_seen, key_states.shape[-2]
         self._check_batch(key_states.shape[0])
         self._begin_step(seen, q, key_states, args, kwargs)
@@ -599,28 +596,33 @@ class RopeKVCache(Cache):
         if not plan.compacts:
             return
         self._record_compaction(plan)
+        # Every layer now, at the first: no tensor returned in this forward aliases any arena yet, and each layer
+        # holds exactly what it would hold at its own update (compaction runs before a layer writes, and queries
+        # count once their forward has finished), so per-layer selection picks the same tokens. One op set for
+        # all layers instead of one per layer: a compaction step is host-bound like any other at batch 1.
         if self.selection == "per_layer":
-            self._compact([layer], plan)
-        else:
-            # One ranking for all layers: compact them all now, in one launch per device. Safe here: this is
-            # the first layer of the forward, so no tensor returned in this forward aliases any arena yet.
+            self._compact_each(self._full_layers, plan, _EAGER_SELECTION_WORKSPACE)
+        else:  # one ranking for all layers
             self._compact(self._full_layers, plan)
 
     def _compact(self, layers: list[BudgetedLayer], plan: Plan) -> None:
         """Rank ``layers`` together (one selection for all of them) and compact them, one launch per device."""
         compact_arenas([layer.storage for layer in layers], *self._select(layers, plan))
 
-    def _compact_each(self, layers: list[BudgetedLayer], plan: Plan) -> None:
+    def _compact_each(self, layers: list[BudgetedLayer], plan: Plan, workspace: int | None = None) -> None:
         """Rank and compact each of ``layers`` on its own (per-layer selection), all layers of a device at once.
 
         The same selection as :meth:`_compact` of one layer at a time, batched: the masks, noise and top-k of
         every layer go through one set of ops with the layers stacked along the rows, and a scorer with a
         ``score_layers`` method scores them together. A static cache compacts every layer before its forward,
-        so it can; one op set instead of one per layer is what keeps a compaction step's host time small.
+        so it can, and so does a growing one at the first layer of a forward; one op set instead of one per layer is
+        what keeps a compaction step's host time small. ``workspace``: slots ranked in one go at most (default
+        ``_SELECTION_WORKSPACE``).
         """
         first = layers[0].storage
         per_layer = first.keys.shape[0] * first.keys.shape[1] * plan.slots_before  # slots a layer ranks
-        chunk = max(1, _SELECTION_WORKSPACE // max(1, per_layer))  # layers ranked in one go: bounded workspace
+        bound = _SELECTION_WORKSPACE if workspace is None else workspace
+        chunk = max(1, bound // max(1, per_layer))  # layers ranked in one go: bounded workspace
         for _, same_device in itertools.groupby(layers, key=lambda layer: layer.storage.keys.device):
             same_device = list(same_device)
             for i in range(0, len(same_device), chunk):
@@ -862,6 +864,10 @@ class RopeKVCache(Cache):
 #: temporaries (per-query-head float32 scores and their z-scores, int64 positions and sort indices, masks) then
 #: stay under about 1 GiB.
 _SELECTION_WORKSPACE = 1 << 23
+#: The same bound for a growing (eager) cache, a quarter of it: its compaction used to rank one layer at a time, and
+#: a user near the end of a small card's memory should not meet a new gigabyte of temporaries. It still ranks every
+#: layer of a batch-1 Qwen3-8B (36 x 8 heads x 2,176 slots) in one go.
+_EAGER_SELECTION_WORKSPACE = 1 << 21
 
 #: The default recent window: what measured best on GSM8K (README, "Quality"), capped for small budgets.
 DEFAULT_WINDOW = 32

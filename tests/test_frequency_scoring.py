@@ -194,7 +194,22 @@ def test_every_compaction_scores_with_the_statistics_of_the_finished_forwards(ca
         compactions_inside_a_turn += in_turn
         return out
 
+    score_layers = scorer.score_layers
+
+    def recording_score_layers(keys, contexts):  # a compaction of every layer at once (per-layer selection)
+        out = score_layers(keys, contexts)
+        stats = scorer.stats
+        copy = RowStatistics(
+            tuple(t.clone() for t in stats.q_mean), tuple(t.clone() for t in stats.q_abs_mean),
+            dict(stats.metadata), stats.tokens.clone(),
+        )
+        calls.extend((k.clone(), ctx, copy, o.clone(), finished_tokens) for k, ctx, o in zip(keys, contexts, out))
+        nonlocal compactions_inside_a_turn
+        compactions_inside_a_turn += in_turn
+        return out
+
     scorer.score = recording_score
+    scorer.score_layers = recording_score_layers
     gen = torch.Generator().manual_seed(3)
     cache_kw = {cache_kwarg(model): cache}
     in_turn = False

@@ -1,0 +1,73 @@
+"""Per-layer selection compacts every layer at the first layer of a forward, in one op set (``_compact_each``).
+
+The reference is the earlier timing, each layer compacted at its own update (``_LayerByLayer`` below): the kept
+slots and positions of every layer and the generated tokens must be identical, across many compactions, with a
+left-padded batch, a prefill in chunks, unpinned prompts longer than the budget, and the scorers that read
+recent queries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import padded_batch, tiny_model
+
+from hf_ropekv import RopeKVCache
+from hf_ropekv._compat import cache_kwarg
+from hf_ropekv.scorers import SnapKVScorer
+
+
+class _LayerByLayer(RopeKVCache):
+    """The earlier timing: the first layer compacts only itself, every later layer at its own update."""
+
+    def _compact_each(self, layers, plan, workspace=None):
+        if layers is self._full_layers and not self.static:
+            self._compact([layers[0]], plan)
+        else:
+            super()._compact_each(layers, plan, workspace)
+
+    def _before_layer_update(self, layer, key_states, args, kwargs):
+        super()._before_layer_update(layer, key_states, args, kwargs)
+        if layer is not self._full_layers[0] and self._plan.compacts:
+            self._compact([layer], self._plan)
+
+
+def _generate(model, cls, ids, mask, generate_options=None, **options):
+    cache = cls(model, budget=24, compress_every=6, **options)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                             **{cache_kwarg(model): cache}, **(generate_options or {}))
+    return out, cache
+
+
+OPTIONS = {
+    "defaults": {},
+    "unpinned": dict(protect_prompt=False),
+    "sink_window": dict(sink=2, window=4, protect_prompt=False),
+    "fixed_stats_half_life_none": dict(stats_half_life=None),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_first_layer_compaction_keeps_what_layer_by_layer_kept(name: str) -> None:
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(22, 15, 9))
+    expected, reference = _generate(model, _LayerByLayer, ids, mask, **OPTIONS[name])
+    got, cache = _generate(model, RopeKVCache, ids, mask, **OPTIONS[name])
+    assert cache.num_compactions >= 5 and cache.num_compactions == reference.num_compactions
+    assert torch.equal(got, expected)
+    for mine, theirs in zip(cache._full_layers, reference._full_layers):
+        assert torch.equal(mine.storage.live_positions(), theirs.storage.live_positions())
+        assert torch.equal(mine.storage.live_keys(), theirs.storage.live_keys())
+
+
+def test_first_layer_compaction_with_a_chunked_prefill_and_a_query_scorer() -> None:
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(30, 21))
+    options = dict(protect_prompt=False, generate_options=dict(prefill_chunk_size=8))
+    expected, reference = _generate(model, _LayerByLayer, ids, mask, scorer=SnapKVScorer(), **options)
+    got, cache = _generate(model, RopeKVCache, ids, mask, scorer=SnapKVScorer(), **options)
+    assert cache.num_compactions >= 5
+    assert torch.equal(got, expected)
+    for mine, theirs in zip(cache._full_layers, reference._full_layers):
+        assert torch.equal(mine.storage.live_positions(), theirs.storage.live_positions())
