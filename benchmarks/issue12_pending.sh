@@ -16,7 +16,11 @@
 #   stage h (~7 min): the eager default against DynamicCache at batch 1, 4K and 32K, HO_REPEATS (default 6)
 #                     alternated rounds with paired ratios (ho/host_overhead.{md,json}).
 #
-#   OUT=... bash benchmarks/issue12_pending.sh COMMIT a|b|c|h  # from the repository root, on the GPU machine
+#   stage l (~4 min): the eager default against DynamicCache at batch 1, 4K and 32K, in lockstep (lockstep_decode.py:
+#                     one model per cache, one step at a time, every thread on one core), 3 rounds of 256 steps
+#                     (ls/lockstep_decode.{md,json}); the steadiest reading of the eager target.
+#
+#   OUT=... bash benchmarks/issue12_pending.sh COMMIT a|b|c|h|l|w  # from the repository root, on the GPU machine
 #   (stage a: CAP_VARIANTS, CAP_BATCHES, CAP_RUNS choose the capacity runs; SKIP_EXACT=1 leaves out step 3)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -48,6 +52,12 @@ elif [ "$STAGE" = w ]; then
     timeout 380 python compiled_decode.py --points 16x32768 --prefill-chunk auto --variants dynamic,ropekv_static \
         --repeats 1 --out "$OUT/b16" --commit "$COMMIT" --max-minutes 5 2>&1 | quiet > "$OUT/log.txt"
     tail -25 "$OUT/b16/compiled_decode.md" 2>/dev/null || tail -30 "$OUT/log.txt"
+elif [ "$STAGE" = l ]; then
+    cd benchmarks
+    timeout 300 python lockstep_decode.py --device cuda --shape qwen3-8b --contexts 4096 32768 --steps 256 \
+        --rounds 3 --pin-core -1 --variants DynamicCache RopeKVCache --out "$OUT/ls" --commit "$COMMIT" 2>&1 \
+        | quiet > "$OUT/log.txt"
+    cat "$OUT/ls/lockstep_decode.md" 2>/dev/null || tail -30 "$OUT/log.txt"
 elif [ "$STAGE" = h ]; then
     cd benchmarks
     timeout 560 python host_overhead.py --out "$OUT/ho" --device cuda --shape qwen3-8b --contexts 4096 32768 \

@@ -163,21 +163,23 @@ class OnlineStatistics:
     #: Decoding steps folded in one go: a step then costs one concatenation of its queries instead of the fold's
     #: dozen launches (a host-bound step at batch 1 shows each of them).
     DEFER_STEPS = 16
+    #: ... and no more queries than this are held for it (large batches fold sooner; they are not host-bound).
+    DEFER_BYTES = 32 << 20
 
     def _defer(self, layers: tuple[int, ...], stacked: torch.Tensor) -> bool:
         """Keep a finished decoding step (``stacked [B, L, H, D]``, no padding mask) for a later fold, when it holds
         every layer of its device in order; False when it must be folded now."""
         device = stacked.device
-        if (self._mask is None and self._new == 1 and device in self._sums and len(self._sums) == 1
-                and self._fold_indices.get((device, layers), (0,))[0] is None
-                and self._fold_indices[(device, layers)][1] == self._sums[device].shape[0]):
-            self._deferred.append(stacked)
-            self._deferred_device = device
-            self._snapshot = None
-            if len(self._deferred) >= self.DEFER_STEPS:
-                self.flush()
-            return True
-        return False
+        memo = self._fold_indices.get((device, layers))  # (index, rows) of the fold of exactly these layers
+        every_layer_in_order = memo is not None and memo[0] is None and memo[1] == self._sums[device].shape[0]
+        if self._mask is not None or self._new != 1 or len(self._sums) != 1 or not every_layer_in_order:
+            return False
+        self._deferred.append(stacked)
+        self._deferred_device = device
+        self._snapshot = None
+        if len(self._deferred) >= self.DEFER_STEPS or len(self._deferred) * stacked.nbytes > self.DEFER_BYTES:
+            self.flush()
+        return True
 
     def flush(self) -> None:
         """Fold the deferred decoding steps: the sums decay by ``f`` and gain a step's parts, once per step in order,

@@ -147,3 +147,43 @@ def test_host_overhead_dry_run_counts_ops_and_times_both_caches(tmp_path: Path) 
     assert dynamic["paired_plain"] == [1.0] * repeats
     markdown = (tmp_path / "host_overhead.md").read_text()
     assert "| RopeKVCache |" in markdown and "Paired, RopeKVCache / DynamicCache" in markdown
+
+
+def test_lockstep_dry_run_pairs_every_step_of_the_caches(tmp_path: Path) -> None:
+    run_script("lockstep_decode.py", "--out", str(tmp_path), "--pin-core", "-1", "--profile", "2")
+    result = json.loads((tmp_path / "lockstep_decode.json").read_text())
+    rows = {row["cache"]: row for row in result["rows"]}
+    assert sorted(rows) == ["DynamicCache", "RopeKVCache", "RopeKVCache+recency"]
+    steps = result["settings"]["steps"]
+    for row in rows.values():
+        assert row["steps"] == steps and row["plain_steps"] + row["compaction_steps"] == row["steps"]
+        assert row["p50_us"] > 0 and row["step_ratio"] > 0
+    assert rows["DynamicCache"]["step_ratio"] == 1.0 and rows["DynamicCache"]["compaction_steps"] == 0
+    assert rows["RopeKVCache"]["compaction_steps"] > 0
+    assert set(result["profiles"][str(result["settings"]["contexts"][0])]) == set(rows)
+    assert "threads on one core" in (tmp_path / "lockstep_decode.md").read_text()
+
+
+def test_turnstile_runs_one_thread_at_a_time_round_robin() -> None:
+    import threading
+
+    sys.path.insert(0, str(BENCH))
+    from lockstep_decode import Turnstile
+
+    turnstile, order = Turnstile(3), []
+
+    def run(i: int, turns: int) -> None:
+        for _ in range(turns):
+            turnstile.wait(i)
+            order.append(i)
+            turnstile.pass_on(i)
+        turnstile.wait(i)
+        turnstile.leave(i)
+
+    threads = [threading.Thread(target=run, args=(i, turns)) for i, turns in enumerate((3, 1, 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads)
+    assert order == [0, 1, 2, 0, 2, 0]  # thread 1 leaves after one turn, thread 2 after two

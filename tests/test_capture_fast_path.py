@@ -162,3 +162,22 @@ def test_a_recorded_step_that_raises_leaves_no_recording_behind() -> None:
         assert rotary._LOCAL.state.recording is not None  # the raising step's recording is still set ...
         model(input_ids=ids, use_cache=True, **{cache_kwarg(model): DynamicCache(config=model.config)})
     assert rotary._LOCAL.state.recording is None  # ... until the model's next forward, another cache's included
+
+
+def test_deferred_queries_are_bounded_in_bytes(monkeypatch) -> None:
+    """A large batch folds before DEFER_STEPS steps once the held queries pass DEFER_BYTES."""
+    model = family_model("llama")
+    geometry = describe(model)
+    layers = tuple(range(geometry.num_layers))
+    stats = OnlineStatistics(geometry, half_life=None)
+    g = torch.Generator().manual_seed(5)
+    one_step = 4 * geometry.num_layers * geometry.num_q_heads * geometry.head_dim * 4  # bytes, batch 4, float32
+    monkeypatch.setattr(OnlineStatistics, "DEFER_BYTES", 3 * one_step)
+    held = []
+    for _ in range(9):
+        stats.begin_forward(None, 1)
+        stats.add_step(layers, [torch.randn(4, geometry.num_q_heads, 1, geometry.head_dim, generator=g)
+                                for _ in layers], heads_dim=1)
+        stats.end_forward()
+        held.append(len(stats._deferred))
+    assert held == [0, 1, 2, 3, 0, 1, 2, 3, 0]  # the first step places the rows; then a fold every 4 steps
