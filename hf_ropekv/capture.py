@@ -238,16 +238,10 @@ class QueryCapture:
             indices, layers, heads_dim = self._step
             self.step_callback(layers, [calls[i] for i in indices], heads_dim)
             return
-        callback, head_dim = self.callback, self.geometry.head_dim
         for entry, q in zip(self._plan, calls):
-            if entry is None:
-                continue
-            layer_idx, heads_dim, widen = entry
-            if heads_dim == 1:
-                q = q.transpose(1, 2)
-            if widen:
-                q = _whole_head(q, head_dim)
-            callback(layer_idx, q)
+            if entry is not None:
+                layer_idx, heads_dim, _ = entry
+                self.callback(layer_idx, _as_query(q, heads_dim, self.geometry.head_dim))
 
     def __enter__(self) -> "QueryCapture":
         return self.attach()
@@ -337,11 +331,7 @@ class _Frame:
         learning = self.capture._learning
         if learning is not None:
             learning.append((q, self.layer_idx, heads_dim, q.shape[-1] < self.head_dim))
-        if heads_dim == 1:
-            q = q.transpose(1, 2)
-        if q.shape[-1] < self.head_dim:  # only the rotary part: see _whole_head
-            q = _whole_head(q, self.head_dim)
-        self.capture.callback(self.layer_idx, q)
+        self.capture.callback(self.layer_idx, _as_query(q, heads_dim, self.head_dim))
 
 
 class Recording:
@@ -353,6 +343,15 @@ class Recording:
     def __init__(self, key: int, limit: int) -> None:  # no reference to the capture: a thread's state holds this
         self.key, self.limit = key, limit
         self.tensors: list[Any] = []
+
+
+def _as_query(q: torch.Tensor, heads_dim: int, head_dim: int) -> torch.Tensor:
+    """A query as RoPE received it, as the callbacks take it: ``[B, S, H, D]``, the whole head."""
+    if heads_dim == 1:
+        q = q.transpose(1, 2)
+    if q.shape[-1] < head_dim:  # only the rotary part: see _whole_head
+        q = _whole_head(q, head_dim)
+    return q
 
 
 def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -73,7 +73,6 @@ class OnlineStatistics:
         self._fold_indices: dict[tuple, tuple[torch.Tensor | None, int]] = {}  # see _fold_index
         self._step: tuple[tuple[int, ...], torch.Tensor] | None = None  # this forward's add_step: [B, L, H, D]
         self._deferred: list[torch.Tensor] = []  # finished decoding steps not folded yet, [B, L_device, H, D] each
-        self._deferred_device: torch.device | None = None
         self._weights: dict[tuple, torch.Tensor] = {}  # the deferred steps' decay weights, by (device, steps)
 
     # ------------------------------------------------------------------ one forward
@@ -108,9 +107,10 @@ class OnlineStatistics:
             for layer_idx, q in zip(layers, queries):  # a static cache, several devices, a mixed forward: per layer
                 self.add(layer_idx, q.transpose(1, 2) if heads_dim == 1 else q)
             return
-        stacked = torch.cat(queries, dim=2) if heads_dim == 1 else torch.cat(queries, dim=1)
         if heads_dim == 1:
-            stacked = stacked.transpose(1, 2)  # [B, L, H, D]
+            stacked = torch.cat(queries, dim=2).transpose(1, 2)  # [B, H, L, D] -> [B, L, H, D]
+        else:
+            stacked = torch.cat(queries, dim=1)
         self._check_queries(stacked)
         self._step = (layers, stacked.detach() if stacked.requires_grad else stacked)
 
@@ -175,7 +175,6 @@ class OnlineStatistics:
         if self._mask is not None or self._new != 1 or len(self._sums) != 1 or not every_layer_in_order:
             return False
         self._deferred.append(stacked)
-        self._deferred_device = device
         self._snapshot = None
         if len(self._deferred) >= self.DEFER_STEPS or len(self._deferred) * stacked.nbytes > self.DEFER_BYTES:
             self.flush()
@@ -186,10 +185,9 @@ class OnlineStatistics:
         which is ``sums * f**n + sum_j f**(n-1-j) * parts_j`` (float64; the same up to its rounding)."""
         if not self._deferred:
             return
-        steps, device = self._deferred, self._deferred_device
-        self._deferred = []
-        n = len(steps)
-        parts = self._parts(torch.stack(steps) if n > 1 else steps[0][None])  # [n, B, L, 3, H, F]
+        steps, self._deferred = self._deferred, []
+        device, n = steps[0].device, len(steps)
+        parts = self._parts(torch.stack(steps))  # [n, B, L, 3, H, F]
         parts = parts.transpose(1, 2)  # [n, L, B, 3, H, F], as the sums
         sums, counts = self._sums[device], self._counts[device]
         if self.half_life is None:

@@ -296,11 +296,10 @@ def _measured_frequencies(
 class _Patch:
     """A modeling module's rotary global replaced by a pass-through that shows calls to active frames."""
 
-    def __init__(self, module: Any, name: str, original: Callable) -> None:
+    def __init__(self, module: Any, name: str, original: Callable, tensor_param: str) -> None:
         self.module, self.name, self.original = module, name, original
         self.users = 0
         key = id(module)  # read here: the pass-through runs inside compiled forwards, where id(module) cannot be traced
-        tensor_param = _first_parameter(original)  # the query's name, or the one tensor's (a call by keywords)
 
         def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
             # Only the outermost pass-through delivers: another may sit inside `original` (the global was
@@ -328,14 +327,6 @@ class _Patch:
 
         apply_rotary_pos_emb._hf_ropekv_original = original  # type: ignore[attr-defined]
         self.wrapper = apply_rotary_pos_emb
-
-
-def _first_parameter(function: Callable) -> str | None:
-    try:
-        first = next(iter(inspect.signature(function).parameters.values()), None)
-    except (TypeError, ValueError):
-        return None
-    return first.name if first is not None and first.kind is not first.VAR_POSITIONAL else None
 
 
 class _FrameState:
@@ -370,7 +361,7 @@ def install(function: RotaryFunction) -> "_Patch":
     current = getattr(function.module, function.name)
     patch = getattr(current, "_hf_ropekv_patch", None)
     if patch is None:
-        patch = _Patch(function.module, function.name, current)
+        patch = _Patch(function.module, function.name, current, function.tensor_param)
         patch.wrapper._hf_ropekv_patch = patch  # type: ignore[attr-defined]
         setattr(function.module, function.name, patch.wrapper)
     patch.users += 1
