@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.pin_core = core
     device = torch.device(args.device)
     torch.backends.cuda.enable_cudnn_sdp(False)  # as every other speed figure of issue 12
-    torch.set_num_threads(1) if device.type == "cpu" else None
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     meta = run_metadata(device, args.commit, sys.argv[1:] if argv is None else argv)
     config = models.make_config(args.shape)
