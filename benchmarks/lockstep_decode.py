@@ -24,7 +24,9 @@ host, and a ratio of medians over hundreds of steps is steady.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import threading
@@ -76,8 +78,12 @@ class Turnstile:
 class LockstepClock(LogitsProcessor):
     """At each logits: close the step that just ran, hand the turn on, wait for it, open the next step."""
 
-    def __init__(self, index: int, turnstile: Turnstile, cache: Any, device: torch.device) -> None:
+    def __init__(
+        self, index: int, turnstile: Turnstile, cache: Any, device: torch.device,
+        python_profile: "PythonProfile | None" = None,
+    ) -> None:
         self.index, self.turnstile, self.cache, self.device = index, turnstile, cache, device
+        self.python_profile = python_profile
         self.wall_us: list[float] = []
         self.cpu_us: list[float] = []
         self.compacted: list[bool] = []
@@ -85,8 +91,12 @@ class LockstepClock(LogitsProcessor):
 
     def open(self) -> None:
         self._opened = (time.perf_counter(), time.thread_time(), getattr(self.cache, "num_compactions", 0))
+        if self.python_profile is not None:
+            self.python_profile.open(len(self.wall_us))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.python_profile is not None:
+            self.python_profile.close()
         wall, cpu = time.perf_counter(), time.thread_time()
         assert self._opened is not None
         w0, c0, n0 = self._opened
@@ -101,12 +111,66 @@ class LockstepClock(LogitsProcessor):
         return scores
 
 
+class PythonProfile:
+    """``cProfile`` over decode steps ``first .. first + n`` of one variant, steps only (not the turnstile).
+
+    A ``cProfile.Profile`` traces the thread that enables it, so each variant's profile holds its own steps only.
+    It inflates every Python call alike (a few hundred ns each): the per-function *difference* between variants
+    says where a cache's extra host time goes, not its size.
+    """
+
+    def __init__(self, first: int, n: int) -> None:
+        self.first, self.n = first, n
+        self.profile = cProfile.Profile()
+        self._on = False
+        self.steps = 0
+
+    def open(self, step: int) -> None:  # step: intervals already closed (the prefill is interval 0)
+        if self.first <= step < self.first + self.n:
+            self.profile.enable()
+            self._on = True
+
+    def close(self) -> None:
+        if self._on:
+            self.profile.disable()
+            self._on = False
+            self.steps += 1
+
+    def per_step(self) -> dict[str, dict[str, float]]:
+        """Per profiled step, for every function: calls, own µs (tottime) and µs with callees (cumtime)."""
+        stats = pstats.Stats(self.profile).stats  # type: ignore[attr-defined]
+        out = {}
+        for (path, line, name), (_, calls, tottime, cumtime, _) in stats.items():
+            short = path if path.startswith("{") or path == "~" else f"{'/'.join(Path(path).parts[-2:])}:{line}"
+            out[f"{short}({name})"] = dict(calls=calls / max(1, self.steps), own_us=1e6 * tottime / max(1, self.steps),
+                                           cum_us=1e6 * cumtime / max(1, self.steps))
+        return out
+
+
+def python_table(profiles: dict[str, dict[str, dict[str, float]]], top: int = 40) -> str:
+    """Per step, the functions whose own time differs most from the first variant's (cProfile)."""
+    names = list(profiles)
+    base = profiles[names[0]]
+    keys = set().union(*profiles.values())
+    own = lambda p, k: p.get(k, {}).get("own_us", 0.0)
+    spread = lambda k: max(abs(own(p, k) - own(base, k)) for p in profiles.values())
+    lines = ["| per step: calls × / own µs | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines.append("| all functions, own µs | " + " | ".join(
+        f"{sum(f['own_us'] for f in p.values()):.0f}" for p in profiles.values()) + " |")
+    for k in sorted(keys, key=spread, reverse=True)[:top]:
+        cells = [f"{p.get(k, {}).get('calls', 0):.1f} × / {own(p, k):.1f}" for p in profiles.values()]
+        lines.append(f"| `{k}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def lockstep_generate(
-    models_: list[torch.nn.Module], caches: list[Any], prompt: torch.Tensor, steps: int, kwarg: str
+    models_: list[torch.nn.Module], caches: list[Any], prompt: torch.Tensor, steps: int, kwarg: str,
+    python_profiles: list[PythonProfile] | None = None,
 ) -> list[LockstepClock]:
     """One greedy ``generate()`` of ``steps + 1`` tokens per (model, cache), in lockstep threads."""
     turnstile = Turnstile(len(caches))
-    clocks = [LockstepClock(i, turnstile, cache, prompt.device) for i, cache in enumerate(caches)]
+    clocks = [LockstepClock(i, turnstile, cache, prompt.device, None if python_profiles is None else python_profiles[i])
+              for i, cache in enumerate(caches)]
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
@@ -273,10 +337,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "already runs one step at a time, so one core costs nothing")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N plain decode steps of each variant (torch.profiler), at the first context")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also profile the Python functions of N decode steps of each variant (cProfile), in one "
+                        "more lockstep generate() at each context")
     args = p.parse_args(argv)
     if args.dry_run:
         args.device, args.shape, args.contexts, args.budget, args.compress_every = "cpu", "tiny-deep", [96], 32, 8
-        args.steps, args.rounds, args.profile = 20, 1, min(args.profile, 4)
+        args.steps, args.rounds, args.profile, args.cprofile = 20, 1, min(args.profile, 4), min(args.cprofile, 4)
     if args.pin_core is not None:  # before CUDA starts its threads: they inherit the affinity
         core = max(os.sched_getaffinity(0)) if args.pin_core < 0 else args.pin_core
         os.sched_setaffinity(0, {core})
@@ -315,6 +382,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       f"{row['mean_all_us']:8.0f}  step ratio {row.get('step_ratio', 1):.3f}  ratio {row.get('p50_ratio', 1):.3f} / "
                       f"{row.get('mean_all_ratio', 1):.3f}", flush=True)
             result["rows"] += rows
+            result.setdefault("steps_us", {})[f"{context}/{r}"] = {
+                v: dict(wall=[round(w, 1) for w in c.wall_us[1:]], compacted=c.compacted[1:])
+                for v, c in zip(args.variants, clocks)}
+        if args.cprofile:
+            # Steps after the first compaction cycle: every view a cache reuses exists, as in a long generation.
+            first = min(args.steps - args.cprofile, args.compress_every + 8)
+            pys = [PythonProfile(first, args.cprofile) for _ in args.variants]
+            caches = [VARIANTS[v](m, args) for v, m in zip(args.variants, copies)]
+            lockstep_generate(copies, caches, prompt, first + args.cprofile + 1, kwarg, pys)
+            del caches
+            result.setdefault("python_profiles", {})[str(context)] = {v: p.per_step() for v, p in zip(args.variants, pys)}
         if args.profile and context == args.contexts[0]:
             first = 8  # plain steps: the prefill compacted, the next compaction is compress_every steps away
             profiles = {v: op_profile(m, VARIANTS[v](m, args), prompt, kwarg, first, args.profile)
@@ -327,6 +405,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "op_table" in result:
         text += f"\n## Per-step ATen ops at {args.contexts[0]} (torch.profiler, {args.profile} plain steps)\n\n"
         text += result["op_table"]
+    for context, profiles in result.get("python_profiles", {}).items():
+        text += (f"\n## Python functions per decode step at {context} (cProfile, {args.cprofile} steps from step "
+                 f"{min(args.steps - args.cprofile, args.compress_every + 8)}; cProfile inflates each call)\n\n")
+        text += python_table(profiles)
     write_results(out, "lockstep_decode", result, text)
     return result
 

@@ -141,6 +141,7 @@ class QueryCapture:
         self._plan_failed = False
         self._learning: list[tuple[torch.Tensor, int, int, bool]] | None = None
         self._recording: Recording | None = None
+        self._bypassed = False  # the frames are out of the attention forwards (recorded decoding steps)
 
     @property
     def attached(self) -> bool:
@@ -160,7 +161,7 @@ class QueryCapture:
 
     def detach(self) -> None:
         """Unwrap the attention modules and give the rotary function back (idempotent)."""
-        self.begin_forward(False)
+        self.begin_forward(False)  # the frames back in place, then out
         self._plan, self._plan_failed, self._step = None, False, None
         for frame in reversed(self._frames):
             frame.unwrap()
@@ -179,31 +180,56 @@ class QueryCapture:
     def begin_forward(self, record: bool) -> None:
         """A forward of the capture's model starts; ``record``: it is an eager single-token forward whose queries
         the capture delivers (a non-static cache's decoding step). Ends any recording left by a forward that raised."""
+        self._end_recording()
+        if record and self._key is not None and not self._plan_failed and self._frames:
+            state = rotary._LOCAL.state
+            if self._plan is None:  # this forward takes the frame path and learns the plan
+                self._learning = []
+                limit = 4 * len(self._frames) + 16
+            else:
+                limit = len(self._plan)
+            self._recording = state.recording = Recording(self._key, limit)
+        # A recorded forward needs no frame: the attention modules skip their wrappers until a forward that does.
+        self._bypass_frames(self._recording is not None and self._learning is None)
+
+    def _end_recording(self) -> None:
         state = rotary._LOCAL.state
         if self._recording is not None and state.recording is self._recording:
             state.recording = None
         self._recording = self._learning = None
-        if not record or self._key is None or self._plan_failed or not self._frames:
+
+    def _bypass_frames(self, on: bool) -> None:
+        """Take the frames out of the attention modules' forwards (``on``) or put them back; kept across forwards,
+        so a run of decoding steps switches once. Each wrapper costs a call with the forward's arguments repacked
+        per layer and step, a visible share of a host-bound decoding step."""
+        if on == self._bypassed:
             return
-        if self._plan is None:  # this forward takes the frame path and learns the plan
-            self._learning = []
-            limit = 4 * len(self._frames) + 16
-        else:
-            limit = len(self._plan)
-        self._recording = state.recording = Recording(self._key, limit)
+        self._bypassed = on
+        for frame in self._frames:
+            frame.bypass(on)
 
     def finish_forward(self) -> None:
         """The forward finished without raising: a learning forward fixes the plan, a recorded one delivers."""
         recording, learning = self._recording, self._learning
-        self.begin_forward(False)
+        self._end_recording()
         if recording is None:
             return
         if learning is not None:
             self._plan = self._plan_from(recording.tensors, learning)
             self._plan_failed = self._plan is None
             self._step = self._step_from(self._plan)
-        elif recording.tensors:  # none: the forward ran compiled, and the frames delivered inside it
+        elif recording.tensors:
             self._deliver(recording.tensors)
+        else:  # the forward ran compiled: its rotary calls were traced, past the recording and the bypassed frames
+            self._plan, self._plan_failed = None, True
+            self._bypass_frames(False)
+            warnings.warn(
+                "hf_ropekv: a decoding step of this model ran compiled with a growing RopeKVCache; its queries are "
+                "left out of the online statistics, and later steps take the slower, checked path. A compiled "
+                "decode wants RopeKVCache(model, budget=..., static=True).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _plan_from(self, calls: list[Any], learning: list[tuple[torch.Tensor, int, int, bool]]) -> tuple | None:
         """For every rotary call of the learning forward: ``(layer, heads dim, widen)`` of the query it gave the
@@ -263,6 +289,7 @@ class _Frame:
         self.full_attention = capture.geometry.layer_types[layer_idx] == FULL
         self.head_dim = capture.geometry.head_dim
         self.key = function.key  # where the pass-through looks for the frames of this rotary function
+        self.bypassed = False  # taken out of attention.forward for recorded decoding steps (QueryCapture.begin_forward)
 
     # ---------------------------------------------------------------- the attention module's forward, wrapped
     def wrap(self) -> None:
@@ -273,6 +300,17 @@ class _Frame:
         self.had_instance_forward = "forward" in attention.__dict__
         self.inner = attention.forward
         attention.forward = self.forward
+
+    def bypass(self, on: bool) -> None:
+        """``on``: take this frame out of ``attention.forward`` while it is the outermost wrapper (under another one
+        it stays, passing recorded calls through); off: wrap again, outermost, over whatever is there now."""
+        if on:
+            if _frame_of(self.attention.__dict__.get("forward")) is self:
+                self.unwrap()
+                self.bypassed = True
+        elif self.bypassed:
+            self.bypassed = False
+            self.wrap()
 
     def unwrap(self) -> None:
         """Give ``attention`` back the forward it had, or, when another wrapper went on top since, take this one out

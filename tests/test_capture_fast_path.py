@@ -9,6 +9,8 @@ tokens, on every family with a different rotary calling convention (paired, one 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from test_model_families import NAMES, family_model
@@ -181,3 +183,55 @@ def test_deferred_queries_are_bounded_in_bytes(monkeypatch) -> None:
         stats.end_forward()
         held.append(len(stats._deferred))
     assert held == [0, 1, 2, 3, 0, 1, 2, 3, 0]  # the first step places the rows; then a fold every 4 steps
+
+
+def _wrapped(model) -> list[bool]:
+    """Per attention module: whether its forward goes through a capture frame now."""
+    capture = SharedHooks.of(model).capture
+    return [isinstance(getattr(a.__dict__.get("forward"), "__self__", None), _Frame) for a in capture.attention_modules]
+
+
+def test_recorded_steps_bypass_the_attention_wrappers_and_multi_token_forwards_get_them_back(monkeypatch) -> None:
+    model = family_model("qwen3")
+    counter = _CountSee(monkeypatch)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    cache = RopeKVCache(model, budget=20, compress_every=8)
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **kw)  # the prompt: the frame path
+        assert _wrapped(model) == [True] * layers and counter.calls == layers
+        model(input_ids=torch.tensor([[5]]), use_cache=True, **kw)  # the first decoding step learns the plan
+        assert _wrapped(model) == [True] * layers and counter.calls == 2 * layers
+        for token in (6, 7, 8):  # recorded steps: no wrapper is called, the queries still arrive
+            model(input_ids=torch.tensor([[token]]), use_cache=True, **kw)
+            assert _wrapped(model) == [False] * layers and counter.calls == 2 * layers
+        model(input_ids=torch.tensor([[9, 10]]), use_cache=True, **kw)  # two tokens: the frames again
+        assert _wrapped(model) == [True] * layers and counter.calls == 3 * layers
+    del cache, kw
+    gc.collect()  # the last cache gone: its hooks and wrappers too
+    assert not any("forward" in layer.self_attn.__dict__ for layer in model.model.layers)
+
+
+def test_a_growing_cache_decoding_compiled_warns_and_takes_the_frame_path() -> None:
+    """A recorded step whose rotary calls never reach the recording (dynamo traced them) is reported, not lost silently."""
+    model = family_model("llama")
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(4))
+    cache = RopeKVCache(model, budget=20, compress_every=8)
+    capture = SharedHooks.of(model).capture
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **kw)
+        model(input_ids=torch.tensor([[5]]), use_cache=True, **kw)  # learns the plan
+        assert capture._plan is not None
+        inner = model.model
+        original = inner.forward
+        inner.forward = torch.compile(original, backend="eager", fullgraph=False)
+        try:
+            torch._dynamo.reset()
+            with pytest.warns(RuntimeWarning, match="hf_ropekv"):
+                model(input_ids=torch.tensor([[6]]), use_cache=True, **kw)
+        finally:
+            inner.forward = original
+            torch._dynamo.reset()
+        assert capture._plan_failed and _wrapped(model) == [True] * model.config.num_hidden_layers
