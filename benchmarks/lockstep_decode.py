@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -75,15 +76,49 @@ class Turnstile:
             self._advance(i)
 
 
+class GcPauses:
+    """Python's garbage-collector pauses, per thread: a full collection (generation 2) of a process that holds
+    models and compiled code can take hundreds of ms, and falls on whichever thread allocated last; it is reported
+    apart, so that it is not read as a cost of the cache that happened to trigger it."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, tuple[float, int]] = {}
+        self.pending_us: dict[int, float] = {}
+        self.full_collections: dict[int, int] = {}
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        me = threading.get_ident()
+        if phase == "start":
+            self._started[me] = (time.perf_counter(), info.get("generation", 0))
+        elif me in self._started:
+            t0, generation = self._started.pop(me)
+            self.pending_us[me] = self.pending_us.get(me, 0.0) + 1e6 * (time.perf_counter() - t0)
+            if generation == 2:
+                self.full_collections[me] = self.full_collections.get(me, 0) + 1
+
+    def take(self) -> float:
+        """µs this thread spent in collections since the last take."""
+        return self.pending_us.pop(threading.get_ident(), 0.0)
+
+
 class LockstepClock(LogitsProcessor):
     """At each logits: close the step that just ran, hand the turn on, wait for it, open the next step."""
 
     def __init__(
         self, index: int, turnstile: Turnstile, cache: Any, device: torch.device,
-        python_profile: "PythonProfile | None" = None,
+        python_profile: "PythonProfile | None" = None, gc_pauses: GcPauses | None = None,
     ) -> None:
         self.index, self.turnstile, self.cache, self.device = index, turnstile, cache, device
         self.python_profile = python_profile
+        self.gc_pauses = gc_pauses
+        self.gc_us: list[float] = []  # per step: time in the garbage collector (within wall_us)
         self.wall_us: list[float] = []
         self.cpu_us: list[float] = []
         self.compacted: list[bool] = []
@@ -101,6 +136,7 @@ class LockstepClock(LogitsProcessor):
         assert self._opened is not None
         w0, c0, n0 = self._opened
         self.wall_us.append(1e6 * (wall - w0))
+        self.gc_us.append(self.gc_pauses.take() if self.gc_pauses is not None else 0.0)
         self.cpu_us.append(1e6 * (cpu - c0))
         self.compacted.append(getattr(self.cache, "num_compactions", 0) != n0)
         if self.device.type == "cuda":
@@ -169,7 +205,10 @@ def lockstep_generate(
 ) -> list[LockstepClock]:
     """One greedy ``generate()`` of ``steps + 1`` tokens per (model, cache), in lockstep threads."""
     turnstile = Turnstile(len(caches))
-    clocks = [LockstepClock(i, turnstile, cache, prompt.device, None if python_profiles is None else python_profiles[i])
+    gc.collect()  # young garbage of earlier runs goes now, not inside a timed step
+    pauses = GcPauses()
+    clocks = [LockstepClock(i, turnstile, cache, prompt.device, None if python_profiles is None else python_profiles[i],
+                            pauses)
               for i, cache in enumerate(caches)]
     errors: list[BaseException] = []
 
@@ -193,10 +232,11 @@ def lockstep_generate(
             turnstile.leave(i)
 
     threads = [threading.Thread(target=run, args=(i,), name=f"variant-{i}") for i in range(len(caches))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with pauses:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if errors:
         raise errors[0]
     return clocks
@@ -205,6 +245,7 @@ def lockstep_generate(
 def summarise(clock: LockstepClock) -> dict[str, Any]:
     """Decode steps only (the first interval is the prefill): plain-step median and p90, all-steps mean."""
     wall, cpu, compacted = clock.wall_us[1:], clock.cpu_us[1:], clock.compacted[1:]
+    gc_us = clock.gc_us[1:]
     plain = [w for w, c in zip(wall, compacted) if not c]
     plain_cpu = [w for w, c in zip(cpu, compacted) if not c]
     comp = [w for w, c in zip(wall, compacted) if c]
@@ -214,6 +255,7 @@ def summarise(clock: LockstepClock) -> dict[str, Any]:
         p50_us=statistics.median(plain), p90_us=q[8], mean_plain_us=statistics.mean(plain),
         mean_all_us=statistics.mean(wall), cpu_p50_us=statistics.median(plain_cpu),
         compaction_step_us=statistics.median(comp) if comp else None, prefill_ms=clock.wall_us[0] / 1e3,
+        gc_ms=sum(gc_us) / 1e3, mean_all_minus_gc_us=statistics.mean(w - g for w, g in zip(wall, gc_us)),
     )
 
 
@@ -302,17 +344,20 @@ def markdown(result: dict[str, Any]) -> str:
                    + ("threads on one core" if s.get("pin_core") is not None else "threads unpinned")), "",
         "Each variant runs its own generate() on its own copy of the model; one step of one variant at a time, "
         "round robin. µs per decode step; step ratio: the median over steps t of the variant's step t over DynamicCache's "
-        "step t (plain steps of both); the other ratios: the variant's figure over DynamicCache's in the same round.", "",
+        "step t (plain steps of both); the other ratios: the variant's figure over DynamicCache's in the same round. "
+        "GC: the garbage collector's pauses within the variant's steps (a full collection falls on whichever thread "
+        "allocated last); the last ratio leaves them out of both means.", "",
         "| context | round | cache | p50 plain | p90 plain | mean plain | mean all steps | CPU p50 | compaction step | "
-        "step ratio | p50 ratio | mean-all ratio |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "GC ms | step ratio | p50 ratio | mean-all ratio | mean-all ratio, GC out |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         comp = "—" if row["compaction_step_us"] is None else f"{row['compaction_step_us']:.0f}"
         lines.append(
             f"| {row['context']} | {row['round']} | {row['cache']} | {row['p50_us']:.0f} | {row['p90_us']:.0f} | "
             f"{row['mean_plain_us']:.0f} | {row['mean_all_us']:.0f} | {row['cpu_p50_us']:.0f} | {comp} | "
-            f"{row.get('step_ratio', 1.0):.3f} | {row.get('p50_ratio', 1.0):.3f} | {row.get('mean_all_ratio', 1.0):.3f} |"
+            f"{row['gc_ms']:.1f} | {row.get('step_ratio', 1.0):.3f} | {row.get('p50_ratio', 1.0):.3f} | "
+            f"{row.get('mean_all_ratio', 1.0):.3f} | {row.get('mean_all_minus_gc_ratio', 1.0):.3f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -378,12 +423,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     row["step_ratio"] = step_ratio(clock, ref_clock)
                     row["p50_ratio"] = row["p50_us"] / ref["p50_us"]
                     row["mean_all_ratio"] = row["mean_all_us"] / ref["mean_all_us"]
+                    row["mean_all_minus_gc_ratio"] = row["mean_all_minus_gc_us"] / ref["mean_all_minus_gc_us"]
                 print(f"[{context} r{r}] {row['cache']:20} p50 {row['p50_us']:8.0f} us  mean-all "
                       f"{row['mean_all_us']:8.0f}  step ratio {row.get('step_ratio', 1):.3f}  ratio {row.get('p50_ratio', 1):.3f} / "
                       f"{row.get('mean_all_ratio', 1):.3f}", flush=True)
             result["rows"] += rows
             result.setdefault("steps_us", {})[f"{context}/{r}"] = {
-                v: dict(wall=[round(w, 1) for w in c.wall_us[1:]], compacted=c.compacted[1:])
+                v: dict(wall=[round(w, 1) for w in c.wall_us[1:]], compacted=c.compacted[1:],
+                        gc=[round(g, 1) for g in c.gc_us[1:]])
                 for v, c in zip(args.variants, clocks)}
         if args.cprofile:
             # Steps after the first compaction cycle: every view a cache reuses exists, as in a long generation.

@@ -69,7 +69,8 @@ class PagedKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``q`` new tokens after the live slots; return views of all live slots (keys, values)."""
         q = key_states.shape[2]
-        end = self.length + q
+        length = self.length
+        end = length + q
         if self.keys is None or end > self.keys.shape[2]:
             self._reserve(key_states, value_states, end)
         views = self._step_views.get(self) if q == 1 else None
@@ -78,10 +79,13 @@ class PagedKV:
             write_keys.copy_(key_states)  # what `self.keys[:, :, length:end] = key_states` does, minus the slicing
             write_values.copy_(value_states)
         else:
-            self.keys[:, :, self.length : end] = key_states
-            self.values[:, :, self.length : end] = value_states
+            self.keys[:, :, length:end] = key_states
+            self.values[:, :, length:end] = value_states
             keys, values = self.keys[:, :, :end], self.values[:, :, :end]
-        self.advance(q, first_position)
+        # advance(q, first_position), inline: this runs for every layer of every decoding step
+        if self._positions_valid == length:
+            self._pending_position = first_position
+        self.length = end
         return keys, values
 
     def advance(self, new: int, first_position: int) -> None:

@@ -150,7 +150,7 @@ def test_host_overhead_dry_run_counts_ops_and_times_both_caches(tmp_path: Path) 
 
 
 def test_lockstep_dry_run_pairs_every_step_of_the_caches(tmp_path: Path) -> None:
-    run_script("lockstep_decode.py", "--out", str(tmp_path), "--pin-core", "-1", "--profile", "2")
+    run_script("lockstep_decode.py", "--out", str(tmp_path), "--pin-core", "-1", "--profile", "2", "--cprofile", "3")
     result = json.loads((tmp_path / "lockstep_decode.json").read_text())
     rows = {row["cache"]: row for row in result["rows"]}
     assert sorted(rows) == ["DynamicCache", "RopeKVCache", "RopeKVCache+recency"]
@@ -161,7 +161,36 @@ def test_lockstep_dry_run_pairs_every_step_of_the_caches(tmp_path: Path) -> None
     assert rows["DynamicCache"]["step_ratio"] == 1.0 and rows["DynamicCache"]["compaction_steps"] == 0
     assert rows["RopeKVCache"]["compaction_steps"] > 0
     assert set(result["profiles"][str(result["settings"]["contexts"][0])]) == set(rows)
-    assert "threads on one core" in (tmp_path / "lockstep_decode.md").read_text()
+    text = (tmp_path / "lockstep_decode.md").read_text()
+    assert "threads on one core" in text and "Python functions per decode step" in text
+    python = result["python_profiles"][str(result["settings"]["contexts"][0])]
+    assert any("storage.py" in name for name in python["RopeKVCache"])  # the cache's own functions were profiled
+    assert not any("storage.py" in name for name in python["DynamicCache"])  # and only in its own thread
+    for row in rows.values():
+        assert row["gc_ms"] >= 0 and row["mean_all_minus_gc_us"] <= row["mean_all_us"]
+    steps_run = result["steps_us"][f"{result['settings']['contexts'][0]}/0"]
+    assert all(len(v["wall"]) == steps and len(v["gc"]) == steps for v in steps_run.values())
+
+
+def test_gc_pauses_are_counted_in_the_thread_that_collects() -> None:
+    import gc
+    import threading
+
+    sys.path.insert(0, str(BENCH))
+    from lockstep_decode import GcPauses
+
+    seen: dict[str, float] = {}
+    with GcPauses() as pauses:
+        def other() -> None:
+            gc.collect()
+            seen["other"] = pauses.take()
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        seen["main"] = pauses.take()
+    assert seen["other"] > 0 and seen["main"] == 0.0
+    assert list(pauses.full_collections.values()) == [1]
 
 
 def test_turnstile_runs_one_thread_at_a_time_round_robin() -> None:
