@@ -16,8 +16,9 @@
 #   stage h (~7 min): the eager default against DynamicCache at batch 1, 4K and 32K, HO_REPEATS (default 6)
 #                     alternated rounds with paired ratios (ho/host_overhead.{md,json}).
 #
-#   stage l (~4 min): the eager default against DynamicCache at batch 1, 4K and 32K, in lockstep (lockstep_decode.py:
-#                     one model per cache, one step at a time, every thread on one core), 3 rounds of 256 steps
+#   stage l (~6 min): the CUDA tests of the static cache (gpu_tests.txt), then the eager default against DynamicCache
+#                     at batch 1, 4K and 32K, in lockstep (lockstep_decode.py: one model per cache, one step at a
+#                     time, every thread on one core), 4 rounds of 256 steps and a cProfile of 64 steps per cache
 #                     (ls/lockstep_decode.{md,json}); the steadiest reading of the eager target.
 #
 #   OUT=... bash benchmarks/issue12_pending.sh COMMIT a|b|c|h|l|w  # from the repository root, on the GPU machine
@@ -53,9 +54,12 @@ elif [ "$STAGE" = w ]; then
         --repeats 1 --out "$OUT/b16" --commit "$COMMIT" --max-minutes 5 2>&1 | quiet > "$OUT/log.txt"
     tail -25 "$OUT/b16/compiled_decode.md" 2>/dev/null || tail -30 "$OUT/log.txt"
 elif [ "$STAGE" = l ]; then
+    timeout 150 python -m pytest -q -p no:cacheprovider -p no:logging -rA -m gpu tests/test_static_cache.py \
+        > "$OUT/gpu_tests.txt" 2>&1
+    tail -3 "$OUT/gpu_tests.txt"
     cd benchmarks
-    timeout 300 python lockstep_decode.py --device cuda --shape qwen3-8b --contexts 4096 32768 --steps 256 \
-        --rounds 3 --pin-core -1 --variants DynamicCache RopeKVCache --out "$OUT/ls" --commit "$COMMIT" 2>&1 \
+    timeout 420 python lockstep_decode.py --device cuda --shape qwen3-8b --contexts 4096 32768 --steps 256 \
+        --rounds 4 --cprofile 64 --pin-core -1 --variants DynamicCache RopeKVCache --out "$OUT/ls" --commit "$COMMIT" 2>&1 \
         | quiet > "$OUT/log.txt"
     cat "$OUT/ls/lockstep_decode.md" 2>/dev/null || tail -30 "$OUT/log.txt"
 elif [ "$STAGE" = h ]; then
