@@ -33,6 +33,9 @@ from .capture import QueryCapture
 from .model_info import ModelGeometry
 
 
+#: ``ModelAttachment._start_forward``: the forward keeps the attention mask it was given.
+UNCHANGED = object()
+
 class AttachedCache(Protocol):
     """What the hooks need from the cache that installed them (``RopeKVCache``; no import of it here)."""
 
@@ -110,7 +113,7 @@ class ModelAttachment:
             self._prepared = None  # prepared with generate's inputs; the model already has the mask it needs
             return None
         replaced = self._start_forward(cache, input_ids, embeds, kwargs.get("attention_mask"))
-        if replaced is not None:
+        if replaced is not UNCHANGED:
             return args, {**kwargs, "attention_mask": replaced}
         return None
 
@@ -131,7 +134,7 @@ class ModelAttachment:
         new_ids = None if embeds is not None else input_ids[:, -new:]
         new_embeds = None if embeds is None else embeds[:, -new:]
         replaced = self._start_forward(cache, new_ids, new_embeds, kwargs.get("attention_mask"))
-        if replaced is not None:
+        if replaced is not UNCHANGED:
             kwargs = {**kwargs, "attention_mask": replaced}
         model_inputs = _with_canonical_strides(prepare(input_ids, *args, **kwargs))
         source = model_inputs.get("input_ids")
@@ -140,8 +143,9 @@ class ModelAttachment:
 
     def _start_forward(
         self, cache: AttachedCache, input_ids: torch.Tensor | None, embeds: torch.Tensor | None, mask: Any
-    ) -> torch.Tensor | None:
-        """A forward of this cache starts: check it, log its tokens, tell the cache; returns the mask to use."""
+    ) -> Any:
+        """A forward of this cache starts: check it, log its tokens, tell the cache; returns the mask to use (a
+        tensor, or None: no mask), or ``UNCHANGED``: the forward keeps the one it was given."""
         new = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         seen = cache.get_seq_length()
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
@@ -163,7 +167,7 @@ class ModelAttachment:
         if self._hooks.capture is not None:  # a decoding step of a growing cache takes the capture's fast path
             self._hooks.capture.begin_forward(new == 1 and self._collect_queries and not self.static)
         replaced = cache._forward_starts(mask, new, source.shape[0], source.device)
-        return None if replaced is mask else replaced
+        return UNCHANGED if replaced is mask else replaced
 
     # Called only while this attachment's cache runs the forward (SharedHooks.active), also inside compiled
     # forwards: so they reach the query consumers directly, without dereferencing the cache.

@@ -413,7 +413,8 @@ class RopeKVCache(Cache):
     def _forward_starts(
         self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device
     ) -> torch.Tensor | None:
-        """Called by the model attachment before a forward with this cache: returns the mask to use, or None."""
+        """Called by the model attachment before a forward with this cache: returns the mask the forward is to use
+        (None: none), or ``attention_mask`` itself."""
         if attention_mask is None or self._appends_real_token(attention_mask.shape[-1], new, batch):
             new_token_mask = None  # a decoding step's token is real (see _appends_real_token)
         else:
@@ -435,15 +436,22 @@ class RopeKVCache(Cache):
         """What the model attachment hands each forward's pre-RoPE queries to (see ``AttachedCache``)."""
         return [consumer for consumer in (self._online, self._queries) if consumer is not None]
 
-    def _attention_mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor:
-        """The 2-D mask this forward must use: generate's own, with each row's holes hidden once rows differ.
+    def _attention_mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor | None:
+        """The 2-D mask this forward must use: generate's own, with each row's holes hidden once rows differ; or
+        None, for a decoding step where no row has a padded or evicted slot to hide.
 
         The full-attention layers read the mask's last ``slots + new`` columns (the geometry
         ``get_mask_sizes`` reports). Until the first compaction every row's holes are its left padding, which
         the mask already hides; after it, the rows' holes come from the plan.
         """
+        decoding = self._appends_real_token(attention_mask.shape[-1], new, attention_mask.shape[0])
         self._observe_padding(attention_mask, new)
         plan = self._plan_for(new)
+        if decoding and not any(self._pads_host) and not any(plan.holes_after):
+            # Every column would read one: the model needs no mask (generate itself drops an all-ones mask on newer
+            # transformers). With one, transformers 5.17 gathers the kept slots' columns (three kernels) and
+            # synchronises on their all() every decoding step, as DynamicCache's steps do not need to gather.
+            return None
         if self._holes is None and not plan.compacts:
             return attention_mask
         # Left padding hides the first max(0, pad - (seen - slots)) columns of the region: when that is each row's
