@@ -36,6 +36,7 @@ from .model_info import ModelGeometry
 #: ``ModelAttachment._start_forward``: the forward keeps the attention mask it was given.
 UNCHANGED = object()
 
+
 class AttachedCache(Protocol):
     """What the hooks need from the cache that installed them (``RopeKVCache``; no import of it here)."""
 

@@ -449,8 +449,8 @@ class RopeKVCache(Cache):
         plan = self._plan_for(new)
         if decoding and not any(self._pads_host) and not any(plan.holes_after):
             # Every column would read one: the model needs no mask (generate itself drops an all-ones mask on newer
-            # transformers). With one, transformers 5.17 gathers the kept slots' columns (three kernels) and
-            # synchronises on their all() every decoding step, as DynamicCache's steps do not need to gather.
+            # transformers). Given one, transformers 5.17 gathers the kept slots' columns of it every decoding step
+            # (three kernels that DynamicCache's steps do not run) and synchronises on their all().
             return None
         if self._holes is None and not plan.compacts:
             return attention_mask

@@ -136,7 +136,9 @@ def test_host_overhead_dry_run_counts_ops_and_times_both_caches(tmp_path: Path) 
         assert row["steps_counted"] > 0 and row["host_us_per_step"] > 0 and row["cpu_us_per_step"] > 0
         assert row["nonzero_per_step"] == 0 and row["host_tensors_per_step"] == 0
     dynamic, rope = rows["DynamicCache"], rows["RopeKVCache"]
-    assert rope["syncs_per_step"] == dynamic["syncs_per_step"]  # the cache adds no host synchronisation
+    # The cache adds no host synchronisation (on transformers 5.17 it has one fewer: a decoding step with nothing to
+    # hide hands the model no mask, whose all() transformers would check).
+    assert rope["syncs_per_step"] <= dynamic["syncs_per_step"]
     # Steady state: a handful of ops per step plus one per layer (the captured query's view), not ~8.5 per layer.
     assert rope["ops_per_step"] - dynamic["ops_per_step"] <= result["shape"]["layers"] + 16
     assert rope["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]
