@@ -84,7 +84,7 @@ class GcPauses:
     def __init__(self) -> None:
         self._started: dict[int, tuple[float, int]] = {}
         self.pending_us: dict[int, float] = {}
-        self.full_collections: dict[int, int] = {}
+        self.pending_full: dict[int, int] = {}  # full collections (generation 2) among them
 
     def __enter__(self) -> "GcPauses":
         gc.callbacks.append(self._on_gc)
@@ -101,11 +101,12 @@ class GcPauses:
             t0, generation = self._started.pop(me)
             self.pending_us[me] = self.pending_us.get(me, 0.0) + 1e6 * (time.perf_counter() - t0)
             if generation == 2:
-                self.full_collections[me] = self.full_collections.get(me, 0) + 1
+                self.pending_full[me] = self.pending_full.get(me, 0) + 1
 
-    def take(self) -> float:
-        """µs this thread spent in collections since the last take."""
-        return self.pending_us.pop(threading.get_ident(), 0.0)
+    def take(self) -> tuple[float, int]:
+        """µs this thread spent in collections since the last take, and how many of them were full ones."""
+        me = threading.get_ident()
+        return self.pending_us.pop(me, 0.0), self.pending_full.pop(me, 0)
 
 
 class LockstepClock(LogitsProcessor):
@@ -119,6 +120,7 @@ class LockstepClock(LogitsProcessor):
         self.python_profile = python_profile
         self.gc_pauses = gc_pauses
         self.gc_us: list[float] = []  # per step: time in the garbage collector (within wall_us)
+        self.gc_full: list[int] = []  # per step: full collections among them
         self.wall_us: list[float] = []
         self.cpu_us: list[float] = []
         self.compacted: list[bool] = []
@@ -136,7 +138,9 @@ class LockstepClock(LogitsProcessor):
         assert self._opened is not None
         w0, c0, n0 = self._opened
         self.wall_us.append(1e6 * (wall - w0))
-        self.gc_us.append(self.gc_pauses.take() if self.gc_pauses is not None else 0.0)
+        pause_us, full = self.gc_pauses.take() if self.gc_pauses is not None else (0.0, 0)
+        self.gc_us.append(pause_us)
+        self.gc_full.append(full)
         self.cpu_us.append(1e6 * (cpu - c0))
         self.compacted.append(getattr(self.cache, "num_compactions", 0) != n0)
         if self.device.type == "cuda":
@@ -255,7 +259,7 @@ def summarise(clock: LockstepClock) -> dict[str, Any]:
         p50_us=statistics.median(plain), p90_us=q[8], mean_plain_us=statistics.mean(plain),
         mean_all_us=statistics.mean(wall), cpu_p50_us=statistics.median(plain_cpu),
         compaction_step_us=statistics.median(comp) if comp else None, prefill_ms=clock.wall_us[0] / 1e3,
-        gc_ms=sum(gc_us) / 1e3, mean_all_minus_gc_us=statistics.mean(w - g for w, g in zip(wall, gc_us)),
+        gc_ms=sum(gc_us) / 1e3, gc_full_collections=sum(clock.gc_full[1:]), mean_all_minus_gc_us=statistics.mean(w - g for w, g in zip(wall, gc_us)),
     )
 
 
@@ -406,6 +410,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     result: dict[str, Any] = dict(meta=meta, settings=vars(args), shape=models.shape_summary(config),
                                   dtype=str(dtype), rows=[])
+    if args.cprofile:  # steps after the first compaction cycle: every view a cache reuses exists, as in a long run
+        result["cprofile_first_step"] = min(args.steps - args.cprofile, args.compress_every + 8)
     for context in args.contexts:
         prompt = torch.randint(3, config.vocab_size, (args.batch, context), device=device, generator=gen)
         # Untimed first: Triton's kernels compile, the allocator grows, every variant meets its shapes once.
@@ -433,8 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         gc=[round(g, 1) for g in c.gc_us[1:]])
                 for v, c in zip(args.variants, clocks)}
         if args.cprofile:
-            # Steps after the first compaction cycle: every view a cache reuses exists, as in a long generation.
-            first = min(args.steps - args.cprofile, args.compress_every + 8)
+            first = result["cprofile_first_step"]
             pys = [PythonProfile(first, args.cprofile) for _ in args.variants]
             caches = [VARIANTS[v](m, args) for v, m in zip(args.variants, copies)]
             lockstep_generate(copies, caches, prompt, first + args.cprofile + 1, kwarg, pys)
@@ -454,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text += result["op_table"]
     for context, profiles in result.get("python_profiles", {}).items():
         text += (f"\n## Python functions per decode step at {context} (cProfile, {args.cprofile} steps from step "
-                 f"{min(args.steps - args.cprofile, args.compress_every + 8)}; cProfile inflates each call)\n\n")
+                 f"{result['cprofile_first_step']}; cProfile inflates each call)\n\n")
         text += python_table(profiles)
     write_results(out, "lockstep_decode", result, text)
     return result

@@ -377,21 +377,23 @@ class RopeKVCache(Cache):
             self._online.select_batch(index)
 
     # ------------------------------------------------------------------ called by the model attachment
-    def _observe_padding(self, attention_mask: torch.Tensor, new: int) -> None:
-        """Record left padding from generate's 2-D attention mask (covers tokens seen + new).
+    def _observe_padding(self, attention_mask: torch.Tensor, new: int) -> bool:
+        """Record left padding from generate's 2-D attention mask (covers tokens seen + new); returns whether this
+        forward is a decoding step appending a real token (``_appends_real_token``), whose padding is the known one.
 
         The padding is counted again (and its host copy, one synchronisation, refreshed) only when new tokens may
         be padding: in multi-token forwards (a prompt or its chunks). Decoding steps append real tokens, so the
-        padding stays as it was (see ``_appends_real_token``).
+        padding stays as it was.
         """
         self._check_batch(attention_mask.shape[0])
         if self._appends_real_token(attention_mask.shape[-1], new, attention_mask.shape[0]):
             self._pads_total = attention_mask.shape[-1]
-            return
+            return True
         self._pads = (attention_mask == 0).sum(-1)
         self._pads_total = attention_mask.shape[-1]
         if self._pads_host is None or new > 1 or len(self._pads_host) != attention_mask.shape[0]:
             self._pads_host = tuple(self._pads.tolist())
+        return False
 
     def _appends_real_token(self, total: int, new: int, batch: int) -> bool:
         """Whether this forward is a decoding step right after a forward whose padding the cache recorded.
@@ -444,8 +446,7 @@ class RopeKVCache(Cache):
         ``get_mask_sizes`` reports). Until the first compaction every row's holes are its left padding, which
         the mask already hides; after it, the rows' holes come from the plan.
         """
-        decoding = self._appends_real_token(attention_mask.shape[-1], new, attention_mask.shape[0])
-        self._observe_padding(attention_mask, new)
+        decoding = self._observe_padding(attention_mask, new)
         plan = self._plan_for(new)
         if decoding and not any(self._pads_host) and not any(plan.holes_after):
             # Every column would read one: the model needs no mask (generate itself drops an all-ones mask on newer

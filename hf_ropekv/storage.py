@@ -82,10 +82,7 @@ class PagedKV:
             self.keys[:, :, length:end] = key_states
             self.values[:, :, length:end] = value_states
             keys, values = self.keys[:, :, :end], self.values[:, :, :end]
-        # advance(q, first_position), inline: this runs for every layer of every decoding step
-        if self._positions_valid == length:
-            self._pending_position = first_position
-        self.length = end
+        self.advance(q, first_position)
         return keys, values
 
     def advance(self, new: int, first_position: int) -> None:
