@@ -43,7 +43,7 @@ def _import_library():
     try:
         from hf_ropekv.kernels import compact as kc
         from hf_ropekv.kernels import score as ks
-        from hf_ropekv.scoring import query_weights
+        from hf_ropekv.scorers.rope_scoring import query_weights
     except ImportError:
         # Source checkout without `pip install -e .`: map kernels/ to hf_ropekv.kernels
         # by hand, without running the package __init__ (it needs the whole library).
@@ -60,7 +60,7 @@ def _import_library():
         spec.loader.exec_module(kernels)
         from hf_ropekv.kernels import compact as kc
         from hf_ropekv.kernels import score as ks
-        from hf_ropekv.scoring import query_weights
+        from hf_ropekv.scorers.rope_scoring import query_weights
     return ks, kc, query_weights
 
 

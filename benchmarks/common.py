@@ -46,7 +46,7 @@ def import_hf_ropekv():
     try:
         import hf_ropekv  # noqa: F401
         import hf_ropekv.kernels.compact  # noqa: F401
-        import hf_ropekv.cache  # noqa: F401
+        import hf_ropekv.cache.cache  # noqa: F401
 
         return sys.modules["hf_ropekv"]
     except ImportError:

@@ -127,7 +127,7 @@ def _ropekv(static: bool) -> Callable[[Bench, int], Any]:
 
 def _stock_sdpa(make: Callable[[Bench, int], Any]) -> Callable[[Bench, int], Any]:
     """``make``, run with transformers' own sdpa: a static RopeKVCache switches the model to its grouped-query
-    sdpa (``hf_ropekv.attention``), which the other variants must not get."""
+    sdpa (``hf_ropekv.model.attention``), which the other variants must not get."""
 
     def make_with_stock_sdpa(bench: Bench, prompt_len: int) -> Any:
         if bench.model.config._attn_implementation == getattr(getattr(hf_ropekv, "attention", None), "GROUPED_SDPA", None):

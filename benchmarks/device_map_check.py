@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config
 
     from hf_ropekv import RopeKVCache
-    from hf_ropekv.enable import disable, enable
+    from hf_ropekv.hooks.enable import disable, enable
 
     if args.dry_run:
         devices = [torch.device("cpu"), torch.device("cpu")]

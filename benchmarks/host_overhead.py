@@ -343,9 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timer = None
     if device.type == "cuda":  # the first compaction of the process against the later ones
         timer = CallTimer()
-        timer.wrap(hf_ropekv.cache.RopeKVCache, "_select")
-        timer.wrap(hf_ropekv.storage, "compact_arenas")
-        hf_ropekv.cache.compact_arenas = hf_ropekv.storage.compact_arenas  # global selection calls it from there
+        timer.wrap(hf_ropekv.cache.cache.RopeKVCache, "_select")
+        timer.wrap(hf_ropekv.storage.paged, "compact_arenas")
+        hf_ropekv.cache.cache.compact_arenas = hf_ropekv.storage.paged.compact_arenas  # global selection calls it from there
     triton_cache = triton_cache_state()
 
     config = models.make_config(args.shape)

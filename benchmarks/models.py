@@ -225,8 +225,8 @@ def random_frequency_stats(model: nn.Module, seed: int = 0):
     ``E|q_f| >= |E q_f|`` holds, as for real statistics.
     """
     from hf_ropekv import FrequencyStats
-    from hf_ropekv import stats as stats_module
-    from hf_ropekv.model_info import describe
+    from hf_ropekv.statistics import frequency_stats as stats_module
+    from hf_ropekv.model.geometry import describe
 
     geometry = describe(model)
     gen = torch.Generator().manual_seed(seed)

@@ -12,7 +12,7 @@ For each point (batch x prompt tokens) and attention implementation (``--attenti
    holds a compaction step: GPU kernel time per step, the top kernels and host operators (``tables_b*.txt``).
 
 The implementations: ``grouped`` is the library's default for a static cache on an sdpa grouped-query model
-(``hf_ropekv.attention.grouped_sdpa``: no copy of the key/value heads under the mask); ``sdpa`` puts the model's
+(``hf_ropekv.model.attention.grouped_sdpa``: no copy of the key/value heads under the mask); ``sdpa`` puts the model's
 implementation back to transformers' sdpa after the cache switched it (``repeat_kv`` copies under a mask).
 
     python benchmarks/profile_static.py --out OUT --commit SHA                      # qwen3-8b bf16 on CUDA
@@ -47,7 +47,7 @@ from compiled_decode import cudagraph_recordings
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
-from hf_ropekv.attention import GROUPED_SDPA  # noqa: E402
+from hf_ropekv.model.attention import GROUPED_SDPA  # noqa: E402
 
 
 class Instrumented:

@@ -26,7 +26,7 @@ compared with the same stream through the full cache:
 
 Why chunked teacher forcing reproduces token-by-token decoding exactly
 ----------------------------------------------------------------------
-Decoding one token at a time, the cache compacts on a clock (``hf_ropekv.schedule``): before the decoding
+Decoding one token at a time, the cache compacts on a clock (``hf_ropekv.eviction.schedule``): before the decoding
 steps whose count of earlier steps is a multiple of ``C`` (compress_every), it brings a row holding more
 than ``B`` (budget) tokens back to ``B``. Starting from an empty cache with ``protect_prompt=False`` that
 happens before the token indices ``kC`` with ``kC > B``. Feeding a *segment* of ``q <= C`` tokens, the
@@ -116,7 +116,7 @@ MODELS = ("smollm2", "qwen25-coder")
 
 def compaction_points(length: int, budget: int | None, compress_every: int) -> list[int]:
     """Token indices before which token-by-token decoding compacts (empty cache, nothing pinned): the
-    multiples of ``compress_every`` past the budget (``hf_ropekv.schedule``'s decoding clock)."""
+    multiples of ``compress_every`` past the budget (``hf_ropekv.eviction.schedule``'s decoding clock)."""
     if budget is None:
         return []
     first = (budget // compress_every + 1) * compress_every
@@ -197,8 +197,8 @@ class FutureAttentionOracle:
 
 def future_queries(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     """Post-RoPE, scaled queries ``[H_q, T, D]`` per layer of one full forward over ``ids`` ``[1, T]``."""
-    from hf_ropekv.capture import QueryCapture
-    from hf_ropekv.model_info import describe
+    from hf_ropekv.model.capture import QueryCapture
+    from hf_ropekv.model.geometry import describe
 
     geometry = describe(model)
     captured: dict[int, torch.Tensor] = {}
@@ -382,8 +382,8 @@ def evaluate_sample(
     capture = None
     collecting = {"on": False}
     if need_sums:
-        from hf_ropekv.capture import QueryCapture
-        from hf_ropekv.online import OnlineStatistics
+        from hf_ropekv.model.capture import QueryCapture
+        from hf_ropekv.statistics.online import OnlineStatistics
 
         online_sums = OnlineStatistics(full.geometry)
 
@@ -470,7 +470,7 @@ def load_or_calibrate(
     model: nn.Module, tokenizer: Any, model_name: str, source: str, tokens: int, stats_dir: Path, log: Callable
 ) -> tuple[FrequencyStats, Path, float]:
     """Statistics of ``model`` on calibration ``source`` (see ``quality_tasks.CALIBRATION_SOURCES``), cached."""
-    from hf_ropekv.calibrate import calibrate
+    from hf_ropekv.statistics.calibration import calibrate
 
     path = stats_dir / f"{model_name}_{source}_{tokens}.safetensors"
     if path.is_file():

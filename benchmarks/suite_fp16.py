@@ -27,7 +27,7 @@ def part_e(s: Settings, device: torch.device, log: Progress, mem: Memory, out: d
         if device.type == "cuda":
             from hf_ropekv.kernels import compact as kc
             from hf_ropekv.kernels import score as ks
-            from hf_ropekv.scoring import query_weights
+            from hf_ropekv.scorers.rope_scoring import query_weights
 
             stats = models.random_frequency_stats(model)
             q_mean, q_abs = stats.for_layer(0)

@@ -323,7 +323,7 @@ def instrument_compaction(cache, timer: StepTimer):
 
     available = hasattr(cache, "_select") and hasattr(cache, "_full_layers")
     if available:
-        import hf_ropekv.cache as cache_module
+        import hf_ropekv.cache.cache as cache_module
 
         wrap(cache, "_select", "select_ms")
         # Every compaction (global: all layers in one call; per layer: one call each) goes through cache.py's

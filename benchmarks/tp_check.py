@@ -61,7 +61,7 @@ def main() -> int:
 
     from hf_ropekv import RopeKVCache
     from hf_ropekv._compat import cache_kwarg
-    from hf_ropekv.calibrate import calibrate
+    from hf_ropekv.statistics.calibration import calibrate
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.device == "cuda":

@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=None, help="tokens kept per row/layer/KV head (default: per model)")
     p.add_argument("--compress-every", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None, help="slots per cache page (default: 16 for tiny, else 64)")
-    p.add_argument("--stats", default=None, help="statistics file from python -m hf_ropekv.calibrate")
+    p.add_argument("--stats", default=None, help="statistics file from python -m hf_ropekv calibrate")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=3)
     p.add_argument("--num-examples", type=int, default=6)

@@ -5,9 +5,9 @@
     out = model.generate(**inputs, cache=cache, max_new_tokens=4096)  # transformers 5.17-5.23: past_key_values=cache
 """
 
-from .cache import RopeKVCache
-from .calibrate import calibrate
-from .enable import disable, enable, enabled, is_enabled, last_cache, last_summary
+from .cache.cache import RopeKVCache
+from .statistics.calibration import calibrate
+from .hooks.enable import disable, enable, enabled, is_enabled, last_cache, last_summary
 from .scorers import (
     FrequencyScorer,
     H2OScorer,
@@ -19,10 +19,10 @@ from .scorers import (
     Scorer,
     SnapKVScorer,
 )
-from .scoring import score_keys
-from .static_buffers import release_static_buffers
-from .stats import FrequencyStats
-from .summary import CacheSummary
+from .scorers.rope_scoring import score_keys
+from .storage.buffers import release_static_buffers
+from .statistics.frequency_stats import FrequencyStats
+from .cache.summary import CacheSummary
 
 __version__ = "0.1.0"
 

@@ -7,10 +7,10 @@ Both functions compute, for every query head ``h`` and cached slot ``s``::
 
 with ``k = keys[b, h // G, s]`` (``G = H_q / H_kv``, the GQA group size),
 ``w = [Re q_eff, Im q_eff]`` and ``c = clamp(A - |q_mean|, 0)`` built by
-``hf_ropekv.scoring.query_weights``; ``w`` and ``c`` have one row per batch row
+``hf_ropekv.scorers.rope_scoring.query_weights``; ``w`` and ``c`` have one row per batch row
 or a single row shared by all. The pair layout is HF's ``rotate_half``
 (``PAIR_STRIDE, IMAG_OFFSET = 1, F``) or interleaved pairs (``2, 1``; GPT-J,
-Cohere, GLM); see ``hf_ropekv.layouts``. Dimensions outside the pairs
+Cohere, GLM); see ``hf_ropekv.model.layouts``. Dimensions outside the pairs
 (non-rotary part of partial-rotary heads) do not enter the score and are never read.
 
 Scoring is memory-bound (one read of the keys), so the Triton kernel reads a

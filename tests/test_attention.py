@@ -1,4 +1,4 @@
-"""The grouped-query sdpa a static cache attends with (``hf_ropekv.attention``): transformers' sdpa without
+"""The grouped-query sdpa a static cache attends with (``hf_ropekv.model.attention``): transformers' sdpa without
 copying the key/value heads for masked queries (a decoding token, a prefill chunk), and the switch a static
 cache makes to it."""
 
@@ -12,7 +12,7 @@ import torch
 from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg, sdpa_attention_forward
-from hf_ropekv.attention import GROUPED_SDPA, _fold_is_cheaper, grouped_sdpa
+from hf_ropekv.model.attention import GROUPED_SDPA, _fold_is_cheaper, grouped_sdpa
 
 BATCH, HEADS, KV_HEADS, SLOTS, DIM = 3, 8, 2, 37, 16
 

@@ -162,8 +162,8 @@ def test_a_cache_freed_during_a_compile_leaves_its_hooks_until_the_next_forward(
     """The garbage collector may free a cache while dynamo compiles (its finalizer then runs mid-compile); taking
     the rotary pass-through out then would change a function dynamo guards on. The idle hooks wait for the next
     forward that is not compiled, and go then."""
-    import hf_ropekv.attach as attach
-    from hf_ropekv.attach import SharedHooks
+    import hf_ropekv.hooks.attach as attach
+    from hf_ropekv.hooks.attach import SharedHooks
 
     model = tiny_model("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, 6))

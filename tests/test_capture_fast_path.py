@@ -17,12 +17,13 @@ from test_model_families import NAMES, family_model
 from conftest import padded_batch
 from transformers import DynamicCache
 
-from hf_ropekv import RopeKVCache, rotary
+from hf_ropekv import RopeKVCache
+from hf_ropekv.model import rotary
 from hf_ropekv._compat import cache_kwarg
-from hf_ropekv.attach import SharedHooks
-from hf_ropekv.capture import _Frame
-from hf_ropekv.model_info import describe
-from hf_ropekv.online import OnlineStatistics
+from hf_ropekv.hooks.attach import SharedHooks
+from hf_ropekv.model.capture import _Frame
+from hf_ropekv.model.geometry import describe
+from hf_ropekv.statistics.online import OnlineStatistics
 
 
 class _CountSee:

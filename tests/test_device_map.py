@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import TRANSFORMERS_VERSION
-from hf_ropekv.enable import disable, enable
+from hf_ropekv.hooks.enable import disable, enable
 
 accelerate = pytest.importorskip("accelerate")
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache, GenerationConfig, StaticCache, TextStream
 from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import TRANSFORMERS_VERSION
-from hf_ropekv.enable import disable, enable, enabled, is_enabled
+from hf_ropekv.hooks.enable import disable, enable, enabled, is_enabled
 
 # A budget small enough that 30 new tokens evict (prompts are at most 12 tokens).
 OPTIONS = dict(budget=16, compress_every=4)
@@ -349,7 +349,7 @@ def test_scorer_instance_or_factory(model) -> None:
 
 
 def test_calibrated_stats_loaded_once(model, tmp_path) -> None:
-    from hf_ropekv.calibrate import calibrate
+    from hf_ropekv.statistics.calibration import calibrate
 
     stats = calibrate(model, None, torch.randint(2, 128, (4, 32), generator=torch.Generator().manual_seed(0)), progress=False)
     path = tmp_path / "tiny.ropekv.safetensors"

@@ -15,8 +15,9 @@ from conftest import tiny_model
 from transformers.utils import logging as hf_logging
 
 import hf_ropekv
-from hf_ropekv import FrequencyStats, RopeKVCache, fingerprint
-from hf_ropekv.model_info import describe
+from hf_ropekv import FrequencyStats, RopeKVCache
+from hf_ropekv.statistics import fingerprint
+from hf_ropekv.model.geometry import describe
 
 TEXT = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -35,11 +36,11 @@ def warned():
     """Warnings of the fingerprint check (its once-per-pair memory cleared)."""
     fingerprint._warned.clear()
     handler = _Warnings()
-    hf_logging.get_logger("hf_ropekv.fingerprint").addHandler(handler)
+    hf_logging.get_logger("hf_ropekv.statistics.fingerprint").addHandler(handler)
     try:
         yield handler.messages
     finally:
-        hf_logging.get_logger("hf_ropekv.fingerprint").removeHandler(handler)
+        hf_logging.get_logger("hf_ropekv.statistics.fingerprint").removeHandler(handler)
 
 
 def calibrated(model) -> FrequencyStats:

@@ -8,12 +8,12 @@ import torch
 from conftest import padded_batch, tiny_model
 from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
 from hf_ropekv._compat import cache_kwarg
-from hf_ropekv.calibrate import calibrate
-from hf_ropekv.model_info import describe
-from hf_ropekv.online import RowStatistics
+from hf_ropekv.statistics.calibration import calibrate
+from hf_ropekv.model.geometry import describe
+from hf_ropekv.statistics.online import RowStatistics
 from hf_ropekv.scorers.base import ScoreContext
-from hf_ropekv.scoring import query_weights, score_keys
-from hf_ropekv.stats import geometry_metadata
+from hf_ropekv.scorers.rope_scoring import query_weights, score_keys
+from hf_ropekv.statistics.frequency_stats import geometry_metadata
 
 PROMPT, BUDGET, EVERY = 40, 16, 8
 

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv.kernels.compact import compact_reference_, compact_triton_
-from hf_ropekv.scoring import query_weights, score_keys_weighted
+from hf_ropekv.scorers.rope_scoring import query_weights, score_keys_weighted
 from test_cache_eviction import run_and_compare
 
 pytestmark = [

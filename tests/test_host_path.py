@@ -20,9 +20,9 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg
-from hf_ropekv.model_info import describe
-from hf_ropekv.online import OnlineStatistics
-from hf_ropekv.storage import PagedKV
+from hf_ropekv.model.geometry import describe
+from hf_ropekv.statistics.online import OnlineStatistics
+from hf_ropekv.storage.paged import PagedKV
 
 
 class _Ops(TorchDispatchMode):

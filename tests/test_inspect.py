@@ -20,7 +20,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList, p
 from conftest import padded_batch, tiny_model
 from hf_ropekv import CacheSummary, RopeKVCache, disable, enable, enabled, last_cache, last_summary
 from hf_ropekv._compat import TRANSFORMERS_VERSION
-from hf_ropekv.summary import format_bytes
+from hf_ropekv.cache.summary import format_bytes
 
 # Small pages, so that the arena (rounded up to whole pages) stays below a full cache once tokens are evicted.
 OPTIONS = dict(budget=16, compress_every=4, page_size=4)
@@ -277,7 +277,7 @@ def test_copies_have_their_own_records(model) -> None:
     disable(clone)
     assert "generate" not in clone.__dict__
 
-    # Pickled before its first generate() (hf_ropekv.attach's wrapper of prepare_inputs_for_generation, installed by
+    # Pickled before its first generate() (hf_ropekv.hooks.attach's wrapper of prepare_inputs_for_generation, installed by
     # the first cache, is a local function that pickle refuses): the enablement does not survive pickling.
     fresh = enable(tiny_model("llama"), **OPTIONS)
     unpickled = pickle.loads(pickle.dumps(fresh))

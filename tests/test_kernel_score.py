@@ -31,7 +31,7 @@ if _TRITON_TOO_EARLY:
     )
 
 from hf_ropekv.kernels import score as kscore  # noqa: E402
-from hf_ropekv.scoring import query_weights, score_keys, score_keys_weighted  # noqa: E402
+from hf_ropekv.scorers.rope_scoring import query_weights, score_keys, score_keys_weighted  # noqa: E402
 
 
 def _gen() -> torch.Generator:

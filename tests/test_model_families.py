@@ -21,8 +21,8 @@ from transformers import DynamicCache
 from conftest import padded_batch
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg
-from hf_ropekv.capture import QueryCapture, find_attention_modules
-from hf_ropekv.model_info import describe
+from hf_ropekv.model.capture import QueryCapture, find_attention_modules
+from hf_ropekv.model.geometry import describe
 
 _BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
              pad_token_id=0, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
@@ -294,7 +294,7 @@ def test_rotary_function_is_restored_and_shared_by_captures() -> None:
 def test_captures_wrap_and_unwrap_attention_forwards_in_any_order(order: str) -> None:
     """A capture wraps each attention module's forward (no hooks); detached in either order, every module gets its
     class's forward back, a detached capture sees nothing more, and a forward that raised leaves no frame behind."""
-    from hf_ropekv import rotary
+    from hf_ropekv.model import rotary
 
     model = family_model("llama")
     geometry = describe(model)
@@ -329,7 +329,7 @@ def test_query_layout_follows_unsqueeze_dim() -> None:
     import sys
     import types
 
-    from hf_ropekv import rotary
+    from hf_ropekv.model import rotary
 
     module = types.ModuleType("hf_ropekv_test_fake_modeling")
 

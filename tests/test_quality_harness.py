@@ -25,7 +25,7 @@ from quality import compaction_points, evaluate_sample, make_cache, segment_boun
 from quality_tasks import Sample, build_sample  # noqa: E402
 
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
-from hf_ropekv.calibrate import calibrate  # noqa: E402
+from hf_ropekv.statistics.calibration import calibrate  # noqa: E402
 
 ALL = ("full", "rope-offline", "rope-code", "rope-online", "streaming", "keynorm", "random")
 EVICTING = ("rope-offline", "streaming", "keynorm", "random")  # fixed policies (online differs by design)

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_ropekv import RopeKVCache
-from hf_ropekv.calibrate import calibrate
+from hf_ropekv.statistics.calibration import calibrate
 
 pytestmark = pytest.mark.slow
 

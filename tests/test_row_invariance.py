@@ -99,7 +99,7 @@ def test_online_statistics_are_per_row_and_follow_decoding(half_life: float | No
     cache = RopeKVCache(model, budget=12, compress_every=2, stats_half_life=half_life)
     captured: dict[int, list[torch.Tensor]] = {0: [], 1: []}
 
-    from hf_ropekv.capture import QueryCapture
+    from hf_ropekv.model.capture import QueryCapture
 
     with QueryCapture(model, cache.geometry, lambda layer, q: captured[layer].append(q.detach().clone())):
         out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10,

@@ -1,10 +1,10 @@
-"""The compaction plan (hf_ropekv.schedule): the bound, the shared decoding clock, rows on their own counts."""
+"""The compaction plan (hf_ropekv.eviction.schedule): the bound, the shared decoding clock, rows on their own counts."""
 
 from __future__ import annotations
 
 import random
 
-from hf_ropekv.schedule import plan_forward, row_target
+from hf_ropekv.eviction.schedule import plan_forward, row_target
 
 
 def simulate(prompt: int, steps: int, budget: int, every: int) -> list[int]:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hf_ropekv.scoring import DEFAULT_OFFSETS, query_weights, score_keys, score_keys_weighted
+from hf_ropekv.scorers.rope_scoring import DEFAULT_OFFSETS, query_weights, score_keys, score_keys_weighted
 
 # Relative to the magnitude of the terms summed. Float32 accumulation lands near
 # 2e-7; float32 phases at t = 1e6 land near 1e-3 (see test_float32_phases_would_fail).
@@ -32,7 +32,7 @@ def _inv_freq(F: int, theta: float = 10000.0, rotary_dim: int | None = None) -> 
 
 
 def key_pairs(keys: torch.Tensor, F: int, layout: str) -> torch.Tensor:
-    """Complex k_f [..., F] built by hand from each layout's definition (DESIGN.md §2, hf_ropekv.layouts)."""
+    """Complex k_f [..., F] built by hand from each layout's definition (DESIGN.md §2, hf_ropekv.model.layouts)."""
     k = keys.double()
     if layout == "rotate_half":  # pair f = (f, f + F)
         return torch.complex(k[..., :F], k[..., F:2 * F])

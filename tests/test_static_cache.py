@@ -151,7 +151,7 @@ def test_statistics_are_never_allocated_inside_a_compiled_forward(monkeypatch) -
     compiled call would, under CUDA graphs, live in the graph's pool and be overwritten by the next replay (H200,
     ea25e5a: "accessing tensor output of CUDAGraphs that has been overwritten"). The sums must be created and
     grown where nothing is compiled, so a forward's queries are folded in after it, eagerly."""
-    from hf_ropekv.online import OnlineStatistics
+    from hf_ropekv.statistics.online import OnlineStatistics
 
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(30, 21))
@@ -380,7 +380,7 @@ def test_next_cache_takes_over_the_buffers_of_one_that_is_gone() -> None:
 def test_a_new_batch_size_lets_the_pooled_buffers_go() -> None:
     """The model's pool keeps the buffers of one configuration: a static cache of another batch size lets the
     pooled ones go (they could not serve it) instead of holding both sets; its own replace them when it goes."""
-    from hf_ropekv.static_buffers import BufferPool
+    from hf_ropekv.storage.buffers import BufferPool
 
     def rows(purpose, tensor: torch.Tensor) -> int:  # the batch dimension: sums [L, B, 3, H, F]; arenas, counts
         return tensor.shape[1] if purpose[0] == "online_sums" else tensor.shape[0]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config, StableLmConfig
 
-from hf_ropekv.model_info import describe
-from hf_ropekv.stats import FrequencyAccumulator, FrequencyStats
+from hf_ropekv.model.geometry import describe
+from hf_ropekv.statistics.frequency_stats import FrequencyAccumulator, FrequencyStats
 
 
 def _qwen3_config(**overrides) -> Qwen3Config:
@@ -133,7 +133,7 @@ def test_mismatched_statistics_are_refused_with_the_mismatch_named(tmp_path, oth
     message = str(err.value)
     for name in expected:
         assert name in message
-    assert "python -m hf_ropekv.calibrate" in message
+    assert "python -m hf_ropekv calibrate" in message
 
 
 def test_load_refuses_files_that_are_not_statistics(tmp_path):
@@ -173,7 +173,7 @@ def test_reference_pt_import(tmp_path, caplog):
     payload = _reference_payload(2, 4, 16, 32)
     path = tmp_path / "qwen3_stats.pt"
     torch.save(payload, path)
-    with caplog.at_level(logging.WARNING, logger="hf_ropekv.stats"):
+    with caplog.at_level(logging.WARNING, logger="hf_ropekv.statistics.frequency_stats"):
         stats = FrequencyStats.from_reference_pt(path, config)
     assert "q_norm" in caplog.text  # Qwen3 normalises queries; the reference calibration did not
     entry = payload["stats"]["layer01_head03"]

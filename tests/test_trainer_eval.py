@@ -19,7 +19,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, Trai
 from conftest import tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import TRANSFORMERS_VERSION
-from hf_ropekv.enable import disable, enable
+from hf_ropekv.hooks.enable import disable, enable
 
 OPTIONS = dict(budget=16, compress_every=4)
 # generate()'s keyword for a cache object (transformers 5.24 renamed past_key_values to cache).

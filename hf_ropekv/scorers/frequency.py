@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..layouts import ROTATE_HALF
-from ..scoring import query_weights, score_keys_weighted
+from ..model.layouts import ROTATE_HALF
+from .rope_scoring import query_weights, score_keys_weighted
 from .base import ScoreContext, standardize
 
 if TYPE_CHECKING:
-    from ..stats import FrequencyStats
+    from ..statistics.frequency_stats import FrequencyStats
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..selection import hashed_uniform
+from ..eviction.selection import hashed_uniform
 from .base import ScoreContext
 
 

@@ -17,8 +17,8 @@ p.add_argument("--rounds", type=int, default=100)
 a = p.parse_args()
 import torch
 import models
-from hf_ropekv.capture import QueryCapture
-from hf_ropekv.model_info import describe
+from hf_ropekv.model.capture import QueryCapture
+from hf_ropekv.model.geometry import describe
 
 torch.set_num_threads(1)
 model = models.build_random_model(models.make_config("tiny-deep"), dtype=torch.float32, device=torch.device("cpu"))

@@ -28,7 +28,7 @@ from torch import nn
 from transformers.utils import logging
 
 if TYPE_CHECKING:
-    from .stats import FrequencyStats
+    from .frequency_stats import FrequencyStats
 
 logger = logging.get_logger(__name__)
 
@@ -117,7 +117,7 @@ def warn_if_other_weights(stats: "FrequencyStats", model: nn.Module, where: str 
 # ---------------------------------------------------------------------- helpers
 def _projections(model: nn.Module) -> list[nn.Module]:
     """The query projection of the first, middle and last decoder layers ([] if not found)."""
-    from .capture import find_attention_modules
+    from ..model.capture import find_attention_modules
 
     try:
         attention = find_attention_modules(model)

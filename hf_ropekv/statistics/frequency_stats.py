@@ -30,16 +30,16 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .capture import QUERY_NORM_NAMES
-from .layouts import ROTATE_HALF, split_pairs
-from .model_info import ModelGeometry, describe
+from ..model.capture import QUERY_NORM_NAMES
+from ..model.layouts import ROTATE_HALF, split_pairs
+from ..model.geometry import ModelGeometry, describe
 
 logger = logging.get_logger(__name__)
 
 FORMAT_VERSION = 1
 _HEADER_KEY = "hf_ropekv"
 _REFERENCE_SUFFIXES = (".pt", ".pth", ".bin")
-_FIX = "recalibrate with hf_ropekv.calibrate / python -m hf_ropekv.calibrate for this model"
+_FIX = "recalibrate with hf_ropekv.calibrate / python -m hf_ropekv calibrate for this model"
 # Models whose attention normalises queries before RoPE (the reference calibration skipped that norm).
 _QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "gemma3", "gemma3_text", "olmo2", "olmoe", "chameleon"}
 _IDENTITY_FIELDS = {
@@ -67,7 +67,7 @@ class FrequencyStats:
             rope_type, rope_theta, rope_parameters, inv_freq`` (list of floats), ``rotary_layout``, ``tokens`` (positions averaged;
             0 when unknown, e.g. imported reference files), ``source`` (the calibration text) and
             ``format_version``; from ``calibrate``, also ``weights_fingerprint`` and ``weights_source`` (the
-            calibrated weights, see ``hf_ropekv.fingerprint``; absent from older files).
+            calibrated weights, see ``hf_ropekv.statistics.fingerprint``; absent from older files).
     """
 
     q_mean: torch.Tensor
@@ -123,7 +123,7 @@ class FrequencyStats:
         """Read a file written by :meth:`save`."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"No statistics file at {path}; create one with python -m hf_ropekv.calibrate.")
+            raise FileNotFoundError(f"No statistics file at {path}; create one with python -m hf_ropekv calibrate.")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 header = f.metadata() or {}
@@ -131,7 +131,7 @@ class FrequencyStats:
         except Exception as err:  # safetensors raises its own error types for non-safetensors files
             raise ValueError(
                 f"{path} is not a safetensors file ({err}). hf_ropekv statistics are written by "
-                "FrequencyStats.save / python -m hf_ropekv.calibrate; reference TriAttention files must end in .pt."
+                "FrequencyStats.save / python -m hf_ropekv calibrate; reference TriAttention files must end in .pt."
             ) from err
         if _HEADER_KEY not in header:
             raise ValueError(
@@ -217,7 +217,7 @@ class FrequencyStats:
         elif isinstance(stats_or_path, (str, os.PathLike)):
             path = Path(stats_or_path)
             if not path.is_file():
-                raise FileNotFoundError(f"No statistics file at {path}; create one with python -m hf_ropekv.calibrate.")
+                raise FileNotFoundError(f"No statistics file at {path}; create one with python -m hf_ropekv calibrate.")
             if path.suffix.lower() in _REFERENCE_SUFFIXES:
                 stats = cls.from_reference_pt(path, geometry)
             else:

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _compat
-from .attention import restore_attention, use_grouped_sdpa
-from .capture import QueryCapture
-from .model_info import ModelGeometry
+from .. import _compat
+from ..model.attention import restore_attention, use_grouped_sdpa
+from ..model.capture import QueryCapture
+from ..model.geometry import ModelGeometry
 
 
 #: ``ModelAttachment._start_forward``: the forward keeps the attention mask it was given.
@@ -276,7 +276,7 @@ class SharedHooks:
     forward traces the hooks and guards on them, so per-cache hooks would recompile it for every new cache.
     The hooks go with the last attachment, unless a static cache was attached: then they stay, idle, for the
     model's lifetime, so the next static cache (a new ``generate()`` call) reuses the compiled step. A static
-    cache also switches an sdpa grouped-query model to :func:`~hf_ropekv.attention.grouped_sdpa` (same attention,
+    cache also switches an sdpa grouped-query model to :func:`~hf_ropekv.model.attention.grouped_sdpa` (same attention,
     no copy of the key/value heads under its mask), for as long as the hooks stay.
     """
 

@@ -5,7 +5,7 @@
 
 or from the command line::
 
-    python -m hf_ropekv.calibrate --model Qwen/Qwen3-8B --text book.txt --out qwen3-8b.safetensors
+    python -m hf_ropekv calibrate --model Qwen/Qwen3-8B --text book.txt --out qwen3-8b.safetensors
 
 The model runs forward without a cache over up to ``max_tokens`` tokens; :class:`QueryCapture` hands every
 layer's pre-RoPE queries to a :class:`FrequencyAccumulator`.
@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .capture import QueryCapture
+from ..model.capture import QueryCapture
 from .fingerprint import calibration_metadata
-from .model_info import describe
-from .stats import FrequencyAccumulator, FrequencyStats
+from ..model.geometry import describe
+from .frequency_stats import FrequencyAccumulator, FrequencyStats
 
 logger = logging.get_logger(__name__)
 
@@ -171,7 +171,7 @@ def _input_device(model: nn.Module) -> torch.device:
 # ---------------------------------------------------------------------- command line
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m hf_ropekv.calibrate",
+        prog="python -m hf_ropekv calibrate",
         description="Calibrate hf_ropekv query statistics (per layer and query head) for one model.",
     )
     parser.add_argument("--model", required=True, help="model name or directory (or a .gguf file path)")
@@ -226,6 +226,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("Wrote %s: %d layers x %d query heads, %d tokens.", args.out, *stats.q_mean.shape[:2], stats.tokens)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,11 +14,11 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from .kernels.compact import compact_
-from .static_buffers import mark_static
+from ..kernels.compact import compact_
+from .buffers import mark_static
 
 if TYPE_CHECKING:
-    from .static_buffers import BufferLease
+    from .buffers import BufferLease
 
 
 class PagedKV:
@@ -260,7 +260,7 @@ class StaticKV(PagedKV):
     def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: "BufferLease | None" = None) -> None:
         super().__init__(page_size, capacity_hint=capacity)
         self.layer_idx = layer_idx
-        self._lease = lease  # where the arena's keys and values come from (hf_ropekv.static_buffers)
+        self._lease = lease  # where the arena's keys and values come from (hf_ropekv.storage.buffers)
         self.static_capacity = -(-capacity // page_size) * page_size
         self._arena: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the fixed keys, values, positions
         self.write_index: torch.Tensor | None = None  # int64 [q] on the arena's device: slots of this forward's tokens

@@ -3,7 +3,7 @@
 Everything is read from the model's own config and its own rotary-embedding module, so llama3 / YaRN /
 linear scaling and partial rotary dims come out exactly as the model applies them. How the model pairs
 dimensions (``rotate_half`` or interleaved) is learned by calling its own rotary function on probe vectors
-(``hf_ropekv.rotary``), which also measures the frequencies of families whose rotary module keeps only a
+(``hf_ropekv.model.rotary``), which also measures the frequencies of families whose rotary module keeps only a
 sin/cos table (GPT-J, CodeGen).
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from . import _compat
+from .. import _compat
 from .rotary import find_rotary_function, probe_rotary
 
 FULL = "full_attention"
@@ -41,7 +41,7 @@ class ModelGeometry:
         inv_freq: float32 CPU tensor ``[F]``, the rotary frequencies of the full-attention layers;
             ``rotary_dim = 2 * F`` may be smaller than ``head_dim`` (partial rotary).
         rotary_layout: how RoPE pairs dims, ``"rotate_half"`` (f, f + F) or ``"interleaved"`` (2f, 2f + 1)
-            (``hf_ropekv.layouts``); ``None`` when it could not be learned, with the reason in
+            (``hf_ropekv.model.layouts``); ``None`` when it could not be learned, with the reason in
             ``rotary_problem`` (such a model works with nothing evicted and with scorers that need no
             query statistics).
     """

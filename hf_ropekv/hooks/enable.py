@@ -51,11 +51,11 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
-from . import _compat
+from .. import _compat
 from .attach import _WRAPPED_MARK, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
-from .cache import RopeKVCache, _check_options, default_window
-from .model_info import ModelGeometry, describe
-from .summary import CacheSummary
+from ..cache.cache import RopeKVCache, _check_options, default_window
+from ..model.geometry import ModelGeometry, describe
+from ..cache.summary import CacheSummary
 
 logger = logging.get_logger(__name__)
 
@@ -95,7 +95,7 @@ class _Enablement:
         self.options = options
         self.geometry = geometry
         self.previous = previous  # per wrapped attribute: the instance attribute that was there before, or None
-        self.attach_had = attach_had  # which of the methods hf_ropekv.attach wraps were instance attributes before
+        self.attach_had = attach_had  # which of the methods hf_ropekv.hooks.attach wraps were instance attributes before
         self.caches_created = 0
 
     def new_cache(self, model: nn.Module) -> RopeKVCache:
@@ -166,7 +166,7 @@ def disable(model: ModelT) -> ModelT:
         return wrapper
     for attr in _WRAPPED_ATTRS:
         _restore(model, attr, state.previous.get(attr))
-    for attr in ATTACH_WRAPPED_METHODS:  # wrapped by hf_ropekv.attach when a cache is built
+    for attr in ATTACH_WRAPPED_METHODS:  # wrapped by hf_ropekv.hooks.attach when a cache is built
         wrapped = model.__dict__.get(attr)
         if attr not in state.attach_had and wrapped is not None and _is_attach_wrapper(wrapped):
             delattr(model, attr)
@@ -291,7 +291,7 @@ def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[
         if stats is not None:
             raise ValueError("Pass `stats` to the FrequencyScorer you build, or omit `scorer`; not both.")
     if stats is not None:
-        from .stats import FrequencyStats
+        from ..statistics.frequency_stats import FrequencyStats
 
         stats = FrequencyStats.resolve(stats, geometry, model)  # loaded once; every cache shares the object
     return _Config({"budget": budget, "stats": stats, **options}, geometry)

@@ -1,7 +1,7 @@
 """Deliver each decoder layer's query exactly as RoPE receives it: at the model's own rotary function.
 
 One mechanism for every family: while a capture is attached, the modeling module's ``apply_rotary_pos_emb``
-global is replaced by a pass-through (``hf_ropekv.rotary``), and each attention module's ``forward`` is wrapped
+global is replaced by a pass-through (``hf_ropekv.model.rotary``), and each attention module's ``forward`` is wrapped
 so that the pass-through knows which layer is running. (A wrapper, not a pre-hook and a forward hook: hooks send
 every call of the module through ``nn.Module``'s slow path, about 4 µs a layer and forward, a visible share of a
 host-bound decoding step at batch 1.) The query it receives is the pre-RoPE query whatever produced it:
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import rotary
-from .model_info import FULL, ModelGeometry
+from .geometry import FULL, ModelGeometry
 
 QUERY_NORM_NAMES = ("q_norm", "q_layernorm")
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _compat
-from .model_info import ModelGeometry
+from .. import _compat
+from .geometry import ModelGeometry
 
 #: The attention implementation name under which :func:`grouped_sdpa` is registered with transformers.
 GROUPED_SDPA = "hf_ropekv_sdpa"

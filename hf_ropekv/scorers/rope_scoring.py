@@ -5,7 +5,7 @@
     norm        = sum_f max(A[h, f] - |q_mean[h, f]|, 0) * |k_f|
     score       = trig + norm
 
-The pair of dims that forms ``k_f`` is the model's rotary layout (``hf_ropekv.layouts``):
+The pair of dims that forms ``k_f`` is the model's rotary layout (``hf_ropekv.model.layouts``):
 ``rotate_half`` (f, f + F) or ``interleaved`` (2f, 2f + 1). Statistics may be shared by
 all batch rows (``[H_q, F]``) or given per row (``[B, H_q, F]``).
 
@@ -20,8 +20,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from .kernels.score import HAS_TRITON, check_score_args, score_keys_reference, score_keys_triton
-from .layouts import ROTATE_HALF, pair_strides
+from ..kernels.score import HAS_TRITON, check_score_args, score_keys_reference, score_keys_triton
+from ..model.layouts import ROTATE_HALF, pair_strides
 
 __all__ = ["DEFAULT_OFFSETS", "query_weights", "score_keys", "score_keys_weighted"]
 
@@ -127,7 +127,7 @@ def score_keys_weighted(
     ``keys`` [B, H_kv, S, D] any strides, fp16/bf16/fp32; ``w`` float32
     [B or 1, H_q, 2F]; ``c`` float32 [B or 1, H_q, F] (or [H_q, F]). Returns
     float32 [B, H_q, S]. ``layout``: the model's rotary pairing
-    (``hf_ropekv.layouts``). ``backend``: ``"triton"``, ``"torch"`` or ``None``
+    (``hf_ropekv.model.layouts``). ``backend``: ``"triton"``, ``"torch"`` or ``None``
     (Triton on CUDA when installed, the PyTorch reference elsewhere).
     """
     pair_stride, imag_offset = pair_strides(layout, w.shape[-1] // 2)
@@ -165,7 +165,7 @@ def score_keys(
         offsets: future offsets (default ``DEFAULT_OFFSETS``).
         backend: see :func:`score_keys_weighted`.
         layout: how the model pairs dims (``"rotate_half"``: f with f + F, HF's
-            default; ``"interleaved"``: 2f with 2f + 1); see ``hf_ropekv.layouts``.
+            default; ``"interleaved"``: 2f with 2f + 1); see ``hf_ropekv.model.layouts``.
 
     Returns:
         float32 [B, H_q, S].

@@ -12,8 +12,8 @@ from typing import Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import _compat
-from .storage import PagedKV, StaticKV
+from .. import _compat
+from ..storage.paged import PagedKV, StaticKV
 
 
 
@@ -125,7 +125,7 @@ class BudgetedLayer(CacheLayerMixin):
 
 
 class StaticBudgetedLayer(BudgetedLayer):
-    """A budgeted full-attention layer over a fixed arena (:class:`~hf_ropekv.storage.StaticKV`): compileable.
+    """A budgeted full-attention layer over a fixed arena (:class:`~hf_ropekv.storage.paged.StaticKV`): compileable.
 
     Attention always reads the whole arena, ``kv_length`` slots, and the mask hides what is not a live token of a
     row (``get_mask_sizes`` reports ``(kv_length, 0)`` and the cache hands the model a slot-validity mask). Every

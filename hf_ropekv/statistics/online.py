@@ -20,9 +20,9 @@ from typing import Callable, Hashable
 
 import torch
 
-from .layouts import split_pairs
-from .model_info import ModelGeometry
-from .static_buffers import mark_static  # the running sums: a static cache's compiled step updates them in place
+from ..model.layouts import split_pairs
+from ..model.geometry import ModelGeometry
+from ..storage.buffers import mark_static  # the running sums: a static cache's compiled step updates them in place
 
 
 @dataclass(frozen=True)

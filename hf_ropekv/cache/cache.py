@@ -13,15 +13,15 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
-from . import _compat
-from .attach import ModelAttachment
+from .. import _compat
+from ..hooks.attach import ModelAttachment
 from .layers import CANNOT_CROP, CROPPABLE_FIX, BudgetedLayer, StaticBudgetedLayer
-from .model_info import FULL, SLIDING, ModelGeometry, describe, shared_geometry
-from .schedule import Plan, plan_forward
-from .scorers.base import ScoreContext, Scorer
-from .selection import Guards, hashed_uniform, select_keep, slot_masks
-from .static_buffers import BufferLease, BufferPool
-from .storage import PagedKV, StaticKV, compact_arenas
+from ..model.geometry import FULL, SLIDING, ModelGeometry, describe, shared_geometry
+from ..eviction.schedule import Plan, plan_forward
+from ..scorers.base import ScoreContext, Scorer
+from ..eviction.selection import Guards, hashed_uniform, select_keep, slot_masks
+from ..storage.buffers import BufferLease, BufferPool
+from ..storage.paged import PagedKV, StaticKV, compact_arenas
 
 logger = logging.get_logger(__name__)
 
@@ -34,7 +34,7 @@ class RopeKVCache(Cache):
     When a batch row would hold more than ``budget + compress_every`` real tokens, the cache scores its kept
     keys, keeps the best ``budget`` per KV head and compacts them in place. Every row counts only its own
     real tokens (padding never counts) and compacts on its own schedule, so a row's output does not depend on
-    its padding or its batch-mates (``hf_ropekv.schedule``). Sliding-window layers stay plain windows. With
+    its padding or its batch-mates (``hf_ropekv.eviction.schedule``). Sliding-window layers stay plain windows. With
     ``budget=None`` nothing is ever evicted and outputs equal ``DynamicCache``'s.
 
     In steady state the kept length cycles through the same ``compress_every`` or so values, so attention
@@ -159,7 +159,7 @@ class RopeKVCache(Cache):
         self._evicted_rows: list[bool] = []
         self._plan: Plan | None = None  # this forward's compaction plan (memoised by seen, new, slots)
         self._rows_on_device: tuple[tuple[int, ...], torch.Tensor] | None = None  # see _device_rows
-        self._decode_steps = 0  # single-token forwards finished: the compaction clock (hf_ropekv.schedule)
+        self._decode_steps = 0  # single-token forwards finished: the compaction clock (hf_ropekv.eviction.schedule)
         self._prompt_tokens: int | None = None  # pinned prompt length once decoding started
         self._query_offset = 0  # static: slots in front of the running forward's first new token
 
@@ -180,6 +180,30 @@ class RopeKVCache(Cache):
         """Real tokens each batch row holds (padding and holes excluded)."""
         slots = self.tokens_kept
         return tuple(slots - hole for hole in self._current_holes())
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """int64 ``[batch, kv_heads, kept]``: the token index (padding included, as in generate's ``input_ids``) held
+        by each slot of layer ``layer_idx``, in slot order, ``-1`` where a row has a hole (its left padding, or room
+        left by a compaction). Full-attention layers hold the tokens they kept; sliding-window layers their window.
+        """
+        if not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"layer_idx must be in [0, {len(self.layers)}); got {layer_idx}.")
+        layer = self.layers[layer_idx]
+        holes = self._current_holes()
+        if isinstance(layer, BudgetedLayer):
+            positions = layer.storage.live_positions().clone()
+        else:
+            if not layer.is_initialized or layer.keys is None:
+                return torch.empty(len(holes), 0, 0, dtype=torch.long)
+            batch, heads, kept = layer.keys.shape[:3]
+            seen = layer.get_seq_length()
+            positions = torch.arange(seen - kept, seen, device=layer.keys.device).expand(batch, heads, kept).clone()
+            # A window's slots are its last tokens; a row's padding among them is a hole too.
+            pads = self._pads_host or (0,) * batch
+            holes = tuple(max(0, pad - (seen - kept)) for pad in pads)
+        slot = torch.arange(positions.shape[-1], device=positions.device)
+        is_hole = slot[None, None, :] < torch.tensor(holes, device=positions.device).view(-1, 1, 1)
+        return positions.masked_fill(is_hole, -1)
 
     @property
     def num_compactions(self) -> int:
@@ -712,7 +736,7 @@ class RopeKVCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Score ``layers`` (all holding the same number of slots) and pick each row's survivors.
 
-        Returns ``(keep, start)`` for :func:`~hf_ropekv.storage.compact_arenas`: row ``b`` keeps
+        Returns ``(keep, start)`` for :func:`~hf_ropekv.storage.paged.compact_arenas`: row ``b`` keeps
         ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``. By default the layers hold the same
         tokens and are ranked together (their scores averaged): ``keep`` is ``[B, H, K]``. With ``each``, every
         layer is ranked on its own, the layers stacked along the rows: ``keep`` is ``[L, B, H, K]``.
@@ -831,10 +855,10 @@ class RopeKVCache(Cache):
             if stats is not None:
                 raise ValueError("Pass `stats` to the FrequencyScorer you build, or omit `scorer`; not both.")
             return scorer
-        from .scorers.frequency import FrequencyScorer
+        from ..scorers.frequency import FrequencyScorer
 
         if stats is not None:
-            from .stats import FrequencyStats
+            from ..statistics.frequency_stats import FrequencyStats
 
             return FrequencyScorer(FrequencyStats.resolve(stats, self.geometry, model))
         if self.budget is None:
@@ -845,7 +869,7 @@ class RopeKVCache(Cache):
                 "are gathered from the prompt, or stats=FrequencyStats/path from hf_ropekv.calibrate, or another "
                 "scorer (hf_ropekv.scorers)."
             )
-        from .online import OnlineStatistics
+        from ..statistics.online import OnlineStatistics
 
         self._online = OnlineStatistics(self.geometry, half_life=self.stats_half_life)
         return FrequencyScorer(None)
@@ -860,7 +884,7 @@ class RopeKVCache(Cache):
                 f"{type(self.scorer).__name__} recomputes attention from the model's queries: build the cache from "
                 "the model (RopeKVCache(model, ...)), not from its config."
             )
-        from .query_window import QueryWindow
+        from ..scorers.query_window import QueryWindow
 
         return QueryWindow(self.geometry, window)
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .layouts import ROTATE_HALF, pair_strides
-from .model_info import ModelGeometry
+from ..model.layouts import ROTATE_HALF, pair_strides
+from ..model.geometry import ModelGeometry
 
 
 def rotate(
     queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, layout: str = ROTATE_HALF
 ) -> torch.Tensor:
-    """Apply RoPE (pairs of ``layout``, see ``hf_ropekv.layouts``) to ``queries [B, S, H, D]`` at ``positions [B, S]``.
+    """Apply RoPE (pairs of ``layout``, see ``hf_ropekv.model.layouts``) to ``queries [B, S, H, D]`` at ``positions [B, S]``.
 
     Dimensions beyond ``2F`` (partial rotary) pass through. Phases are computed in float64.
     """

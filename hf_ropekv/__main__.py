@@ -1,0 +1,23 @@
+"""Command line: ``python -m hf_ropekv calibrate --model ... --text ... --out stats.safetensors``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+COMMANDS = ("calibrate",)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch ``python -m hf_ropekv COMMAND ...``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m hf_ropekv {{{','.join(COMMANDS)}}} ...  (then --help)", file=sys.stderr)
+        return 2
+    from .statistics.calibration import main as calibrate_main
+
+    return calibrate_main(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

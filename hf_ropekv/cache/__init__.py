@@ -1,0 +1,1 @@
+"""The cache transformers sees (RopeKVCache), its layers, and what it reports."""

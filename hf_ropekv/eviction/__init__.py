@@ -1,0 +1,1 @@
+"""When rows compact and which slots they keep: the schedule and the selection."""

@@ -1,0 +1,1 @@
+"""What ties hf_ropekv to a model: per-cache hooks and enable()."""

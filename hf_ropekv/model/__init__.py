@@ -1,0 +1,1 @@
+"""What hf_ropekv reads from a model: geometry, rotary layout, query capture, attention."""

@@ -1,0 +1,1 @@
+"""Query statistics for the RoPE scorer: calibrated, online, fingerprinted."""

@@ -1,0 +1,1 @@
+"""Where keys and values live: paged growing arenas, fixed static arenas, and the buffer pool."""
