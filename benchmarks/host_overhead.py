@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         timer = CallTimer()
         timer.wrap(hf_ropekv.cache.cache.RopeKVCache, "_select")
         timer.wrap(hf_ropekv.storage.paged, "compact_arenas")
-        hf_ropekv.cache.cache.compact_arenas = hf_ropekv.storage.paged.compact_arenas  # global selection calls it from there
+        hf_ropekv.eviction.compactor.compact_arenas = hf_ropekv.storage.paged.compact_arenas  # the compactor calls it from there
     triton_cache = triton_cache_state()
 
     config = models.make_config(args.shape)

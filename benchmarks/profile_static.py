@@ -57,7 +57,8 @@ class Instrumented:
     def __init__(self, cache: RopeKVCache, clock: StepClock, sync: bool) -> None:
         self.prepare_ms: list[float] = []
         self.compactions: list[dict[str, float]] = []
-        prepare, compact = cache._prepare_static_forward, cache._compact
+        driver, compactor = cache._static_driver, cache.coordinator.compactor
+        prepare, compact = driver.prepare, compactor.compact
 
         def timed_prepare(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -77,8 +78,8 @@ class Instrumented:
             self.compactions.append(dict(step=len(clock.stamps), ms=1e3 * (time.perf_counter() - t0)))
             return out
 
-        cache._prepare_static_forward = timed_prepare  # type: ignore[method-assign]
-        cache._compact = timed_compact  # type: ignore[method-assign]
+        driver.prepare = timed_prepare  # type: ignore[method-assign]
+        compactor.compact = timed_compact  # type: ignore[method-assign]
 
 
 def new_cache(model: torch.nn.Module, args: argparse.Namespace, attention: str) -> RopeKVCache:

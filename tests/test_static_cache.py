@@ -363,7 +363,7 @@ def test_next_cache_takes_over_the_buffers_of_one_that_is_gone() -> None:
         cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
         out = generate(model, cache, ids, mask, new=12)
         addresses = (cache._full_layers[1].storage.keys.data_ptr(), next(iter(cache._online._sums.values())).data_ptr(),
-                     next(iter(cache._static_clock.values()))[0].data_ptr())
+                     cache._static_driver.clock_on_first_device()[0].data_ptr())
         return cache, out, addresses
 
     first, out, addresses = run()

@@ -13,18 +13,24 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .. import _compat
-from ..storage.paged import PagedKV, StaticKV
+from ..storage.paged import PagedKV
+from ..storage.static import StaticKV
 
+class Coordinator(Protocol):
+    """What a :class:`BudgetedLayer` asks before storing a forward's tokens (``ForwardCoordinator``)."""
 
-
-class LayerOwner(Protocol):
-    """What a :class:`BudgetedLayer` asks the cache that owns it (``RopeKVCache``; no import of it here)."""
-
-    def _before_layer_update(self, layer: "BudgetedLayer", key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    def before_update(self, layer: "BudgetedLayer", key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
         """Compact this forward's layers if its plan says so (called before the layer writes its new tokens)."""
 
     def planned_slots(self, new: int) -> int:
         """Slots every full-attention layer holds once this forward's compaction (if any) is done."""
+
+
+class CoordinatedCache(Protocol):
+    """The cache a layer belongs to (``RopeKVCache``; no import of it here): it holds the coordinator."""
+
+    coordinator: Coordinator
+
 
 #: How to get a croppable cache: the end of every "cannot crop" error.
 CROPPABLE_FIX = (
@@ -49,7 +55,7 @@ class BudgetedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: LayerOwner, layer_idx: int, storage: PagedKV) -> None:
+    def __init__(self, cache: CoordinatedCache, layer_idx: int, storage: PagedKV) -> None:
         super().__init__()
         # A proxy, not a reference: a cache and its layers must not form a cycle, or the arenas (and the
         # model hooks) would wait for the cyclic garbage collector instead of going when the cache does.
@@ -80,14 +86,14 @@ class BudgetedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         # Compaction happens here, before writing: no tensor this forward returned still aliases the arena.
-        self._cache._before_layer_update(self, key_states, args, kwargs)
+        self._cache.coordinator.before_update(self, key_states, args, kwargs)
         keys, values = self.storage.append(key_states, value_states, first_position=self.tokens_seen)
         self.tokens_seen += key_states.shape[-2]
         self.keys, self.values = keys, values
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kept = self._cache.planned_slots(query_length)
+        kept = self._cache.coordinator.planned_slots(query_length)
         return kept + query_length, self.tokens_seen - kept
 
     def get_seq_length(self) -> int:
@@ -125,36 +131,43 @@ class BudgetedLayer(CacheLayerMixin):
 
 
 class StaticBudgetedLayer(BudgetedLayer):
-    """A budgeted full-attention layer over a fixed arena (:class:`~hf_ropekv.storage.paged.StaticKV`): compileable.
+    """A budgeted full-attention layer over a fixed arena (:class:`~hf_ropekv.storage.static.StaticKV`): compileable.
 
     Attention always reads the whole arena, ``kv_length`` slots, and the mask hides what is not a live token of a
     row (``get_mask_sizes`` reports ``(kv_length, 0)`` and the cache hands the model a slot-validity mask). Every
-    decision (compaction, where the new tokens go, the counters) is taken by the cache before the forward, so
+    decision (compaction, where the new tokens go, the counters) is taken before the forward (``prepare_forward``), so
     ``update`` only writes: a compiled decode step reads no host counter and is the same graph at every step.
     """
 
     is_compileable = True
 
-    def __init__(self, cache: LayerOwner, layer_idx: int, storage: "StaticKV") -> None:
+    def __init__(self, cache: CoordinatedCache, layer_idx: int, storage: StaticKV) -> None:
         super().__init__(cache, layer_idx, storage)
-        self.kv_length = storage.static_capacity  # slots attention reads in the coming forward (set by the cache)
+        self.kv_length = storage.static_capacity  # slots attention reads in the coming forward (prepare_forward)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:  # the cache could not allocate before the forward: the arena's shape is known now
-            self.initialize(key_states, value_states)
-            start, count = self.storage.planned_write
-            self.storage.write_index = torch.arange(start, start + count, device=key_states.device)
+            self.initialize(key_states, value_states, self.kv_length)
         keys, values = self.storage.write(key_states, value_states)
         self.keys, self.values = keys, values
         return keys, values
 
-    def initialize(self, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
+    def prepare_forward(self, first_slot: int, new: int, seen: int, kv_length: int,
+                        write_index: torch.Tensor | None) -> None:
+        """Before a forward (the static driver): its ``new`` tokens go to ``write_index`` (slots from
+        ``first_slot``; None: decided at the first write) and attention reads ``kv_length`` slots."""
+        self.storage.plan_write(first_slot, new, seen, write_index)
+        self.kv_length = kv_length
+        self.tokens_seen = seen + new
+
+    def initialize(self, key_like: torch.Tensor, value_like: torch.Tensor, kv_length: int) -> None:
         """Allocate the arena for keys and values shaped like these (any length: only batch, heads, head dim,
         dtype and device count), with room for the coming forward's ``kv_length`` slots."""
+        self.kv_length = kv_length
         self.lazy_initialization(key_like, value_like)
-        self.storage.allocate(key_like, value_like, self.kv_length)
+        self.storage.allocate(key_like, value_like, kv_length)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kv_length, 0

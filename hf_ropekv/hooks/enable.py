@@ -53,7 +53,8 @@ from transformers.utils import logging
 
 from .. import _compat
 from .attach import _WRAPPED_MARK, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
-from ..cache.cache import RopeKVCache, _check_options, default_window
+from ..cache.cache import RopeKVCache
+from ..cache.options import OPTION_NAMES, CacheOptions
 from ..model.geometry import ModelGeometry, describe
 from ..cache.summary import CacheSummary
 
@@ -71,11 +72,7 @@ _HOOK_MARK = "_hf_ropekv_enable_hook"  # set on both wrappers (of _HOOK_ATTR and
 _WRAPPED_ATTRS = (_HOOK_ATTR, _GENERATE_ATTR)
 
 #: Options of ``RopeKVCache(model, ...)`` that ``enable`` forwards (``budget`` and ``stats`` are named arguments).
-_CACHE_OPTIONS = tuple(
-    name
-    for name, param in inspect.signature(RopeKVCache.__init__).parameters.items()
-    if name not in ("self", "model_or_config", "budget", "stats") and param.kind is param.KEYWORD_ONLY
-)
+_CACHE_OPTIONS = OPTION_NAMES
 #: ``cache_implementation`` values that mean "transformers' default dynamic cache": enable replaces those.
 _DYNAMIC_IMPLEMENTATIONS = (None, "dynamic")
 #: Generation modes that crop the cache (roll it back), impossible once tokens were evicted.
@@ -269,16 +266,7 @@ def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[
     unknown = sorted(set(options) - set(_CACHE_OPTIONS))
     if unknown:
         raise TypeError(f"hf_ropekv.enable got unknown option(s) {unknown}; RopeKVCache accepts {list(_CACHE_OPTIONS)}.")
-    defaults = {
-        name: param.default
-        for name, param in inspect.signature(RopeKVCache.__init__).parameters.items()
-        if name in _CACHE_OPTIONS
-    }
-    merged = {**defaults, **options}
-    _check_options(
-        budget, merged["compress_every"], merged["page_size"], default_window(merged["window"], budget), merged["sink"],
-        merged["selection"],
-    )
+    CacheOptions(budget=budget, **{name: value for name, value in options.items() if name != "scorer"})
     geometry = describe(model)  # raises ValueError for models the cache cannot hold
     scorer = options.get("scorer")
     if scorer is not None:

@@ -1,0 +1,92 @@
+"""The options of a :class:`~hf_ropekv.RopeKVCache`, validated once, before anything uses them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+#: How a budget's survivors are ranked: each layer on its own, or once for all layers.
+SELECTIONS = ("global", "per_layer")
+#: The default recent window: what measured best on GSM8K (README, "Quality"), capped for small budgets.
+DEFAULT_WINDOW = 32
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Every plain option of ``RopeKVCache`` (the scorer and statistics are objects, resolved by the cache).
+
+    Construction validates all of them first, so a wrong type gets a ``ValueError`` naming the option and the
+    fix instead of a ``TypeError`` from the arithmetic that would have used it.
+    """
+
+    budget: int | None = None
+    compress_every: int = 128
+    page_size: int = 64
+    window: int | None = None  # None: the default window (see ``recent_window``)
+    sink: int = 0
+    protect_prompt: bool = True
+    selection: str = "per_layer"
+    seed: int = 0
+    stats_half_life: float | None = 128
+    static: bool = False
+
+    def __post_init__(self) -> None:
+        budget = self.budget
+        if budget is not None and (not _is_int(budget) or budget < 1):
+            raise ValueError(f"budget must be a positive int (tokens to keep) or None (never evict); got {budget!r}.")
+        for name in ("compress_every", "page_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive int; got {value!r}.")
+        if self.window is not None and (not _is_int(self.window) or self.window < 0):
+            raise ValueError(f"window must be an int >= 0 or None (the default); got {self.window!r}.")
+        if not _is_int(self.sink) or self.sink < 0:
+            raise ValueError(f"sink must be an int >= 0; got {self.sink!r}.")
+        if budget is not None and self.recent_window + self.sink >= budget:
+            raise ValueError(
+                f"window ({self.recent_window}) + sink ({self.sink}) must be smaller than budget ({budget}), or "
+                "nothing is left to choose."
+            )
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}; got {self.selection!r}.")
+        for name in ("protect_prompt", "static"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}.")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an int; got {self.seed!r}.")
+        half_life = self.stats_half_life
+        if half_life is not None and (isinstance(half_life, bool) or not isinstance(half_life, (int, float))
+                                      or not half_life > 0):
+            raise ValueError(f"stats_half_life must be a positive number of tokens or None; got {half_life!r}.")
+
+    @property
+    def recent_window(self) -> int:
+        """The recent window the cache protects: ``window`` if given, else ``min(32, budget // 4)`` (0 without a
+        budget)."""
+        return default_window(self.window, self.budget)
+
+    @property
+    def auto_window(self) -> bool:
+        """Whether the window is the default one, which yields to a long pinned prompt (an explicit one never)."""
+        return self.window is None
+
+    @property
+    def steady_slots(self) -> int | None:
+        """Slots a full-attention layer holds at most in steady state: ``budget + compress_every``."""
+        return None if self.budget is None else self.budget + self.compress_every
+
+
+#: The keyword options ``RopeKVCache`` and ``hf_ropekv.enable`` accept besides ``budget`` and ``stats``.
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CacheOptions) if f.name != "budget") + ("scorer",)
+
+
+def default_window(window: int | None, budget: int | None) -> int:
+    """The recent window a cache uses: ``window`` if given, else ``min(32, budget // 4)`` (0 without a budget)."""
+    if window is not None:
+        return window
+    return 0 if budget is None else min(DEFAULT_WINDOW, budget // 4)

@@ -1,0 +1,155 @@
+"""What the cache knows about each batch row: its left padding, its holes, whether it evicted."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _compat
+from ..eviction.schedule import Plan
+
+
+class BatchRows:
+    """Per-row bookkeeping of one cache: the batch size, each row's left padding (on the device and on the host),
+    the slots in front of its real tokens (holes) and whether it evicted a real token.
+
+    Planning reads the host copies only (``pads_host``, ``holes``), so it never synchronises; the host copy of
+    the padding is refreshed only by forwards whose new tokens may be padding (multi-token ones).
+    """
+
+    def __init__(self) -> None:
+        self.batch_size: int | None = None
+        self.pads: torch.Tensor | None = None  # left padding per row among the tokens seen + new (device)
+        self.pads_total = -1  # token count `pads` describes
+        self.pads_host: tuple[int, ...] | None = None  # the same, on the host (planning never syncs)
+        self.holes: tuple[int, ...] | None = None  # slots before each row's real tokens; None: its padding
+        self.holes_pads: tuple[int, ...] = ()  # the rows' padding (`pads_host`) when `holes` was recorded
+        self.evicted: list[bool] = []
+        self._on_device: tuple[tuple[int, ...], torch.Tensor] | None = None  # see `on_device`
+
+    # -- reads ---------------------------------------------------------------------------------
+    def current_holes(self) -> tuple[int, ...]:
+        """Slots in front of each row's real tokens now: its left padding until the first compaction."""
+        if self.holes is not None:
+            # Left padding that arrived since (a long padded prompt sent in chunks) is more holes.
+            return tuple(h + p - p0 for h, p, p0 in zip(self.holes, self.pads_host, self.holes_pads))
+        if self.pads_host is not None:
+            return self.pads_host
+        return (0,) * (self.batch_size or 1)
+
+    def on_device(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``values`` as a device tensor, copied from the host only when they change (holes change at compactions;
+        the mask needs them at every decoding step)."""
+        cached = self._on_device
+        if cached is None or cached[0] != values or cached[1].device != device:
+            cached = (values, torch.tensor(values, device=device))
+            self._on_device = cached
+        return cached[1]
+
+    def appends_real_token(self, total: int, new: int, batch: int) -> bool:
+        """Whether this forward is a decoding step right after a forward whose padding was recorded.
+
+        A single-token forward appends a real token at the next position: ``generate`` appends a one to its mask
+        and one to its positions, and ``pads_host`` is only ever taken from multi-token forwards. The padding of
+        every row is then the one already recorded, which saves each decoding step the ops on generate's
+        full-length mask (or on the positions).
+        """
+        return (
+            new == 1
+            and self.pads_total == total - 1
+            and self.pads is not None
+            and self.pads.shape[0] == batch
+            and self.pads_host is not None
+            and len(self.pads_host) == batch
+        )
+
+    # -- writes --------------------------------------------------------------------------------
+    def check_batch(self, batch: int) -> None:
+        """Fix the batch size at the first forward; refuse another one later."""
+        if self.batch_size is None:
+            self.batch_size = batch
+            if len(self.evicted) != batch:
+                self.evicted = [False] * batch
+        elif batch != self.batch_size:
+            raise ValueError(
+                f"This RopeKVCache holds a batch of {self.batch_size} rows but got {batch}. A cache belongs to one "
+                "batch: create a fresh RopeKVCache for every generate() call (or use hf_ropekv.enable(model, ...))."
+            )
+
+    def observe_mask(self, attention_mask: torch.Tensor, new: int) -> bool:
+        """Record left padding from generate's 2-D attention mask (covers tokens seen + new); returns whether this
+        forward is a decoding step appending a real token, whose padding is the known one."""
+        self.check_batch(attention_mask.shape[0])
+        total = attention_mask.shape[-1]
+        if self.appends_real_token(total, new, attention_mask.shape[0]):
+            self.pads_total = total
+            return True
+        self.pads = (attention_mask == 0).sum(-1)
+        self.pads_total = total
+        if self.pads_host is None or new > 1 or len(self.pads_host) != attention_mask.shape[0]:
+            self.pads_host = tuple(self.pads.tolist())
+        return False
+
+    def observe_update(self, total: int, new: int, device: torch.device, args: tuple, kwargs: dict,
+                       from_model: bool) -> None:
+        """The padding of a forward the model attachment did not describe: from ``position_ids`` (transformers
+        5.24 passes them to ``update``), else none. ``from_model``: whether the cache has the model's hooks."""
+        if self.pads is not None and self.pads_total == total:
+            return  # the model attachment saw this forward's attention mask
+        if self.appends_real_token(total, new, self.batch_size):
+            self.pads_total = total  # a decoding step: the positions go on from the padding already known
+            return
+        position_ids = _compat.position_ids_from_update(args, kwargs)
+        if position_ids is not None:
+            last = position_ids[..., -1].reshape(-1).to(device)
+            self.pads = (total - 1 - last).clamp_min(0).expand(self.batch_size).clone()
+            if self.pads_host is None or new > 1:
+                self.pads_host = tuple(self.pads.tolist())
+        elif self.pads is None or self.pads.shape[0] != self.batch_size:
+            if self.batch_size > 1 and not from_model:
+                raise ValueError(
+                    "RopeKVCache was built from a config and this transformers version does not tell the cache "
+                    "where the left padding of a batch is. Build it from the model instead: "
+                    "RopeKVCache(model, ...)."
+                )
+            self.assume_no_padding(self.batch_size, device)
+        self.pads_total = total
+
+    def assume_no_padding(self, batch: int, device: torch.device) -> None:
+        """No padding is known for these rows: none (the one place that default is written)."""
+        self.pads = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pads_host = (0,) * batch
+
+    def pads_on(self, batch: int, device: torch.device) -> torch.Tensor:
+        """The rows' padding on the device, zeros while none is known (read, never recorded)."""
+        return self.pads if self.pads is not None else torch.zeros(batch, dtype=torch.long, device=device)
+
+    def record_compaction(self, plan: Plan, from_model: bool) -> None:
+        """A compaction moved each row's real tokens behind ``plan.holes_after`` holes (host only)."""
+        if not from_model and any(self.pads_host or ()):
+            natural = tuple(max(0, pad - (plan.seen - plan.slots_after)) for pad in self.pads_host)
+            if plan.holes_after != natural:  # the unmodified mask could not hide these holes
+                raise ValueError(
+                    "RopeKVCache was built from a config, so it cannot hide the rows' evicted slots in the "
+                    "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...)."
+                )
+        for row in plan.evicting_rows:
+            self.evicted[row] = True
+        self.holes = plan.holes_after
+        self.holes_pads = self.pads_host
+
+    def select(self, index: torch.Tensor) -> None:
+        """Rows were reordered, selected or repeated (``index``: the old row of each new one)."""
+        if self.pads is not None:
+            self.pads = self.pads.index_select(0, index.to(self.pads.device))
+        per_row = (self.pads_host, self.holes, self.holes_pads, tuple(self.evicted))
+        if any(rows and len(set(rows)) > 1 for rows in per_row):  # rows differ: where each goes matters (syncs)
+            order = index.tolist()
+            self.pads_host, self.holes, holes_pads, evicted = (
+                None if not rows else tuple(rows[i] for i in order) for rows in per_row
+            )
+            self.holes_pads, self.evicted = holes_pads or (), list(evicted or ())
+        elif len(index) != len(self.evicted):  # a selection of uniform rows: only the count changes
+            self.pads_host, self.holes, holes_pads, evicted = (
+                None if not rows else (rows[0],) * len(index) for rows in per_row
+            )
+            self.holes_pads, self.evicted = holes_pads or (), list(evicted or ())

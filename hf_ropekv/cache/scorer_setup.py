@@ -1,0 +1,62 @@
+"""Which scorer a cache uses, and what it gathers for it (online statistics, a window of recent queries)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..model.geometry import ModelGeometry
+from ..scorers.base import Scorer
+from .options import CacheOptions
+
+
+def resolve_scorer(scorer: Scorer | None, stats: Any, options: CacheOptions, geometry: ModelGeometry,
+                   model: nn.Module | None) -> tuple[Scorer, Any]:
+    """The scorer a cache uses and the online statistics it gathers for it (None when it gathers none)."""
+    if scorer is not None:
+        if not callable(getattr(scorer, "score", None)):
+            raise TypeError(
+                f"scorer must have a `score(keys, ctx)` method (see hf_ropekv.scorers); got {type(scorer).__name__}."
+            )
+        if stats is not None:
+            raise ValueError("Pass `stats` to the FrequencyScorer you build, or omit `scorer`; not both.")
+        return scorer, None
+    from ..scorers.frequency import FrequencyScorer
+
+    if stats is not None:
+        from ..statistics.frequency_stats import FrequencyStats
+
+        return FrequencyScorer(FrequencyStats.resolve(stats, geometry, model)), None
+    if options.budget is None:
+        return FrequencyScorer(None), None  # never called: nothing is evicted
+    if model is None:
+        raise ValueError(
+            "The default RoPE scorer needs query statistics: pass the model (RopeKVCache(model, ...)) so they "
+            "are gathered from the prompt, or stats=FrequencyStats/path from hf_ropekv.calibrate, or another "
+            "scorer (hf_ropekv.scorers)."
+        )
+    from ..statistics.online import OnlineStatistics
+
+    return FrequencyScorer(None), OnlineStatistics(geometry, half_life=options.stats_half_life)
+
+
+def query_window(scorer: Scorer, options: CacheOptions, geometry: ModelGeometry, model: nn.Module | None) -> Any:
+    """Recent queries for a scorer that asks for them (``query_window``; they need the model's hooks), or None."""
+    window = getattr(scorer, "query_window", None)
+    if window is None or options.budget is None:
+        return None
+    if model is None:
+        raise ValueError(
+            f"{type(scorer).__name__} recomputes attention from the model's queries: build the cache from "
+            "the model (RopeKVCache(model, ...)), not from its config."
+        )
+    if options.static:
+        raise ValueError(
+            f"{type(scorer).__name__} recomputes attention from a growing window of recent queries, which a "
+            "static (compiled) cache cannot hold. Use static=False with it, or a scorer that needs no queries "
+            "(the default RoPE scorer, RecencyScorer, KeyNormScorer, RandomScorer)."
+        )
+    from ..scorers.query_window import QueryWindow
+
+    return QueryWindow(geometry, window)

@@ -1,0 +1,110 @@
+"""The static (compileable) forward driver: every decision of a forward is taken before it runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _compat
+from ..storage.buffers import BufferLease
+from .forward import ForwardCoordinator
+
+
+class StaticForwardDriver:
+    """Prepares each forward of a static cache before it runs, so a compiled decode step reads no host counter.
+
+    It runs the same prologue as a growing cache (``ForwardCoordinator.prologue``: the same plan, the compaction
+    eagerly, between two compiled steps), then makes room in the arenas, tells each layer where its tokens go and
+    how many slots attention reads, and fills the clock (two device scalars per device that a compiled step
+    captured by address: the first new token's slot and the tokens seen before it).
+    """
+
+    def __init__(self, coordinator: ForwardCoordinator, lease: BufferLease, page_size: int, layer_count: int) -> None:
+        self.coordinator = coordinator
+        self.layer_count = layer_count  # all layers of the model (transformers' shape helper counts them)
+        self.lease = lease
+        self.page_size = page_size
+        self.clock: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.query_offset = 0  # slots in front of the running forward's first new token
+
+    def reset(self) -> None:
+        self.query_offset = 0
+
+    def prepare(self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device,
+                model: nn.Module | None, online: Any) -> torch.Tensor:
+        """Take every decision of a forward of ``new`` tokens; return its ``[B, kv_length]`` slot mask (each row's
+        live slots, right-aligned after its holes)."""
+        coordinator, rows = self.coordinator, self.coordinator.rows
+        layers = coordinator.full_layers
+        rows.check_batch(batch)
+        first = layers[0]
+        seen = first.tokens_seen
+        if attention_mask is not None:
+            rows.observe_mask(attention_mask, new)
+        elif rows.pads is None or rows.pads.shape[0] != batch:
+            rows.assume_no_padding(batch, device)
+        plan = coordinator.prologue(seen, new)
+        needed = plan.slots_after + new
+        for layer in layers:
+            layer.storage.reserve(needed)
+        # What attention reads: the arena the layers hold for this forward (the fixed one, or a temporary one in
+        # whole pages for a forward longer than it; a layer allocates at its first forward, to this size).
+        page = self.page_size
+        kv_length = first.storage.capacity or max(first.storage.static_capacity, -(-needed // page) * page)
+        if not first.is_initialized:
+            self._initialize_layers(model, batch, kv_length)
+        self.query_offset = plan.slots_after
+        indices = self._write_indices(plan.slots_after, new, seen, device, online)
+        for layer in layers:
+            keys = layer.storage.keys
+            layer.prepare_forward(plan.slots_after, new, seen, kv_length,
+                                  indices.get(keys.device) if keys is not None else None)
+        slot = torch.arange(kv_length, device=device)[None, :]
+        holes = rows.on_device(plan.holes_after, device)[:, None]
+        mask = (slot >= holes) & (slot < plan.slots_after + new)
+        return mask if attention_mask is None else mask.to(attention_mask.dtype)
+
+    def _initialize_layers(self, model: nn.Module | None, batch: int, kv_length: int) -> None:
+        """Allocate every layer's arena before the first forward, as generate does for a StaticCache before a
+        compiled prefill: allocated inside a CUDA graph, an arena would live in the graph's memory pool and be
+        overwritten by the next replay. Left to the first forward when transformers cannot tell the shapes
+        (layers on several devices)."""
+        layers = self.coordinator.full_layers
+        shape = None if model is None else _compat.static_init_shape(model, self.layer_count)
+        if shape is None:
+            return
+        heads, head_dims = shape
+        embeddings = model.get_input_embeddings()
+        dtype = embeddings.weight.dtype if embeddings is not None else model.dtype  # what the keys are computed in
+        for layer in layers:
+            like = torch.empty(batch, heads[layer.layer_idx], 0, head_dims[layer.layer_idx], dtype=dtype,
+                               device=model.device)
+            layer.initialize(like, like, kv_length)
+
+    def _write_indices(self, slots: int, new: int, seen: int, input_device: torch.device,
+                       online: Any) -> dict[torch.device, torch.Tensor]:
+        """Where this forward's tokens go, per device, and the clock a compiled forward reads (refilled here, never
+        replaced). A decode step writes at the clock's first slot; a multi-token forward gets a fresh ``arange``."""
+        layers = self.coordinator.full_layers
+        devices = {layer.storage.keys.device for layer in layers if layer.storage.keys is not None}
+        for device in devices | {input_device}:
+            if device not in self.clock:
+                self.clock[device] = tuple(
+                    self.lease.take(("clock", i, device), shape, torch.int64,
+                                    lambda shape=shape: torch.zeros(shape, dtype=torch.int64, device=device))
+                    for i, shape in enumerate(((1,), ()))
+                )
+            first_slot, seen_before = self.clock[device]
+            first_slot.fill_(slots)
+            seen_before.fill_(seen)
+        if new == 1 and online is not None and not online.on_buffers:
+            online.move_to_buffers(self.lease.take)  # decoding starts: the sums a compiled step updates
+        if new > 1:
+            return {device: torch.arange(slots, slots + new, device=device) for device in devices}
+        return {device: self.clock[device][0] for device in devices}
+
+    def clock_on_first_device(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(first new slot, tokens seen before)`` as device scalars, for a compiled step."""
+        return next(iter(self.clock.values()))

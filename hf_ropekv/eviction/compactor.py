@@ -1,0 +1,171 @@
+"""Scoring, selection and in-place compaction of a forward's full-attention layers."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from ..scorers.base import ScoreContext, Scorer
+from ..storage.paged import PagedKV, compact_arenas
+from .schedule import Plan
+from .selection import Guards, hashed_uniform, select_keep, slot_masks
+
+#: Slots (layers x rows x KV heads x slots) one batched per-layer selection ranks at most, whatever the batch: its
+#: temporaries (per-query-head float32 scores and their z-scores, int64 positions and sort indices, masks) then
+#: stay under about 256 MiB, so a user near the end of a small card's memory meets no new gigabyte. It still ranks
+#: every layer of a batch-1 Qwen3-8B (36 x 8 heads x 2,176 slots) in one go.
+SELECTION_WORKSPACE = 1 << 21
+
+
+class StoredLayer(Protocol):
+    """What the compactor reads of a full-attention layer."""
+
+    layer_idx: int
+    storage: PagedKV
+
+
+class Compactor:
+    """Picks each row's survivors in a set of layers and compacts them in place.
+
+    Args:
+        scorer: the eviction policy.
+        per_layer: rank every layer on its own (else once for all layers, scores averaged).
+        sink, window, auto_window, seed: the guards and tie-break seed (``CacheOptions``).
+        online: online query statistics to hand the scorer before it scores (or None).
+        queries: recent queries for a scorer that recomputes attention (``QueryWindow``, or None).
+    """
+
+    def __init__(self, scorer: Scorer, *, per_layer: bool, sink: int, window: int, auto_window: bool, seed: int,
+                 online: Any = None, queries: Any = None) -> None:
+        self.scorer = scorer
+        self.per_layer = per_layer
+        self.sink = sink
+        self.window = window
+        self.auto_window = auto_window
+        self.seed = seed
+        self.online = online
+        self.queries = queries
+
+    def compact(self, layers: Sequence[StoredLayer], plan: Plan, pads: torch.Tensor, pads_host: tuple[int, ...],
+                pinned: int) -> None:
+        """Compact ``layers`` (all holding ``plan.slots_before`` slots) to ``plan.slots_after``.
+
+        ``pads``: each row's left padding (device), ``pads_host`` the same on the host; ``pinned``: tokens of
+        each row (padding included) that are never evicted.
+        """
+        if not self.per_layer:  # one ranking for all layers, one launch per device
+            compact_arenas([layer.storage for layer in layers], *self._select(layers, plan, pads, pads_host, pinned))
+            return
+        # Every layer ranked on its own, the layers of a device batched along the rows, in bounded groups.
+        first = layers[0].storage
+        per_layer = first.keys.shape[0] * first.keys.shape[1] * plan.slots_before  # slots a layer ranks
+        chunk = max(1, SELECTION_WORKSPACE // max(1, per_layer))
+        for _, same_device in itertools.groupby(layers, key=lambda layer: layer.storage.keys.device):
+            same_device = list(same_device)
+            for i in range(0, len(same_device), chunk):
+                group = same_device[i : i + chunk]
+                keep, start = self._select(group, plan, pads, pads_host, pinned, each=True)
+                for layer, layer_keep in zip(group, keep):
+                    compact_arenas([layer.storage], layer_keep, start)
+
+    def window_for(self, plan: Plan, pads_host: tuple[int, ...] | None, pinned: int,
+                   device: torch.device) -> int | torch.Tensor:
+        """The recent window each row protects: the one asked for, or the default cut to what the budget leaves
+        beside the row's pinned prompt and sink (per row, ``[B]``)."""
+        if not self.auto_window or not self.window:
+            return self.window
+        pads = pads_host or (0,) * len(plan.kept_after)
+        room = [max(0, target - max(0, pinned - pad) - self.sink) for target, pad in zip(plan.kept_after, pads)]
+        return torch.tensor([min(self.window, r) for r in room], device=device)
+
+    def _select(self, layers: Sequence[StoredLayer], plan: Plan, pads: torch.Tensor, pads_host: tuple[int, ...],
+                pinned: int, each: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score ``layers`` and pick each row's survivors: ``(keep, start)`` for ``compact_arenas``.
+
+        Row ``b`` keeps ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``. By default the layers
+        hold the same tokens and are ranked together: ``keep`` is ``[B, H, K]``. With ``each``, every layer is
+        ranked on its own, the layers stacked along the rows: ``keep`` is ``[L, B, H, K]``.
+        """
+        first = layers[0].storage
+        device = first.keys.device
+        seen, count = plan.seen, len(layers)
+        pads = pads.to(device)
+        holes = torch.tensor([plan.slots_before - k for k in plan.kept_before], device=device)
+        window = self.window_for(plan, pads_host, pinned, device)
+        # [L, B, H, S], or [1, B, H, S] when the layers hold the same tokens and are ranked together.
+        if each:
+            slot_positions = torch.stack([layer.storage.live_positions() for layer in layers])
+        else:
+            slot_positions = first.live_positions()[None]
+        rows = slot_positions.shape[0]  # rankings made side by side
+        flat_positions = slot_positions.flatten(0, 1)
+        guards = Guards(
+            pinned=pinned,
+            sink=self.sink,
+            window=window.repeat(rows) if isinstance(window, torch.Tensor) else window,
+        )
+        row_pads = pads.repeat(rows)
+        is_hole, protected = slot_masks(flat_positions, holes.repeat(rows), row_pads, seen, guards)
+        candidates = (~(is_hole | protected)).view(slot_positions.shape)
+        if self.online is not None:
+            self.scorer.stats = self.online.snapshot()
+        scores = self._score(layers, seen - pads, seen, candidates, is_hole.view(slot_positions.shape))
+        if not each:  # one ranking for all layers: their mean score (summed in layer order)
+            total = scores[0]
+            for layer_scores in scores[1:]:
+                total = total + layer_scores
+            scores = (total / count)[None]
+        # Tie-break noise that depends on the token (real index) and head only, never on the batch.
+        heads = torch.arange(flat_positions.shape[1], device=device).view(1, -1, 1)
+        noise = hashed_uniform(self.seed, flat_positions - row_pads.view(-1, 1, 1), heads)
+        # A row whose left padding reaches into this forward's tokens has a negative count (its holes then cover
+        # them); it keeps no stored token.
+        targets = torch.tensor(plan.kept_after, device=device).clamp_min(0)
+        keep, start = select_keep(scores.flatten(0, 1), is_hole, protected, targets.repeat(rows), plan.slots_after,
+                                  noise)
+        keep = keep.view(rows, *slot_positions.shape[1:3], keep.shape[-1])
+        return (keep if each else keep[0]), start[: targets.shape[0]]
+
+    def _score(self, layers: Sequence[StoredLayer], position: torch.Tensor, seen: int, candidates: torch.Tensor,
+               is_hole: torch.Tensor) -> torch.Tensor:
+        """float32 ``[L, B, H, S]`` scores of ``layers`` on the first layer's device.
+
+        ``candidates`` and ``is_hole`` are ``[L, B, H, S]``, or ``[1, B, H, S]`` when every layer holds the same
+        tokens. A scorer with ``score_layers`` gets every layer in one call.
+        """
+        device = layers[0].storage.keys.device
+        contexts = []
+        for i, layer in enumerate(layers):
+            storage = layer.storage
+            layer_device = storage.keys.device
+            j = i if candidates.shape[0] > 1 else 0
+            contexts.append(ScoreContext(
+                layer_idx=layer.layer_idx,
+                position=position.to(layer_device),
+                tokens_seen=seen,
+                slot_positions=storage.live_positions(),
+                candidates=candidates[j].to(layer_device),
+                **self._query_fields(layer.layer_idx, is_hole[j], layer_device),
+            ))
+        keys = [layer.storage.live_keys() for layer in layers]
+        score_layers = getattr(self.scorer, "score_layers", None)
+        if score_layers is not None and len(keys) > 1 and all(k.device == device for k in keys):
+            scores = score_layers(keys, contexts)
+        else:
+            scores = torch.stack([self.scorer.score(k, ctx).to(device, torch.float32) for k, ctx in zip(keys, contexts)])
+        if self.queries is not None:
+            for layer in layers:
+                self.queries.compacted(layer.layer_idx)
+        return scores.float()
+
+    def _query_fields(self, layer_idx: int, is_hole: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        """The ``ScoreContext`` fields of an attention-based scorer (empty for the others)."""
+        if self.queries is None:
+            return {}
+        queries, positions, new = self.queries.take(layer_idx)
+        return dict(
+            queries=queries, query_positions=positions, new_queries=new, valid=~is_hole.to(device),
+            attention_scale=self.queries.scales[layer_idx],
+        )
