@@ -134,7 +134,7 @@ class ForwardCoordinator:
     def _other_model_error(self) -> str:
         """A forward reached the cache without its model's forward pre-hook: another model runs it."""
         running = _running_model_class()
-        other = f"a {running}" if running and running != self.model_class else "another model"
+        other = "another model" if running is None else f"another {running}" if running == self.model_class else f"a {running}"
         return (
             f"This RopeKVCache was built for a {self.model_class} and is bound to it, but {other} runs a forward "
             f"with it. Build a cache for each model: RopeKVCache(the_model, ...)."
