@@ -86,7 +86,9 @@ class ForwardCoordinator:
                 rows.check_batch(key_states.shape[0])
             return
         if self.model_class is not None and not self.announced:
-            raise ValueError(self._other_model_error())
+            running = _running_model_class()  # None: update() called directly (no model forward), which is fine
+            if running is not None:
+                raise ValueError(self._other_model_error(running))
         self.announced = False
         seen, new = layer.tokens_seen, key_states.shape[-2]
         rows.check_batch(key_states.shape[0])
@@ -131,10 +133,9 @@ class ForwardCoordinator:
                         "`protect_prompt=False` to let prompt tokens be evicted too."
                     )
 
-    def _other_model_error(self) -> str:
-        """A forward reached the cache without its model's forward pre-hook: another model runs it."""
-        running = _running_model_class()
-        other = "another model" if running is None else f"another {running}" if running == self.model_class else f"a {running}"
+    def _other_model_error(self, running: str) -> str:
+        """A model's forward reached the cache without that model's pre-hook: another model runs it."""
+        other = f"another {running}" if running == self.model_class else f"a {running}"
         return (
             f"This RopeKVCache was built for a {self.model_class} and is bound to it, but {other} runs a forward "
             f"with it. Build a cache for each model: RopeKVCache(the_model, ...)."
