@@ -71,7 +71,7 @@ class KVBytes:
     """Where the cache's bytes go, next to what a full cache (``DynamicCache``) holds for the same tokens."""
 
     kept_kv: int  # keys and values of the tokens the full-attention layers kept
-    spare_kv: int  # keys and values of arena slots holding no token: the arena is sized in whole pages, once
+    spare_kv: int  # keys and values of arena slots holding no token: the arena grows in whole pages up to the bound
     positions: int  # the int64 token index the arena stores beside every slot (scoring and compaction read it)
     sliding: int  # sliding-window layers, which hold their window exactly as a full cache does
     full: int  # a full cache for the same tokens
@@ -101,9 +101,8 @@ def kv_bytes(cache: RopeKVCache) -> KVBytes:
 def _arena_reason(cache: RopeKVCache, arena) -> str:
     size = f"the arena holds {arena.capacity} slots ({arena.pages_allocated} pages of {arena.page_size})"
     if cache.budget is not None:
-        steady = -(-(cache.budget + cache.compress_every) // arena.page_size) * arena.page_size
-        if arena.capacity == steady:
-            return f"{size}: the bound in whole pages"
+        if arena.capacity == cache.budget + cache.compress_every:
+            return f"{size}: the bound, budget + compress_every"
     return f"{size}: it grows in whole pages"
 
 

@@ -166,8 +166,8 @@ def test_lockstep_dry_run_pairs_every_step_of_the_caches(tmp_path: Path) -> None
     text = (tmp_path / "lockstep_decode.md").read_text()
     assert "threads on one core" in text and "Python functions per decode step" in text
     python = result["python_profiles"][str(result["settings"]["contexts"][0])]
-    assert any("storage.py" in name for name in python["RopeKVCache"])  # the cache's own functions were profiled
-    assert not any("storage.py" in name for name in python["DynamicCache"])  # and only in its own thread
+    assert any("paged.py" in name for name in python["RopeKVCache"])  # the cache's own functions were profiled
+    assert not any("paged.py" in name for name in python["DynamicCache"])  # and only in its own thread
     for row in rows.values():
         assert row["gc_ms"] >= 0 and row["mean_all_minus_gc_us"] <= row["mean_all_us"]
         assert row["gc_full_collections"] >= 0

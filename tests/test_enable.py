@@ -250,7 +250,7 @@ def test_pipeline_text_generation(model) -> None:
     assert [r[0]["generated_text"] for r in one_by_one] == want
     assert [r[0]["generated_text"] for r in batched] == want_batched
     assert spy.types() == ["RopeKVCache"] * 3  # two single prompts, then one batch of two
-    assert spy.caches[-1]._batch_size == 2
+    assert spy.caches[-1].batch_size == 2
 
 
 def test_text_streamer(model) -> None:

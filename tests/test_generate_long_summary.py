@@ -75,7 +75,7 @@ def test_summary_text_states_the_bound_and_adds_up(llama_run) -> None:
     assert f"tokens kept / seen   {kept} / {seen}  ({kept / seen:.1%}" in text
     assert f"budget + compress-every = {BUDGET} + {COMPRESS_EVERY} = {BUDGET + COMPRESS_EVERY}" in text
     assert f"compactions          {cache.num_compactions}" in text
-    assert "the arena holds 48 slots (3 pages of 16): the bound in whole pages" in text
+    assert "the arena holds 40 slots (3 pages of 16): the bound, budget + compress_every" in text
     assert "beside 128 bytes of K/V" in text
 
     total = float(re.search(r"\(([\d.]+)% of full\)", text).group(1))

@@ -51,7 +51,7 @@ class RopeKVCache(Cache):
         budget: tokens kept per row, KV head and layer after a compaction (prompt included when pinned);
             ``None`` never evicts.
         compress_every: compact once this many tokens beyond the budget have accumulated (amortises scoring).
-        page_size: slots per storage page; capacity grows and is reported in whole pages.
+        page_size: slots per storage page; capacity grows in whole pages up to ``budget + compress_every``.
         window: most recent tokens never evicted; ``None``: ``min(32, budget // 4)`` (0 without a budget).
         sink: first tokens of each row never evicted (StreamingLLM's attention sinks).
         protect_prompt: pin every token received before the first single-token (decoding) step; the prompt
@@ -163,6 +163,11 @@ class RopeKVCache(Cache):
         """Slots per row, KV head and full-attention layer currently held: the longest row's real tokens (rows
         with fewer sit behind masked holes). Bounded by ``budget + compress_every``."""
         return self._full_layers[0].tokens_kept if self._full_layers else self.tokens_seen
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows of the batch this cache holds (None before its first forward)."""
+        return self.rows.batch_size
 
     @property
     def tokens_kept_per_row(self) -> tuple[int, ...]:
