@@ -14,17 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache
 
 from ..eviction.compactor import Compactor
 from ..hooks.attach import ModelAttachment
-from ..model.geometry import FULL, ModelGeometry, describe, shared_geometry
+from ..model.geometry import ModelGeometry, describe, shared_geometry
 from ..scorers.base import Scorer
 from ..storage.buffers import BufferLease, BufferPool
-from ..storage.paged import PagedKV
-from ..storage.static import StaticKV
 from .forward import ForwardCoordinator
-from .layers import CANNOT_CROP, BudgetedLayer, StaticBudgetedLayer
+from . import footprint
+from .layers import CANNOT_CROP, BudgetedLayer, make_layers
+from .masks import mask_for_forward, window_positions, with_holes
 from .model_checks import check_sliding_windows, check_static
 from .options import CacheOptions
 from .rows import BatchRows
@@ -63,9 +63,6 @@ class RopeKVCache(Cache):
         stats_half_life: with online statistics, the number of tokens after which a query's weight halves;
             ``None`` weighs all queries alike.
 
-    The defaults (per-layer selection, a recent window of 32, online statistics with a half-life of 128) are
-    the best of the variants measured on free-running GSM8K reasoning (README, "Quality"); the paper's
-    operating point is ``selection="global", window=0, stats_half_life=None``.
         selection: ``"per_layer"`` lets every layer rank its own keys; ``"global"`` ranks once per (row, KV
             head) with scores averaged over layers (the paper's operating point).
         seed: seed of the tie-breaking noise (and of the random scorer's default).
@@ -77,6 +74,11 @@ class RopeKVCache(Cache):
             eagerly between two compiled steps. Same tokens kept as ``static=False`` (tested). Needs a budget and
             the model; not for models with sliding-window layers or for scorers that recompute attention
             (SnapKV, H2O, R-KV).
+
+    The defaults (per-layer selection, a recent window of 32, online statistics with a half-life of 128) are
+    the best of the variants measured on free-running GSM8K reasoning (README, "Quality"); the paper's
+    operating point is ``selection="global", window=0, stats_half_life=None``. Options are validated together
+    (:class:`~hf_ropekv.cache.options.CacheOptions`) before any is used.
     """
 
     def __init__(
@@ -108,16 +110,7 @@ class RopeKVCache(Cache):
             check_static(self.geometry, budget, model_or_config)
             self._lease = BufferLease(self, BufferPool.of(model_or_config))
 
-        hint = options.steady_slots
-        layers: list[Any] = []
-        for idx, (kind, sliding_window) in enumerate(zip(self.geometry.layer_types, self.geometry.sliding_windows)):
-            if kind == FULL and static:
-                layers.append(StaticBudgetedLayer(self, idx, StaticKV(hint, page_size, idx, self._lease)))
-            elif kind == FULL:
-                layers.append(BudgetedLayer(self, idx, PagedKV(page_size, capacity_hint=hint)))
-            else:
-                layers.append(DynamicSlidingWindowLayer(sliding_window=sliding_window))
-        super().__init__(layers=layers)
+        super().__init__(layers=make_layers(self, self.geometry, options, self._lease))
         self._full_layers = [layer for layer in self.layers if isinstance(layer, BudgetedLayer)]
 
         model = model_or_config if isinstance(model_or_config, nn.Module) else None
@@ -184,20 +177,9 @@ class RopeKVCache(Cache):
             raise IndexError(f"layer_idx must be in [0, {len(self.layers)}); got {layer_idx}.")
         layer = self.layers[layer_idx]
         holes = self.rows.current_holes()
-        if isinstance(layer, BudgetedLayer):
-            positions = layer.storage.live_positions().clone()
-        else:
-            if not layer.is_initialized or layer.keys is None:
-                return torch.empty(len(holes), 0, 0, dtype=torch.long)
-            batch, heads, kept = layer.keys.shape[:3]
-            seen = layer.get_seq_length()
-            positions = torch.arange(seen - kept, seen, device=layer.keys.device).expand(batch, heads, kept).clone()
-            # A window's slots are its last tokens; a row's padding among them is a hole too.
-            pads = self.rows.pads_host or (0,) * batch
-            holes = tuple(max(0, pad - (seen - kept)) for pad in pads)
-        slot = torch.arange(positions.shape[-1], device=positions.device)
-        is_hole = slot[None, None, :] < torch.tensor(holes, device=positions.device).view(-1, 1, 1)
-        return positions.masked_fill(is_hole, -1)
+        if not isinstance(layer, BudgetedLayer):
+            return window_positions(layer, self.rows.pads_host, len(holes))
+        return with_holes(layer.storage.live_positions().clone(), holes)
 
     @property
     def num_compactions(self) -> int:
@@ -216,29 +198,12 @@ class RopeKVCache(Cache):
     @property
     def bytes_held(self) -> int:
         """Bytes of device memory the cache's tensors occupy (all layers, slot positions included)."""
-        total = sum(layer.storage.bytes_held for layer in self._full_layers)
-        for layer in self._window_layers():
-            total += layer.keys.numel() * layer.keys.element_size() * 2
-        return total
+        return footprint.bytes_held(self.layers)
 
     @property
     def full_cache_bytes(self) -> int:
         """Bytes a ``DynamicCache(config=...)`` would hold for the same tokens (for comparison)."""
-        stored = [layer.storage.keys for layer in self._full_layers if layer.storage.keys is not None]
-        keys = stored[0] if stored else next((layer.keys for layer in self._window_layers()), None)
-        if keys is None:
-            return 0
-        per_token = 2 * keys.shape[1] * keys.shape[3] * keys.element_size() * keys.shape[0]
-        seen = self.tokens_seen
-        return sum(
-            per_token * (seen if kind == FULL else min(seen, window - 1))
-            for kind, window in zip(self.geometry.layer_types, self.geometry.sliding_windows)
-        )
-
-    def _window_layers(self) -> list[Any]:
-        """The sliding-window layers that hold tokens."""
-        return [layer for layer in self.layers
-                if not isinstance(layer, BudgetedLayer) and layer.is_initialized and layer.keys is not None]
+        return footprint.dynamic_cache_bytes(self.layers, self.geometry, self.tokens_seen)
 
     @property
     def evicted(self) -> bool:
@@ -368,45 +333,22 @@ class RopeKVCache(Cache):
             model = self._attachment._model_ref()
             replaced = self._static_driver.prepare(attention_mask, new, batch, device, model, self._online)
         else:
-            replaced = None if attention_mask is None else self._attention_mask_for(attention_mask, new)
+            replaced = None if attention_mask is None else self._mask_for(attention_mask, new)
         if self._online is not None:
             self._online.begin_forward(new_token_mask, new)
         if self._queries is not None:
             self._queries.begin_forward(self.get_seq_length(), new, self.rows.pads_on(batch, device), new_token_mask)
         return replaced
 
+    def _mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor | None:
+        """The 2-D mask a growing cache's forward must use (``masks.mask_for_forward``)."""
+        decoding = self.rows.observe_mask(attention_mask, new)
+        plan = self.coordinator.plan_for(new, 0 if self._full_layers else self.get_seq_length())
+        return mask_for_forward(attention_mask, new, plan, self.rows, decoding)
+
     def _query_consumers(self) -> list[Any]:
         """What the model attachment hands each forward's pre-RoPE queries to (see ``AttachedCache``)."""
         return [consumer for consumer in (self._online, self._queries) if consumer is not None]
-
-    def _attention_mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor | None:
-        """The 2-D mask this forward must use: generate's own, with each row's holes hidden once rows differ; or
-        None, for a decoding step where no row has a padded or evicted slot to hide.
-
-        The full-attention layers read the mask's last ``slots + new`` columns (the geometry
-        ``get_mask_sizes`` reports). Until the first compaction every row's holes are its left padding, which
-        the mask already hides; after it, the rows' holes come from the plan.
-        """
-        rows = self.rows
-        decoding = rows.observe_mask(attention_mask, new)
-        plan = self.coordinator.plan_for(new, 0 if self._full_layers else self.get_seq_length())
-        if decoding and not any(rows.pads_host) and not any(plan.holes_after):
-            # Every column would read one: the model needs no mask (generate itself drops an all-ones mask on newer
-            # transformers). Given one, transformers 5.17 gathers the kept slots' columns of it every decoding step
-            # (three kernels that DynamicCache's steps do not run) and synchronises on their all().
-            return None
-        if rows.holes is None and not plan.compacts:
-            return attention_mask
-        # Left padding hides the first max(0, pad - (seen - slots)) columns of the region: when that is each row's
-        # holes (no padding and rows kept alike, e.g. batch 1), generate's mask is already the one to use.
-        evicted = plan.seen - plan.slots_after
-        if plan.holes_after == tuple(max(0, pad - evicted) for pad in rows.pads_host):
-            return attention_mask
-        holes = rows.on_device(plan.holes_after, attention_mask.device)
-        region = torch.arange(plan.slots_after + new, device=attention_mask.device)[None, :] >= holes[:, None]
-        mask = attention_mask.clone()
-        mask[:, mask.shape[1] - region.shape[1] :] = region.to(mask.dtype)
-        return mask
 
     # ------------------------------------------------------------------ static: the compiled step's clock
     def get_query_offset(self, layer_idx: int = 0) -> Any:

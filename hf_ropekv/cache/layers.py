@@ -7,12 +7,13 @@ already bounded and stay transformers' own ``DynamicSlidingWindowLayer``.
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .. import _compat
+from ..model.geometry import FULL, ModelGeometry
 from ..storage.paged import PagedKV
 from ..storage.static import StaticKV
 
@@ -171,3 +172,18 @@ class StaticBudgetedLayer(BudgetedLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kv_length, 0
+
+
+def make_layers(cache: CoordinatedCache, geometry: ModelGeometry, options: Any, lease: Any) -> list[CacheLayerMixin]:
+    """One layer per model layer: budgeted (static or growing) for full attention, transformers' own window for
+    sliding-window layers. ``options``: the cache's ``CacheOptions``; ``lease``: a static cache's buffers."""
+    hint, page_size = options.steady_slots, options.page_size
+    layers: list[CacheLayerMixin] = []
+    for idx, (kind, sliding_window) in enumerate(zip(geometry.layer_types, geometry.sliding_windows)):
+        if kind == FULL and options.static:
+            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, page_size, idx, lease)))
+        elif kind == FULL:
+            layers.append(BudgetedLayer(cache, idx, PagedKV(page_size, capacity_hint=hint)))
+        else:
+            layers.append(DynamicSlidingWindowLayer(sliding_window=sliding_window))
+    return layers
