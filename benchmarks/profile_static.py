@@ -6,7 +6,7 @@ For each point (batch x prompt tokens) and attention implementation (``--attenti
 
 1. a warm-up call (compiles), then ``--repeats`` timed calls alternated between the attention implementations:
    median plain step and each compaction step (the gaps between successive logits, ``common.StepClock``), the
-   eager preparation of each step (``_prepare_static_forward``, host time) and each compaction (``_compact``,
+   eager preparation of each step (``StaticForwardDriver.prepare``, host time) and each compaction (``Compactor.compact``,
    host time with the device synchronised before and after), and the CUDA graphs recorded;
 2. one profiled call (``torch.profiler``, CPU and CUDA) over a window of ``--window`` steps from ``--skip`` that
    holds a compaction step: GPU kernel time per step, the top kernels and host operators (``tables_b*.txt``).
