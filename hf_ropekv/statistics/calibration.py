@@ -46,7 +46,7 @@ def calibrate(
     source: str | None = None,
     progress: bool = True,
 ) -> "FrequencyStats":
-    """Average the pre-RoPE queries of ``model`` over ``texts`` (DESIGN.md §2).
+    """Average the pre-RoPE queries of ``model`` over ``texts`` (README "How it works": the score).
 
     Args:
         model: a decoder-only RoPE model (any dtype, device or ``device_map``; weight-quantized works).

@@ -1,4 +1,4 @@
-"""Calibrated pre-RoPE query statistics (DESIGN.md §2): what the RoPE scorer needs about future queries.
+"""Calibrated pre-RoPE query statistics: what the RoPE scorer needs about future queries (README "How it works").
 
 Per layer ``l``, query head ``h`` and rotary pair ``f`` (``F = rotary_dim / 2``), with ``q_f`` the complex
 number RoPE rotates (``q[f] + i q[f + F]`` in the ``rotate_half`` layout, ``q[2f] + i q[2f + 1]`` in the
