@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers.configuration_utils import PretrainedConfig  # PreTrainedModel: in annotations only (postponed)
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
