@@ -46,10 +46,7 @@ def _qwen_gguf() -> Path:
     examples = str(REPO / "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
-    try:
-        assets = importlib.import_module("offline_assets")
-    except ImportError:
-        assets = importlib.import_module("hf_ropekv.offline")
+    assets = importlib.import_module("offline_assets")
     return assets.qwen25_coder_gguf_path()
 
 

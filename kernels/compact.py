@@ -1,4 +1,4 @@
-"""In-place, order-preserving compaction of KV storage (DESIGN.md §4), and its PyTorch twin.
+"""In-place, order-preserving compaction of KV storage (README "How it works": compaction), and its PyTorch twin.
 
 For every tensor ``t`` [B, H, C, D], ``keep`` [B, H, K] and an optional first
 destination ``start`` [B] (0 when omitted)::

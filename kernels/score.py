@@ -1,4 +1,4 @@
-"""Key scoring kernel (TriAttention, DESIGN.md §2) and its PyTorch twin.
+"""Key scoring kernel (TriAttention; README "How it works": the score) and its PyTorch twin.
 
 Both functions compute, for every query head ``h`` and cached slot ``s``::
 

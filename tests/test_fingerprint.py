@@ -7,40 +7,28 @@ shape check passes, only the fingerprint tells them apart.
 from __future__ import annotations
 
 import hashlib
-import logging
+import warnings
 
 import pytest
 import torch
 from conftest import tiny_model
-from transformers.utils import logging as hf_logging
 
 import hf_ropekv
-from hf_ropekv import FrequencyStats, RopeKVCache
+from hf_ropekv import FrequencyStats, HfRopeKVWarning, RopeKVCache
 from hf_ropekv.statistics import fingerprint
 from hf_ropekv.model.geometry import describe
 
 TEXT = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
 def warned():
-    """Warnings of the fingerprint check (its once-per-pair memory cleared)."""
+    """The HfRopeKVWarnings issued during the test (the fingerprint check's once-per-pair memory cleared)."""
     fingerprint._warned.clear()
-    handler = _Warnings()
-    hf_logging.get_logger("hf_ropekv.statistics.fingerprint").addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        hf_logging.get_logger("hf_ropekv.statistics.fingerprint").removeHandler(handler)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", HfRopeKVWarning)
+        yield record
 
 
 def calibrated(model) -> FrequencyStats:
@@ -102,7 +90,7 @@ def test_statistics_of_other_weights_warn_naming_both(tmp_path, warned) -> None:
 
     cache = RopeKVCache(model, budget=16, compress_every=4, stats=path)  # geometry fits: it still loads
     assert len(warned) == 1
-    message = warned[0]
+    message = str(warned[0].message)
     assert ours in message and theirs in message and str(path) in message
     assert "input_ids" in message  # the statistics' source (calibration text)
     assert cache.scorer.stats.metadata["weights_fingerprint"] == theirs
@@ -111,6 +99,16 @@ def test_statistics_of_other_weights_warn_naming_both(tmp_path, warned) -> None:
     hf_ropekv.enable(model, budget=16, compress_every=4, stats=path)
     hf_ropekv.disable(model)
     assert len(warned) == 1
+
+
+def test_other_weights_warning_is_an_hf_ropekv_warning_at_the_users_line(tmp_path) -> None:
+    """A warnings filter or pytest.warns catches it, and it points here, not inside hf_ropekv or transformers."""
+    fingerprint._warned.clear()
+    model = tiny_model("llama")
+    stats = calibrated(tiny_model("llama", seed=1))
+    with pytest.warns(HfRopeKVWarning, match="other weights") as record:
+        RopeKVCache(model, budget=16, compress_every=4, stats=stats)
+    assert [w.filename for w in record if issubclass(w.category, HfRopeKVWarning)] == [__file__]
 
 
 def test_matching_and_unfingerprinted_statistics_load_silently(tmp_path, warned) -> None:
@@ -134,8 +132,8 @@ def test_models_without_readable_weights_have_no_fingerprint(warned) -> None:
     with torch.device("meta"):
         offloaded = tiny_model("llama")
     assert fingerprint.weights_fingerprint(offloaded) is None
-    assert not fingerprint.warn_if_other_weights(stats, offloaded)
-    assert fingerprint.warn_if_other_weights(stats, model)
+    assert not fingerprint.warn_if_other_weights(stats.metadata, offloaded)
+    assert fingerprint.warn_if_other_weights(stats.metadata, model)
 
 
 def test_quantized_weights_are_read_dequantized(warned) -> None:
@@ -151,5 +149,5 @@ def test_quantized_weights_are_read_dequantized(warned) -> None:
     assert 0 < (dense - want).abs().max() < 0.01 * want.abs().max()  # int8 rounding, no more
     ours = fingerprint.weights_fingerprint(model)
     assert ours is not None and ours != fingerprint.weights_fingerprint(original)
-    assert fingerprint.warn_if_other_weights(calibrated(original), model)
-    assert "quantized copy" in warned[0]
+    assert fingerprint.warn_if_other_weights(calibrated(original).metadata, model)
+    assert "quantized copy" in str(warned[0].message)

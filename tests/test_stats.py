@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import logging
+import pickle
+import traceback
 
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config, StableLmConfig
 
+from hf_ropekv import HfRopeKVWarning
 from hf_ropekv.model.geometry import describe
 from hf_ropekv.statistics.frequency_stats import FrequencyAccumulator, FrequencyStats
 
@@ -139,7 +141,7 @@ def test_mismatched_statistics_are_refused_with_the_mismatch_named(tmp_path, oth
 def test_load_refuses_files_that_are_not_statistics(tmp_path):
     bad = tmp_path / "junk.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    with pytest.raises(ValueError, match="not a safetensors file"):
+    with pytest.raises(ValueError, match="could not be read as a safetensors file of hf_ropekv query statistics"):
         FrequencyStats.load(bad)
     with pytest.raises(FileNotFoundError, match="hf_ropekv.calibrate"):
         FrequencyStats.resolve(tmp_path / "missing.safetensors", describe(_qwen3_config()))
@@ -167,21 +169,21 @@ def _reference_payload(layers: int, heads: int, pairs: int, head_dim: int, seed:
     return {"metadata": metadata, "stats": stats}
 
 
-def test_reference_pt_import(tmp_path, caplog):
+def test_reference_pt_import(tmp_path):
     config = _qwen3_config()
     geometry = describe(config)
     payload = _reference_payload(2, 4, 16, 32)
     path = tmp_path / "qwen3_stats.pt"
     torch.save(payload, path)
-    with caplog.at_level(logging.WARNING, logger="hf_ropekv.statistics.frequency_stats"):
+    with pytest.warns(HfRopeKVWarning, match="q_norm"):  # Qwen3 normalises queries; the reference calibration did not
         stats = FrequencyStats.from_reference_pt(path, config)
-    assert "q_norm" in caplog.text  # Qwen3 normalises queries; the reference calibration did not
     entry = payload["stats"]["layer01_head03"]
     assert torch.equal(stats.q_mean[1, 3], torch.complex(entry["q_mean_real"], entry["q_mean_imag"]))
     assert torch.equal(stats.q_abs_mean[1, 3], entry["q_abs_mean"])
     assert stats.tokens == 0 and "qwen3_stats.pt" in stats.metadata["source"]
     stats.check_compatible(geometry)
-    resolved = FrequencyStats.resolve(path, geometry)  # .pt paths go through the importer
+    with pytest.warns(HfRopeKVWarning, match="q_norm"):
+        resolved = FrequencyStats.resolve(path, geometry)  # .pt paths go through the importer
     assert torch.equal(resolved.q_mean, stats.q_mean)
     saved = tmp_path / "converted.safetensors"
     resolved.save(saved)
@@ -303,3 +305,86 @@ def test_scorer_slices_whole_model_statistics_to_the_local_kv_heads(monkeypatch)
         assert torch.equal(local_mean, q_mean[2 * rank : 2 * rank + 2]) and torch.equal(local_abs, q_abs[2 * rank : 2 * rank + 2])
     # Statistics gathered on the rank (online) already hold its share.
     assert frequency._heads_of_this_rank(q_mean[:2], q_abs[:2], 1, stats.metadata)[0].shape[0] == 2
+
+
+# ---------------------------------------------------------------------- untrusted files
+class _NotATensor:
+    """A class torch's weights-only unpickler refuses: a file holding it could run code when unpickled freely."""
+
+
+def _whole_report(err: BaseException) -> str:
+    """What the user sees: the message and every chained exception in the traceback."""
+    return "".join(traceback.format_exception(err))
+
+
+def _assert_refused_safely(err: BaseException, path) -> None:
+    report = _whole_report(err)
+    assert str(path) in str(err), "the message names the file"
+    assert "python -m hf_ropekv calibrate" in str(err), "the message says how to make a good file"
+    assert "weights_only=False" not in report, "never advise unpickling a file of unknown origin"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(lambda path: path.write_bytes(b"\x80\x04garbage that is no pickle"), id="garbage"),
+        pytest.param(lambda path: torch.save({"stats": {"layer00_head00": _NotATensor()}}, path), id="code-object"),
+        pytest.param(lambda path: path.write_bytes(pickle.dumps(_NotATensor())), id="plain-pickle"),
+        pytest.param(
+            lambda path: (torch.save(_reference_payload(2, 4, 16, 32), path), path.write_bytes(path.read_bytes()[:200])),
+            id="truncated",
+        ),
+    ],
+)
+def test_corrupt_pt_file_gives_our_error_without_unsafe_advice(tmp_path, content):
+    path = tmp_path / "stats.pt"
+    content(path)
+    geometry = describe(_qwen3_config())
+    for read in (lambda: FrequencyStats.resolve(path, geometry), lambda: FrequencyStats.from_reference_pt(path, geometry)):
+        with pytest.raises(ValueError, match="could not be read as a TriAttention reference statistics file") as err:
+            read()
+        _assert_refused_safely(err.value, path)
+
+
+def test_corrupt_safetensors_file_names_the_file_and_the_fix(tmp_path):
+    good = tmp_path / "good.safetensors"
+    _random_stats(describe(_qwen3_config())).save(good)
+    geometry = describe(_qwen3_config())
+    for name, data in [("garbage", b"\xff" * 64), ("truncated", good.read_bytes()[:-40])]:
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(data)
+        with pytest.raises(ValueError, match="could not be read as a safetensors file of hf_ropekv") as err:
+            FrequencyStats.resolve(path, geometry)
+        _assert_refused_safely(err.value, path)
+
+
+def test_load_of_a_reference_pt_file_points_at_the_importer(tmp_path):
+    """FrequencyStats.load reads safetensors only; a .pt file is told where reference files go, not 'must end in .pt'."""
+    path = tmp_path / "reference.pt"
+    torch.save(_reference_payload(2, 4, 16, 32), path)
+    with pytest.raises(ValueError, match=r"from_reference_pt") as err:
+        FrequencyStats.load(path)
+    assert "must end in" not in str(err.value)
+    _assert_refused_safely(err.value, path)
+
+
+def test_missing_statistics_file_is_named_everywhere(tmp_path):
+    geometry = describe(_qwen3_config())
+    for path in (tmp_path / "absent.safetensors", tmp_path / "absent.pt"):
+        for read in (
+            lambda: FrequencyStats.load(path),
+            lambda: FrequencyStats.resolve(path, geometry),
+            lambda: FrequencyStats.from_reference_pt(path, geometry),
+        ):
+            with pytest.raises(FileNotFoundError, match="python -m hf_ropekv calibrate") as err:
+                read()
+            assert str(path) in str(err.value)
+
+
+def test_statistics_of_another_model_are_refused_naming_the_mismatch(tmp_path):
+    """A well-formed file of another geometry (here: another head count) is refused, not silently used."""
+    path = tmp_path / "other.safetensors"
+    _random_stats(describe(_qwen3_config(num_attention_heads=8, num_key_value_heads=2, head_dim=16))).save(path)
+    with pytest.raises(ValueError, match="query heads: statistics have 8, the model has 4") as err:
+        FrequencyStats.resolve(path, describe(_qwen3_config()))
+    assert "python -m hf_ropekv calibrate" in str(err.value)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.configuration_utils import PretrainedConfig
 
 from ..eviction.compactor import Compactor
 from ..hooks.attach import ModelAttachment
@@ -30,6 +30,9 @@ from .options import CacheOptions
 from .rows import BatchRows
 from .scorer_setup import query_window, resolve_scorer
 from .static import StaticForwardDriver
+
+if TYPE_CHECKING:  # importing it at run time loads transformers' model-loading code
+    from transformers import PreTrainedModel
 
 
 class RopeKVCache(Cache):

@@ -13,11 +13,14 @@ import importlib
 import json
 import weakref
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers.configuration_utils import PretrainedConfig
+
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' model-loading code
+    from transformers import PreTrainedModel
 
 from .. import _compat
 from .rotary import find_rotary_function, probe_rotary

@@ -1,4 +1,4 @@
-"""How a model pairs head dimensions into the complex numbers RoPE rotates (DESIGN.md §2).
+"""How a model pairs head dimensions into the complex numbers RoPE rotates (README "How it works": the score).
 
 Pair ``f`` (``0 <= f < F``, ``F = rotary_dim / 2``) is ``x_f = x[real(f)] + i x[imag(f)]`` with
 
@@ -36,8 +36,3 @@ def split_pairs(x: torch.Tensor, layout: str, pairs: int) -> tuple[torch.Tensor,
     stride, offset = pair_strides(layout, pairs)
     return x[..., 0 : stride * pairs : stride], x[..., offset : offset + stride * pairs : stride]
 
-
-def to_complex(x: torch.Tensor, layout: str, pairs: int) -> torch.Tensor:
-    """The rotary pairs of ``x [..., D]`` as complex numbers ``[..., F]`` (float64 input gives complex128)."""
-    real, imag = split_pairs(x, layout, pairs)
-    return torch.complex(real, imag)

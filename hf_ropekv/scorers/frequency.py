@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class FrequencyScorer:
-    """Expected future attention of each key from calibrated pre-RoPE query statistics (DESIGN.md §2).
+    """Expected future attention of each key from pre-RoPE query statistics (README "How it works": the score).
 
     Per query head: raw ``trig + norm`` score (``hf_ropekv.score_keys``), z-scored over the candidate slots,
     then the max over the query heads of each GQA group gives one score per KV head.

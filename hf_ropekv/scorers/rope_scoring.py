@@ -1,4 +1,4 @@
-"""TriAttention key scores (DESIGN.md §2): the single source of truth for the math.
+"""TriAttention key scores (README "How it works": the score): the single source of truth for the math.
 
     q_eff[h, f] = q_mean[h, f] * mean_{d in offsets} exp(i * omega_f * (t + d))
     trig        = Re sum_f q_eff[h, f] * conj(k_f)          with k_f = k[real(f)] + i k[imag(f)]

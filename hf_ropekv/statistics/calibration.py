@@ -25,8 +25,9 @@ from torch import nn
 from transformers.utils import logging
 
 from ..model.capture import QueryCapture
-from .fingerprint import calibration_metadata
 from ..model.geometry import describe
+from ..warnings import warn
+from .fingerprint import calibration_metadata
 from .frequency_stats import FrequencyAccumulator, FrequencyStats
 
 logger = logging.get_logger(__name__)
@@ -46,7 +47,7 @@ def calibrate(
     source: str | None = None,
     progress: bool = True,
 ) -> "FrequencyStats":
-    """Average the pre-RoPE queries of ``model`` over ``texts`` (DESIGN.md §2).
+    """Average the pre-RoPE queries of ``model`` over ``texts`` (README "How it works": the score).
 
     Args:
         model: a decoder-only RoPE model (any dtype, device or ``device_map``; weight-quantized works).
@@ -211,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"--text: no file {path}")
         texts.append(path.read_text(encoding="utf-8", errors="replace"))
     if not args.out.endswith(".safetensors"):
-        logger.warning("--out %s: statistics are written in safetensors format; name it *.safetensors.", args.out)
+        warn(f"--out {args.out}: statistics are written in safetensors format; name the file *.safetensors.")
 
     logger.info("Loading %s%s", model_path, f" ({gguf_file})" if gguf_file else "")
     tokenizer = AutoTokenizer.from_pretrained(model_path, **extra)

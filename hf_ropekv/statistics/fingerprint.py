@@ -2,8 +2,8 @@
 
 A statistics file of another model with the same geometry (a fine-tune, another checkpoint) passes every
 shape and RoPE check, yet the RoPE scorer would then rank keys by another model's queries. ``calibrate``
-records the fingerprint of the model it ran; loading statistics for a model with another fingerprint logs a
-warning naming both. Statistics without one (older files, imported reference files, online statistics) are
+records the fingerprint of the model it ran; loading statistics for a model with another fingerprint warns
+(:class:`~hf_ropekv.warnings.HfRopeKVWarning`) naming both. Statistics without one (older files, imported reference files, online statistics) are
 not checked.
 
 How it is computed: the first 12 hex digits of a SHA-256 over a fixed sample of the query projection weights
@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
-from transformers.utils import logging
 
-if TYPE_CHECKING:
-    from .frequency_stats import FrequencyStats
-
-logger = logging.get_logger(__name__)
+from ..warnings import warn
 
 #: Attention attributes that hold the projection producing the queries (separate, or fused with K and V).
 PROJECTION_NAMES = ("q_proj", "qkv_proj", "query_key_value", "Wqkv", "c_attn")
@@ -86,30 +82,31 @@ def calibration_metadata(model: nn.Module) -> dict[str, Any]:
     return {"weights_fingerprint": fingerprint, "weights_source": model_source(model)}
 
 
-def warn_if_other_weights(stats: "FrequencyStats", model: nn.Module, where: str | None = None) -> bool:
-    """Log a warning (once per statistics / model pair) if ``stats`` were calibrated on other weights.
+def warn_if_other_weights(metadata: Mapping[str, Any], model: nn.Module, where: str | None = None) -> bool:
+    """Warn (once per fingerprint pair and model) if statistics with this ``metadata`` (``FrequencyStats.metadata``)
+    were calibrated on other weights than ``model``'s.
 
     Returns whether the fingerprints differ; ``False`` when either side has none.
     """
-    theirs = stats.metadata.get("weights_fingerprint")
+    theirs = metadata.get("weights_fingerprint")
     if not theirs:
         return False
     ours = weights_fingerprint(model)
     if ours is None or ours == theirs:
         return False
-    source = stats.metadata.get("source", "unknown text")
-    calibrated_on = stats.metadata.get("weights_source", "unknown model")
+    source = metadata.get("source", "unknown text")
+    calibrated_on = metadata.get("weights_source", "unknown model")
     here = model_source(model)
     if (theirs, ours, here) not in _warned:
         _warned.add((theirs, ours, here))
         origin = f"{where}: " if where else ""
-        logger.warning(
-            "hf_ropekv: %sthese query statistics were calibrated on weights with fingerprint %s (%s; text: %s), but "
-            "this model (%s) has fingerprint %s. Same geometry, other weights (a fine-tune or another checkpoint?): "
-            "eviction would rank keys by another model's queries. Recalibrate with hf_ropekv.calibrate on this "
-            "model. (A quantized copy of the calibrated model also has another fingerprint; statistics of the "
-            "unquantized model are then still a good fit.)",
-            origin, theirs, calibrated_on, source, here, ours,
+        warn(
+            f"{origin}these query statistics were calibrated on weights with fingerprint {theirs} ({calibrated_on}; "
+            f"text: {source}), but this model ({here}) has fingerprint {ours}. Same geometry, other weights (a "
+            "fine-tune or another checkpoint?): eviction would rank keys by another model's queries. Recalibrate "
+            "with hf_ropekv.calibrate / python -m hf_ropekv calibrate on this model. (A quantized copy of the "
+            "calibrated model also has another fingerprint; statistics of the unquantized model are then still a "
+            "good fit.)"
         )
     return True
 

@@ -1,4 +1,4 @@
-"""Calibrated pre-RoPE query statistics (DESIGN.md §2): what the RoPE scorer needs about future queries.
+"""Calibrated pre-RoPE query statistics: what the RoPE scorer needs about future queries (README "How it works").
 
 Per layer ``l``, query head ``h`` and rotary pair ``f`` (``F = rotary_dim / 2``), with ``q_f`` the complex
 number RoPE rotates (``q[f] + i q[f + F]`` in the ``rotate_half`` layout, ``q[2f] + i q[2f + 1]`` in the
@@ -21,25 +21,31 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
-from transformers.utils import logging
+from transformers.configuration_utils import PretrainedConfig
 
 from ..model.capture import QUERY_NORM_NAMES
-from ..model.layouts import ROTATE_HALF, split_pairs
 from ..model.geometry import ModelGeometry, describe
+from ..model.layouts import ROTATE_HALF, split_pairs
+from ..warnings import warn
+from .fingerprint import warn_if_other_weights
 
-logger = logging.get_logger(__name__)
+if TYPE_CHECKING:  # annotations only: importing it loads transformers' model-loading code
+    from transformers import PreTrainedModel
 
 FORMAT_VERSION = 1
 _HEADER_KEY = "hf_ropekv"
 _REFERENCE_SUFFIXES = (".pt", ".pth", ".bin")
 _FIX = "recalibrate with hf_ropekv.calibrate / python -m hf_ropekv calibrate for this model"
+_EXPECTED_SAFETENSORS = "a safetensors file of hf_ropekv query statistics (written by FrequencyStats.save)"
+_EXPECTED_REFERENCE = (
+    "a TriAttention reference statistics file (torch.save of a dict of tensors, from its scripts/calibrate.py)"
+)
 # Models whose attention normalises queries before RoPE (the reference calibration skipped that norm).
 _QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "gemma3", "gemma3_text", "olmo2", "olmoe", "chameleon"}
 _IDENTITY_FIELDS = {
@@ -120,24 +126,37 @@ class FrequencyStats:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "FrequencyStats":
-        """Read a file written by :meth:`save`."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"No statistics file at {path}; create one with python -m hf_ropekv calibrate.")
+        """Read a file written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not hf_ropekv statistics (corrupt, truncated, another format); the message
+                names the file and says how to make a good one.
+        """
+        path = _existing_file(path)
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 header = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except Exception as err:  # safetensors raises its own error types for non-safetensors files
-            raise ValueError(
-                f"{path} is not a safetensors file ({err}). hf_ropekv statistics are written by "
-                "FrequencyStats.save / python -m hf_ropekv calibrate; reference TriAttention files must end in .pt."
-            ) from err
+        except Exception as err:  # safetensors raises its own error types for corrupt or foreign files
+            fix = "recalibrate: hf_ropekv.calibrate / python -m hf_ropekv calibrate"
+            if path.suffix.lower() in _REFERENCE_SUFFIXES:
+                fix = (
+                    "for a TriAttention reference file use FrequencyStats.from_reference_pt(path, model) or pass "
+                    f"the path as stats=; otherwise {fix}"
+                )
+            raise ValueError(f"{path} could not be read as {_EXPECTED_SAFETENSORS} ({err}); {fix}.") from None
         if _HEADER_KEY not in header:
             raise ValueError(
-                f"{path} is a safetensors file but holds no hf_ropekv statistics (no '{_HEADER_KEY}' header)."
+                f"{path} is a safetensors file but holds no hf_ropekv statistics (no '{_HEADER_KEY}' header); "
+                f"expected {_EXPECTED_SAFETENSORS}: {_FIX}."
             )
-        metadata = json.loads(header[_HEADER_KEY])
+        try:
+            metadata = json.loads(header[_HEADER_KEY])
+        except ValueError:
+            metadata = None
+        if not isinstance(metadata, dict):
+            raise ValueError(f"{path} has a damaged '{_HEADER_KEY}' header (not a JSON object): {_FIX}.")
         version = int(metadata.get("format_version", 0))
         if version > FORMAT_VERSION:
             raise ValueError(
@@ -170,9 +189,9 @@ class FrequencyStats:
         (Qwen3, Gemma3); a warning says so. It also multiplies by the RoPE ``attention_scaling`` (1 unless
         YaRN-style scaling), which scales every score of a head alike and leaves the ranking unchanged.
         """
-        path = Path(path)
+        path = _existing_file(path)
         geometry = model_or_config if isinstance(model_or_config, ModelGeometry) else describe(model_or_config)
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = _load_tensor_dict(path)
         if not isinstance(payload, dict):
             raise ValueError(
                 f"{path} is not a TriAttention statistics file (expected a dict, got {type(payload).__name__})."
@@ -192,10 +211,10 @@ class FrequencyStats:
         stats = _reference_tensors(path, entries, ref_meta, geometry)
         _check_reference_metadata(path, ref_meta, geometry)
         if _has_query_norm(model_or_config, geometry):
-            logger.warning(
-                "%s: the TriAttention reference calibration records queries before q_norm, but '%s' normalises "
-                "queries (q_norm) before RoPE, so these statistics are approximate. For exact ones, %s.",
-                path, geometry.model_type, _FIX,
+            warn(
+                f"{path}: the TriAttention reference calibration records queries before q_norm, but "
+                f"'{geometry.model_type}' normalises queries (q_norm) before RoPE, so these statistics are "
+                f"approximate. For exact ones, {_FIX}."
             )
         metadata = {
             **geometry_metadata(geometry),
@@ -215,9 +234,7 @@ class FrequencyStats:
         if isinstance(stats_or_path, FrequencyStats):
             stats = stats_or_path
         elif isinstance(stats_or_path, (str, os.PathLike)):
-            path = Path(stats_or_path)
-            if not path.is_file():
-                raise FileNotFoundError(f"No statistics file at {path}; create one with python -m hf_ropekv calibrate.")
+            path = _existing_file(stats_or_path)
             if path.suffix.lower() in _REFERENCE_SUFFIXES:
                 stats = cls.from_reference_pt(path, geometry)
             else:
@@ -228,10 +245,8 @@ class FrequencyStats:
             )
         stats.check_compatible(geometry)
         if model is not None:
-            from .fingerprint import warn_if_other_weights
-
             where = str(stats_or_path) if isinstance(stats_or_path, (str, os.PathLike)) else None
-            warn_if_other_weights(stats, model, where)
+            warn_if_other_weights(stats.metadata, model, where)
         return stats
 
     # ------------------------------------------------------------------ checks
@@ -342,7 +357,10 @@ class FrequencyAccumulator:
                 "QueryCapture attached (hf_ropekv.calibrate does this) before building statistics."
             )
         if len(set(counts)) > 1:
-            logger.warning("hf_ropekv: layers saw different numbers of positions (%d to %d).", min(counts), max(counts))
+            warn(
+                f"Layers saw different numbers of query positions ({min(counts)} to {max(counts)}): a forward stopped "
+                "part way through calibration? The statistics use each layer's own count."
+            )
         sums = torch.stack([s.cpu() for s in self._sums])  # [L, 3, H, F] float64
         means = sums / torch.tensor(counts, dtype=torch.float64).view(-1, 1, 1, 1)
         q_mean = torch.complex(means[:, 0].float(), means[:, 1].float())
@@ -370,6 +388,31 @@ def geometry_metadata(geometry: ModelGeometry) -> dict[str, Any]:
         "inv_freq": [float(x) for x in geometry.inv_freq.tolist()],
         "rotary_layout": geometry.rotary_layout,
     }
+
+
+# ---------------------------------------------------------------------- reading untrusted files
+def _existing_file(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"No statistics file at {path}; create one with hf_ropekv.calibrate / python -m hf_ropekv calibrate."
+        )
+    return path
+
+
+def _load_tensor_dict(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True`` (tensors and plain containers only: no code runs), its errors
+    replaced by one of ours. torch's own message advises ``weights_only=False``, which would run whatever code
+    the file holds: wrong advice for a file of unknown origin, so it is not passed on (``from None``)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # UnpicklingError, RuntimeError (not a zip archive), EOFError (truncated), ...
+        reason = type(err).__name__
+    raise ValueError(
+        f"{path} could not be read as {_EXPECTED_REFERENCE} ({reason}: corrupt, truncated, or holding more than "
+        f"tensors and plain containers, which hf_ropekv does not load). Use a good copy, or {_FIX} (that writes "
+        "a .safetensors file)."
+    )
 
 
 # ---------------------------------------------------------------------- reference import helpers

@@ -25,6 +25,14 @@ from ..model.geometry import ModelGeometry
 from ..storage.buffers import mark_static  # the running sums: a static cache's compiled step updates them in place
 
 
+def decay_then_add(total: torch.Tensor, factor: float | None, addend: torch.Tensor | float) -> None:
+    """``total = total * factor + addend``, in place: the one update of a running sum under a half-life
+    (``factor`` ``None``: no half-life, no decay)."""
+    if factor is not None:
+        total.mul_(factor)
+    total.add_(addend)
+
+
 @dataclass(frozen=True)
 class RowStatistics:
     """Per-row query statistics in the shape :class:`~hf_ropekv.scorers.FrequencyScorer` reads.
@@ -191,18 +199,16 @@ class OnlineStatistics:
         parts = parts.transpose(1, 2)  # [n, L, B, 3, H, F], as the sums
         sums, counts = self._sums[device], self._counts[device]
         if self.half_life is None:
-            sums.add_(parts.sum(dim=0, dtype=torch.float64))
-            counts.add_(float(n))
+            decay_then_add(sums, None, parts.sum(dim=0, dtype=torch.float64))
+            decay_then_add(counts, None, float(n))
             return
-        factor = 0.5 ** (1 / self.half_life)
+        factor = self._decay_factor(1)
         weights = self._weights.get((device, n))
         if weights is None:
             weights = torch.tensor([factor ** (n - 1 - j) for j in range(n)], dtype=torch.float64, device=device)
             self._weights[(device, n)] = weights
-        sums.mul_(factor ** n)
-        sums.add_(torch.tensordot(weights, parts.to(torch.float64), dims=1))
-        counts.mul_(factor ** n)
-        counts.add_(weights.sum())
+        decay_then_add(sums, factor ** n, torch.tensordot(weights, parts.to(torch.float64), dims=1))
+        decay_then_add(counts, factor ** n, weights.sum())
 
     def _fold_index(self, device: torch.device, layers: tuple[int, ...], parts: torch.Tensor) -> torch.Tensor | None:
         """Rows of ``device``'s sums that ``layers``' queries (``parts [B, L, 3, H, F]``) go to, placing the layers
@@ -275,16 +281,11 @@ class OnlineStatistics:
         mask = self._mask_on(queries.device, queries.shape[:2])
         if mask is not None:
             parts = torch.where(mask[:, :, None, None], parts, 0.0)
-        sums = self._sums[device][index]
-        if self.half_life is not None:
-            sums.mul_(0.5 ** (1 / self.half_life))
-        sums.add_(parts)
+        decay_then_add(self._sums[device][index], self._decay_factor(1), parts)
 
     def _decay_counts_and_add(self) -> None:
         for device, counts in self._counts.items():
-            if self.half_life is not None:
-                counts.mul_(0.5 ** (1 / self.half_life))
-            counts.add_(self._count_on(device))
+            decay_then_add(counts, self._decay_factor(1), self._count_on(device))
 
     def buffers(self) -> list[torch.Tensor]:
         """The running sums' tensors (a static cache gives them back to its lease on reset)."""
@@ -361,10 +362,15 @@ class OnlineStatistics:
         devices |= {q.device for _, q in self._stash}
         return devices
 
+    def _decay_factor(self, new_tokens: int) -> float | None:
+        """What the sums are multiplied by before ``new_tokens`` tokens' queries are added; ``None``: no half-life."""
+        return None if self.half_life is None else 0.5 ** (new_tokens / self.half_life)
+
     def _decay(self, new_tokens: int) -> None:
-        if self.half_life is None or not self._counts:
+        """The decay half of ``decay_then_add`` for every sum and count: end_forward then adds to some rows only."""
+        factor = self._decay_factor(new_tokens)
+        if factor is None:
             return
-        factor = 0.5 ** (new_tokens / self.half_life)
         for table in (self._sums, self._counts):
             for value in table.values():
                 value.mul_(factor)
