@@ -147,12 +147,18 @@ def triton_interpreter(monkeypatch):
         pytest.skip("Triton is not installed")
     from triton.runtime.interpreter import InterpretedFunction
 
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    # Private kernel names of hf_ropekv.kernels: no public handle exists to swap the launch target.
-    for module, name in ((compact, "_compact_kernel"), (score, "_score_kernel")):
-        kernel = getattr(module, name)
-        if not isinstance(kernel, InterpretedFunction):
-            monkeypatch.setattr(module, name, InterpretedFunction(kernel.fn))
+    # The kernels (private names of hf_ropekv.kernels: no public handle exists to swap the launch target) and the
+    # jitted helpers of triton.language they call (tl.cdiv, ...), which are compiled-mode objects there too.
+    targets = [(compact, "_compact_kernel"), (score, "_score_kernel")]
+    targets += [(tl, name) for name in dir(tl) if isinstance(getattr(tl, name), JITFunction)]
+    for module, name in targets:
+        function = getattr(module, name)
+        if not isinstance(function, InterpretedFunction):
+            monkeypatch.setattr(module, name, InterpretedFunction(function.fn))
     yield
 
 
