@@ -19,9 +19,12 @@ The configs have no BOS/EOS token, so ``generate`` always runs ``max_new_tokens`
 ``pad_token_id=0`` to ``generate`` for padded batches. Markers (declared in ``setup.cfg``):
 ``slow`` (real weights or long runs), ``gpu`` (skipped here when CUDA is absent), ``notebook``.
 Torch runs one CPU thread unless ``HF_ROPEKV_TEST_THREADS`` says otherwise.
-Without CUDA this file sets ``TRITON_INTERPRET=1`` for the whole session: Triton picks interpreter or
-compiler once, at its first import (which importing transformers can trigger), so the kernel tests can
-only run their kernels on the CPU if it is set before anything imports Triton.
+Without CUDA this file sets ``TRITON_INTERPRET=1`` for the whole session, so a cache that picks the Triton
+backend on CPU tensors (and the notebook's kernel) gets interpreted kernels. Triton 3.x decides per kernel, when
+``@triton.jit`` decorates it (at the import of ``hf_ropekv.kernels``), reading ``TRITON_INTERPRET`` then; the
+kernel tests do not rely on that order: their ``triton_interpreter`` fixture swaps interpreted kernels in for
+one test, so ``pytest -m gpu tests/`` runs in one process on a GPU host with compiled kernels everywhere else.
+``cache_kw(model, cache)`` gives the keyword a model takes its cache under (``cache=`` from transformers 5.24).
 """
 
 from __future__ import annotations
@@ -119,6 +122,44 @@ def padded_batch(vocab: int = 128, lengths=(12, 9, 6), seed: int = 0) -> tuple[t
         mask[row, width - length :] = 1
         ids[row, : width - length] = 0
     return ids, mask
+
+
+def cache_kw(model, cache) -> dict:
+    """``{"cache": cache}`` on transformers >= 5.24, else ``{"past_key_values": cache}``: for ``model(...)`` and
+    ``model.generate(...)`` (5.24 warns on the old name)."""
+    from hf_ropekv._compat import cache_kwarg
+
+    return {cache_kwarg(model): cache}
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """hf_ropekv's Triton kernels run under Triton's interpreter, on CPU tensors, for one test.
+
+    Triton 3.x fixes interpreted or compiled per kernel at ``@triton.jit`` time, so where the kernels were
+    decorated compiled (CUDA hosts) this swaps interpreted twins of the same functions in and sets
+    ``TRITON_INTERPRET=1`` (which the launchers check before taking CPU tensors); both are undone after the test.
+    Skips when Triton is not installed.
+    """
+    from hf_ropekv.kernels import HAS_TRITON, compact, score
+
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # The kernels (private names of hf_ropekv.kernels: no public handle exists to swap the launch target) and the
+    # jitted helpers of triton.language they call (tl.cdiv, ...), which are compiled-mode objects there too.
+    targets = [(compact, "_compact_kernel"), (score, "_score_kernel")]
+    targets += [(tl, name) for name in dir(tl) if isinstance(getattr(tl, name), JITFunction)]
+    for module, name in targets:
+        function = getattr(module, name)
+        if not isinstance(function, InterpretedFunction):
+            monkeypatch.setattr(module, name, InterpretedFunction(function.fn))
+    yield
 
 
 @pytest.fixture(scope="session")

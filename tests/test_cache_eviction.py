@@ -1,4 +1,5 @@
-"""With eviction, RopeKVCache must equal a full-cache forward masked to exactly the kept tokens."""
+"""With eviction, RopeKVCache must equal a full-cache forward masked to exactly the kept tokens (tests/reference.py):
+per layer for the default ``selection="per_layer"``, one mask for all layers where they keep the same tokens."""
 
 from __future__ import annotations
 
@@ -6,85 +7,59 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import padded_batch, tiny_model
+from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import KeyNormScorer, RandomScorer, RecencyScorer, RopeKVCache
+from reference import positions_from_mask, run_and_compare
 
 
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """generate's position ids: count real tokens, padding parked at 1."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-
-
-def kept_positions(cache: RopeKVCache) -> torch.Tensor:
-    """Token indices held by the full-attention layers [B, H_kv, K] (-1 at a row's holes once it compacted);
-    identical across layers in global mode."""
-    layers = cache._full_layers
-    first = layers[0].storage.live_positions()
-    for layer in layers[1:]:
-        assert torch.equal(layer.storage.live_positions(), first), "layers disagree on the kept tokens"
-    return first
-
-
-def reference_mask(
-    kept: torch.Tensor, mask2d: torch.Tensor, new: int, group: int, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Additive 4-D mask [B, H_q, new, total]: each query sees the kept tokens of its KV head, causally."""
-    batch, kv_heads, _ = kept.shape
-    total, device = mask2d.shape[1], kept.device
-    allowed = torch.zeros(batch, kv_heads, total + 1, dtype=torch.bool, device=device)
-    allowed.scatter_(2, torch.where(kept < 0, total, kept), True)  # holes (-1) land in a column then dropped
-    allowed = allowed[..., :total]
-    query_pos = torch.arange(total - new, total, device=device).view(1, 1, new, 1)
-    columns = torch.arange(total, device=device).view(1, 1, 1, total)
-    allowed = allowed[:, :, None, :] & (columns <= query_pos)
-    allowed &= mask2d.bool().to(device)[:, None, None, :]
-    # Padding queries see nothing; let them see themselves so no NaN enters the reference (never compared).
-    allowed |= (columns == query_pos) & ~allowed.any(-1, keepdim=True)
-    allowed = allowed.repeat_interleave(group, dim=1)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def run_and_compare(
-    model, cache: RopeKVCache, chunks: list[torch.Tensor], mask: torch.Tensor, decode_steps: int, atol: float = 1e-5
-):
-    """Feed `chunks` (then greedy decode) to both caches; compare logits of every real new position."""
-    group = model.config.num_attention_heads // model.config.num_key_value_heads
-    reference = DynamicCache(config=model.config)
-    seen = 0
-    mask2d = mask[:, :0]
-    steps = list(chunks) + [None] * decode_steps
-    next_token = None
-    max_kept = 0
-    for chunk in steps:
-        if chunk is None:
-            chunk = next_token
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        new = chunk.shape[1]
-        mask2d = mask[:, : seen + new]
-        positions = positions_from_mask(mask2d)[:, -new:]
-        with torch.no_grad():
-            got = model(input_ids=chunk, attention_mask=mask2d, position_ids=positions, past_key_values=cache).logits
-            ref_mask = reference_mask(kept_positions(cache), mask2d, new, group, model.dtype)
-            want = model(
-                input_ids=chunk, attention_mask=ref_mask, position_ids=positions, past_key_values=reference
-            ).logits
-        real = mask2d[:, -new:].bool()
-        torch.testing.assert_close(got[real], want[real], atol=atol, rtol=0)
-        seen += new
-        max_kept = max(max_kept, cache.tokens_kept)
-        next_token = got[:, -1:].argmax(-1)
-    return max_kept
+def _layers_differ(cache: RopeKVCache, model) -> bool:
+    """Whether some full-attention layer holds other tokens than the last layer (always full attention here)."""
+    last = model.config.num_hidden_layers - 1
+    kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * (last + 1)
+    full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    return any(not torch.equal(cache.kept_positions(i), cache.kept_positions(last)) for i in full)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_decode_with_eviction_matches_masked_reference(arch: str, attn: str) -> None:
+def test_global_selection_matches_masked_reference(arch: str, attn: str) -> None:
     model = tiny_model(arch, attn_implementation=attn)
     ids, mask = padded_batch(model.config.vocab_size)
     cache = RopeKVCache(model, budget=16, compress_every=4, selection="global")
+    max_kept = run_and_compare(model, cache, [ids], mask, decode_steps=30, layers_alike=True)
+    assert cache.num_compactions >= 5 and cache.evicted
+    assert max_kept <= 16 + 4
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_default_per_layer_selection_matches_per_layer_reference(arch: str, attn: str) -> None:
+    """The default selection: each full-attention layer attends to its own kept tokens, sliding layers to their
+    window; a padded batch, decoding across several compactions."""
+    overrides = {"num_hidden_layers": 3} if arch != "gemma3_text" else {}
+    model = tiny_model(arch, attn_implementation=attn, **overrides)
+    ids, mask = padded_batch(model.config.vocab_size)
+    cache = RopeKVCache(model, budget=16, compress_every=4)
+    assert cache.selection == "per_layer"
     max_kept = run_and_compare(model, cache, [ids], mask, decode_steps=30)
     assert cache.num_compactions >= 5 and cache.evicted
     assert max_kept <= 16 + 4
+    if arch != "gemma3_text":  # gemma3_text has one full-attention layer: nothing to differ from
+        assert _layers_differ(cache, model), "every layer kept the same tokens: the per-layer masks went untested"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_default_selection_chunked_prefill_matches_per_layer_reference(arch: str, attn: str) -> None:
+    """Prompt chunks that each overflow the budget: compaction during prefill, then decoding."""
+    overrides = {"num_hidden_layers": 3} if arch != "gemma3_text" else {}
+    model = tiny_model(arch, attn_implementation=attn, **overrides)
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(40, 33), seed=1)
+    cache = RopeKVCache(model, budget=12 if arch == "llama" else 16, compress_every=4, protect_prompt=False, sink=1,
+                        window=2)
+    max_kept = run_and_compare(model, cache, list(ids.split(8, dim=1)), mask, decode_steps=6)
+    assert cache.evicted
+    assert max_kept <= cache.budget + 4
 
 
 @pytest.mark.parametrize("scorer", [None, RecencyScorer(), KeyNormScorer(), RandomScorer(seed=3)])
@@ -96,7 +71,7 @@ def test_chunked_prefill_with_eviction_matches_masked_reference(scorer) -> None:
     cache = RopeKVCache(
         model, budget=12, compress_every=4, protect_prompt=False, sink=1, window=2, selection="global", **kwargs
     )
-    max_kept = run_and_compare(model, cache, chunks, mask, decode_steps=6)
+    max_kept = run_and_compare(model, cache, chunks, mask, decode_steps=6, layers_alike=True)
     assert cache.evicted
     assert max_kept <= 12 + 4
 
@@ -106,8 +81,8 @@ def test_padding_never_counts_toward_the_budget() -> None:
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 4))  # row 1 has 8 pads
     cache = RopeKVCache(model, budget=14, compress_every=2, scorer=RecencyScorer())
-    run_and_compare(model, cache, [ids], mask, decode_steps=5)
-    kept = kept_positions(cache)
+    run_and_compare(model, cache, [ids], mask, decode_steps=5, layers_alike=True)
+    kept = cache.kept_positions(0)
     assert cache.evicted and cache.num_compactions == 1
     # Row 0 (12 real tokens) went over the budget of 14 at decoding step 3; at the next tick of the clock (every
     # 2 steps: before steps 1, 3, 5) it came back to 14, then took step 5's token. Row 1 (4 real + 5 new) kept all 9 of its
@@ -128,7 +103,7 @@ def test_generate_completes_with_eviction(mode: str) -> None:
     kw = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_p=0.9), "beam": dict(num_beams=3)}[mode]
     cache = RopeKVCache(model, budget=16, compress_every=8)
     out = model.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, pad_token_id=0, **kw
+        input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=40, pad_token_id=0, **kw
     )
     assert out.shape == (3, ids.shape[1] + 40)
     assert cache.tokens_seen == ids.shape[1] + 39
@@ -139,8 +114,9 @@ def test_per_layer_selection_keeps_layer_specific_tokens() -> None:
     model = tiny_model("llama", num_hidden_layers=3)
     ids, mask = padded_batch(model.config.vocab_size)
     cache = RopeKVCache(model, budget=16, compress_every=4, selection="per_layer", scorer=KeyNormScorer())
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30, pad_token_id=0)
-    kept = [layer.storage.live_positions() for layer in cache._full_layers]
+    model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=30, pad_token_id=0)
+    assert cache.evicted
+    kept = [cache.kept_positions(i) for i in range(3)]
     assert all(k.shape == kept[0].shape for k in kept)  # same count everywhere ...
     assert any(not torch.equal(k, kept[0]) for k in kept[1:])  # ... but each layer chose its own
 
@@ -150,9 +126,10 @@ def test_storage_stays_in_place_and_bounded() -> None:
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size)
     cache = RopeKVCache(model, budget=32, compress_every=16, page_size=16)
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
-    storage = cache._full_layers[0].storage
-    assert storage.capacity == 16  # 13 tokens: one page, not the whole steady-state arena
+    layers = model.config.num_hidden_layers
+    model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=2, pad_token_id=0)
+    assert cache.pages_allocated == layers  # 13 tokens: one page per layer, not the whole steady-state arena
+    storage = cache.layers[0].storage  # no public API shows where the arena lives: read its keys' address
     ids2 = torch.cat([ids, torch.randint(3, 100, (3, 1))], dim=1)
     pointer = None
     for _ in range(100):  # decode by hand so we can look at the arena after every step
@@ -160,12 +137,12 @@ def test_storage_stays_in_place_and_bounded() -> None:
         mask2 = torch.ones(3, seen + 1, dtype=mask.dtype)
         mask2[:, : mask.shape[1]] = mask
         with torch.no_grad():
-            model(input_ids=ids2[:, -1:], attention_mask=mask2, past_key_values=cache,
+            model(input_ids=ids2[:, -1:], attention_mask=mask2, **cache_kw(model, cache),
                   position_ids=positions_from_mask(mask2)[:, -1:])
-        assert storage.capacity <= 48 and cache.tokens_kept <= 48
-        if storage.capacity == 48:
+        assert cache.pages_allocated <= 3 * layers and cache.tokens_kept <= 48
+        if cache.pages_allocated == 3 * layers:
             pointer = pointer or storage.keys.data_ptr()
             assert storage.keys.data_ptr() == pointer  # no reallocation once full
-    assert cache.pages_allocated == 3 * len(cache._full_layers)
+    assert pointer is not None and cache.pages_allocated == 3 * layers
     assert cache.num_compactions >= 5
     assert cache.bytes_held < cache.full_cache_bytes

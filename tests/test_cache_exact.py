@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import padded_batch, tiny_model
+from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -17,7 +17,7 @@ def generate(model, cache, ids, mask, **kwargs):
     return model.generate(
         input_ids=ids,
         attention_mask=mask,
-        past_key_values=cache,
+        **cache_kw(model, cache),
         pad_token_id=0,
         return_dict_in_generate=True,
         output_logits=True,

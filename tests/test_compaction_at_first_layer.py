@@ -65,9 +65,10 @@ def test_first_layer_compaction_keeps_what_layer_by_layer_kept(name: str) -> Non
     got, cache = _generate(model, False, ids, mask, **OPTIONS[name])
     assert cache.num_compactions >= 5 and cache.num_compactions == reference.num_compactions
     assert torch.equal(got, expected)
-    for mine, theirs in zip(cache._full_layers, reference._full_layers):
-        assert torch.equal(mine.storage.live_positions(), theirs.storage.live_positions())
-        assert torch.equal(mine.storage.live_keys(), theirs.storage.live_keys())
+    assert cache.evicted
+    for layer in range(model.config.num_hidden_layers):  # all full attention
+        assert torch.equal(cache.kept_positions(layer), reference.kept_positions(layer))
+        assert torch.equal(cache.layers[layer].keys, reference.layers[layer].keys)
 
 
 def test_first_layer_compaction_with_a_chunked_prefill_and_a_query_scorer() -> None:
@@ -78,5 +79,6 @@ def test_first_layer_compaction_with_a_chunked_prefill_and_a_query_scorer() -> N
     got, cache = _generate(model, False, ids, mask, scorer=SnapKVScorer(), **options)
     assert cache.num_compactions >= 5
     assert torch.equal(got, expected)
-    for mine, theirs in zip(cache._full_layers, reference._full_layers):
-        assert torch.equal(mine.storage.live_positions(), theirs.storage.live_positions())
+    assert cache.evicted
+    for layer in range(model.config.num_hidden_layers):  # all full attention
+        assert torch.equal(cache.kept_positions(layer), reference.kept_positions(layer))

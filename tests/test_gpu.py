@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import padded_batch, tiny_model
+from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv.kernels.compact import compact_reference_, compact_triton_
 from hf_ropekv.scorers.rope_scoring import query_weights, score_keys_weighted
-from test_cache_eviction import run_and_compare
+from reference import run_and_compare
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,11 +48,16 @@ def test_compaction_kernel_matches_reference_on_cuda(dtype) -> None:
     values = torch.randn_like(keys)
     scores = torch.rand(2, 8, 4096, device="cuda", generator=g)
     keep = scores.topk(2048, dim=-1).indices.sort(-1).values
+    # Poison the evicted slots: a kernel that reads a slot it should not copies NaN into the survivors.
+    evicted = torch.ones(scores.shape, dtype=torch.bool, device="cuda").scatter_(-1, keep, False)
+    for t in (keys, values):
+        t.masked_fill_(evicted[..., None], float("nan"))
     expected = [t.clone() for t in (keys, values)]
     compact_reference_(expected, keep)
     compact_triton_((keys, values), keep)
     torch.cuda.synchronize()
     for got, want in zip((keys, values), expected):
+        assert not got[:, :, :2048].isnan().any()
         assert torch.equal(got[:, :, :2048], want[:, :, :2048])
 
 
@@ -63,27 +68,33 @@ def test_no_eviction_matches_dynamic_cache_on_cuda(dtype, deterministic_sdpa) ->
     ids, mask = ids.cuda(), mask.cuda()
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_logits=True)
-    ref = model.generate(past_key_values=DynamicCache(config=model.config), **kw)
-    out = model.generate(past_key_values=RopeKVCache(model, budget=None), **kw)
+    ref = model.generate(**cache_kw(model, DynamicCache(config=model.config)), **kw)
+    out = model.generate(**cache_kw(model, RopeKVCache(model, budget=None)), **kw)
     assert torch.equal(out.sequences, ref.sequences)
     for got, want in zip(out.logits, ref.logits):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_eviction_matches_masked_reference_on_cuda() -> None:
-    """Triton scoring and compaction inside the cache, fp32 so the reference comparison stays tight."""
-    model = tiny_model("llama", head_dim=64, hidden_size=256, num_attention_heads=4).to("cuda")
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("selection", ["per_layer", "global"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_eviction_matches_masked_reference_on_cuda(arch: str, selection: str, attn: str, deterministic_sdpa) -> None:
+    """tests/test_cache_eviction.py's contract with Triton scoring and compaction inside the cache, fp32 so the
+    reference comparison stays tight: the default per-layer selection against per-layer masks, global against one."""
+    overrides = dict(head_dim=64, hidden_size=256, num_hidden_layers=3) if arch == "llama" else {}
+    model = tiny_model(arch, attn_implementation=attn, **overrides).to("cuda")
     ids, mask = padded_batch(model.config.vocab_size)
-    cache = RopeKVCache(model, budget=16, compress_every=4)
-    run_and_compare(model, cache, [ids.cuda()], mask.cuda(), decode_steps=40, atol=1e-4)
-    assert cache.num_compactions >= 8
+    cache = RopeKVCache(model, budget=16, compress_every=4, selection=selection)
+    run_and_compare(model, cache, [ids.cuda()], mask.cuda(), decode_steps=40, atol=1e-4,
+                    layers_alike=selection == "global")
+    assert cache.num_compactions >= 8 and cache.evicted
 
 
 def test_long_generation_stays_bounded_on_cuda() -> None:
     model = tiny_model("llama").to("cuda", torch.bfloat16)
     ids, mask = padded_batch(model.config.vocab_size)
     cache = RopeKVCache(model, budget=64, compress_every=32)
-    model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, max_new_tokens=600,
+    model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **cache_kw(model, cache), max_new_tokens=600,
                    do_sample=True, pad_token_id=0)
     assert cache.tokens_seen == ids.shape[1] + 599
-    assert cache.tokens_kept <= 96 and cache.pages_allocated == 2 * len(cache._full_layers)
+    assert cache.tokens_kept <= 96 and cache.pages_allocated == 2 * model.config.num_hidden_layers

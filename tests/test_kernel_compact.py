@@ -1,50 +1,34 @@
 """In-place compaction: Triton (interpreter, CPU) == PyTorch reference == naive out-of-place gather."""
 from __future__ import annotations
 
-import os
-import sys
+import pytest
+import torch
 
-# Triton chooses interpreter or compiler once, when it is first imported, so
-# the variable must be set before that. Importing hf_ropekv or transformers
-# models imports Triton (torch._dynamo does): if an earlier test module did so
-# in compiled mode, these tests skip; set TRITON_INTERPRET=1 for the whole
-# session then (environment, or tests/conftest.py when CUDA is absent).
-os.environ["TRITON_INTERPRET"] = "1"
+from hf_ropekv.kernels.compact import compact_, compact_reference_, compact_triton_
 
 
-def _triton_compiled_mode() -> bool:
-    """True when Triton was already imported without the interpreter."""
-    lang = sys.modules.get("triton.language")
-    return lang is not None and type(lang.sum).__name__ != "InterpretedFunction"
-
-
-_TRITON_TOO_EARLY = _triton_compiled_mode()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from hf_ropekv.kernels.compact import compact_, compact_reference_  # noqa: E402
-
-from hf_ropekv.kernels.compact import compact_triton_  # noqa: E402
-from hf_ropekv.kernels.score import HAS_TRITON  # noqa: E402
-
-if not HAS_TRITON:
-    _SKIP_TRITON = "Triton is not installed"
-elif _TRITON_TOO_EARLY:
-    _SKIP_TRITON = "Triton was imported before TRITON_INTERPRET=1 was set: set it for the whole session"
-else:
-    _SKIP_TRITON = None
-
-BACKENDS = [
-    pytest.param("triton", marks=pytest.mark.skipif(_SKIP_TRITON is not None, reason=str(_SKIP_TRITON))),
-    "torch",
-]
+@pytest.fixture(params=["triton", "torch"])
+def backend(request) -> str:
+    """Each test runs the Triton kernel (under the interpreter, on CPU tensors) and its PyTorch twin."""
+    if request.param == "triton":
+        request.getfixturevalue("triton_interpreter")
+    return request.param
 
 
 def _gen() -> torch.Generator:
     gen = torch.Generator()
-    gen.seed()  # fresh random inputs on every run
+    print("seed", gen.seed())  # fresh random inputs on every run; pytest shows the seed of a failure
     return gen
+
+
+def _poison_evicted(tensors, keep: torch.Tensor) -> None:
+    """NaN in every slot ``keep`` drops (per row and head), so a kernel that copies a wrong slot shows it.
+
+    Integer tensors get -1 instead."""
+    B, H, C = tensors[0].shape[:3]
+    dropped = torch.ones(B, H, C, dtype=torch.bool).scatter_(2, keep.long().clamp_min(0), False)
+    for t in tensors:
+        t.masked_fill_(dropped[..., None], float("nan") if t.is_floating_point() else -1)
 
 
 def _keep_sets(B: int, H: int, C: int, kind: str, gen: torch.Generator) -> torch.Tensor:
@@ -66,18 +50,23 @@ def _keep_sets(B: int, H: int, C: int, kind: str, gen: torch.Generator) -> torch
     return torch.stack(rows).view(B, H, K)
 
 
-def _run(backend: str, tensors, keep) -> None:
+def _run(backend: str, tensors, keep, start=None, block: int = 16) -> None:
+    """Compact in place with ``backend``; the Triton kernel must also match its PyTorch twin bit for bit, on the
+    whole tensor (NaN where both left poison in place)."""
     if backend == "triton":
-        compact_triton_(tensors, keep, block_k=16)  # several blocks per row
+        twins = [t.clone() for t in tensors]
+        compact_reference_(twins, keep, start)  # default chunk: a different walk than the kernel's blocks
+        compact_triton_(tensors, keep, start, block_k=block)  # several blocks per row
+        for t, twin in zip(tensors, twins):
+            torch.testing.assert_close(t, twin, rtol=0, atol=0, equal_nan=True)
     else:
-        compact_reference_(tensors, keep, chunk=16)
+        compact_reference_(tensors, keep, start, chunk=block)
 
 
 def _expected(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.gather(t, 2, keep.long().unsqueeze(-1).expand(-1, -1, -1, t.shape[-1]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "dtype,D,kind",
     [
@@ -94,14 +83,15 @@ def test_compact_matches_gather(backend, dtype, D, kind):
     B, H, C = 2, 3, 70
     keep = _keep_sets(B, H, C, kind, gen)
     ts = [torch.randn(B, H, C, D, generator=gen).to(dtype) for _ in range(2)]
+    _poison_evicted(ts, keep)
     want = [_expected(t, keep) for t in ts]
     _run(backend, ts, keep)
     K = keep.shape[2]
     for t, w in zip(ts, want):
+        assert not t[:, :, :K].isnan().any(), "a survivor was read from an evicted slot"
         assert torch.equal(t[:, :, :K], w)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_tensors_int32_keep_and_strided_storage(backend):
     """K and V of several layers at once: mixed dtypes and head dims, [B, C, H, D] storage, int32 keep."""
     gen = _gen()
@@ -114,14 +104,15 @@ def test_mixed_tensors_int32_keep_and_strided_storage(backend):
         torch.randn(B, H, C, 128, generator=gen).to(torch.float16),
         slot_major,
     ]
+    _poison_evicted(ts, keep)
     want = [_expected(t, keep) for t in ts]
     _run(backend, ts, keep)
     K = keep.shape[2]
     for t, w in zip(ts, want):
+        assert not t[:, :, :K].isnan().any(), "a survivor was read from an evicted slot"
         assert torch.equal(t[:, :, :K], w)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_reference_and_triton_agree_and_empty_keep(backend):
     gen = _gen()
     B, H, C, D = 1, 2, 40, 64
@@ -183,7 +174,6 @@ def _right_aligned_keep(B: int, H: int, C: int, K: int, gen: torch.Generator) ->
     return keep, start
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_compact_with_row_starts_right_aligns_survivors(backend):
     """``start``: row b's survivors land in [start_b, K); slots before start_b are untouched."""
     gen = _gen()
@@ -201,10 +191,7 @@ def test_compact_with_row_starts_right_aligns_survivors(backend):
             s = int(start[b])
             w[b, :, s:] = torch.gather(t[b], 1, keep[b, :, s:].unsqueeze(-1).expand(-1, -1, D))
         want.append(w)
-    if backend == "triton":
-        compact_triton_(ts, keep, start, block_k=8)
-    else:
-        compact_reference_(ts, keep, start, chunk=8)
+    _run(backend, ts, keep, start, block=8)
     for t, w, b0 in zip(ts, want, before):
         assert torch.equal(t[:, :, :K], w)
         assert torch.equal(t[:, :, K:], b0[:, :, K:])  # slots >= K untouched

@@ -1,42 +1,19 @@
 """Triton scoring kernel == PyTorch reference, run by Triton's interpreter on CPU."""
 from __future__ import annotations
 
-import os
-import sys
+import pytest
+import torch
 
-# Triton chooses interpreter or compiler once, when it is first imported, so
-# the variable must be set before that. Importing hf_ropekv or transformers
-# models imports Triton (torch._dynamo does): if an earlier test module did so
-# in compiled mode, these tests skip; set TRITON_INTERPRET=1 for the whole
-# session then (environment, or tests/conftest.py when CUDA is absent).
-os.environ["TRITON_INTERPRET"] = "1"
+from hf_ropekv.kernels import score as kscore
+from hf_ropekv.scorers.rope_scoring import query_weights, score_keys, score_keys_weighted
 
-
-def _triton_compiled_mode() -> bool:
-    """True when Triton was already imported without the interpreter."""
-    lang = sys.modules.get("triton.language")
-    return lang is not None and type(lang.sum).__name__ != "InterpretedFunction"
-
-
-_TRITON_TOO_EARLY = _triton_compiled_mode()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-pytest.importorskip("triton", reason="Triton is not installed: the scoring kernel cannot be tested")
-if _TRITON_TOO_EARLY:
-    pytest.skip(
-        "Triton was imported before TRITON_INTERPRET=1 was set: set it for the whole session",
-        allow_module_level=True,
-    )
-
-from hf_ropekv.kernels import score as kscore  # noqa: E402
-from hf_ropekv.scorers.rope_scoring import query_weights, score_keys, score_keys_weighted  # noqa: E402
+# The kernel runs under Triton's interpreter on CPU tensors, also on a CUDA host (conftest.triton_interpreter).
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def _gen() -> torch.Generator:
     gen = torch.Generator()
-    gen.seed()  # fresh random inputs on every run
+    print("seed", gen.seed())  # fresh random inputs on every run; pytest shows the seed of a failure
     return gen
 
 
@@ -53,7 +30,8 @@ def _check(keys, w, c, pair_stride=None, imag_offset=None, **kw):
     got = kscore.score_keys_triton(keys, w, c, out=out, **layout, **kw)
     assert got is out
     assert torch.isfinite(out).all(), "kernel left elements unwritten"
-    ref = kscore.score_keys_reference(keys, w, c, **layout)
+    ref = kscore.score_keys_reference(keys, w, c, out=torch.full_like(out, float("nan")), **layout)
+    assert torch.isfinite(ref).all(), "the PyTorch twin left elements unwritten"
     scale = kscore.score_keys_reference(keys.abs(), w.abs(), c, **layout)  # size of the summed terms
     err = ((out - ref).abs() / scale.clamp_min(1e-20)).max().item()
     assert err < 1e-5, f"max relative error {err:.3g}"

@@ -211,7 +211,7 @@ def test_geometry_heads_are_what_the_cache_receives(name: str) -> None:
     ids, mask = padded_batch(128, lengths=(5, 3))
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): cache})
-    layer = cache._full_layers[0]
+    layer = cache.layers[0]
     assert layer.keys.shape[1] == cache.geometry.num_kv_heads
     assert cache.geometry.num_q_heads % cache.geometry.num_kv_heads == 0
 

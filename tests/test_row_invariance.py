@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import cache_kw, tiny_model
 from hf_ropekv import (
     H2OScorer,
     KeyNormScorer,
@@ -40,7 +40,7 @@ def generate_rows(model, rows, options, extra_pads=0) -> tuple[torch.Tensor, Rop
     ids, mask = left_padded(rows, extra_pads)
     cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, **options())
     out = model.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS,
+        input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=NEW_TOKENS,
         do_sample=False, pad_token_id=0,
     )
     return out[:, ids.shape[1] :], cache
@@ -102,9 +102,9 @@ def test_online_statistics_are_per_row_and_follow_decoding(half_life: float | No
     from hf_ropekv.model.capture import QueryCapture
 
     with QueryCapture(model, cache.geometry, lambda layer, q: captured[layer].append(q.detach().clone())):
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10,
+        out = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=10,
                              do_sample=False, pad_token_id=0)
-    stats = cache._online.snapshot()
+    stats = cache._online.snapshot()  # no public API reads the running statistics
     F = cache.geometry.rotary_dim // 2
     steps = out.shape[1] - ids.shape[1] - 1  # decoding forwards (the last token's queries were never computed)
     age = torch.cat([torch.full((ids.shape[1],), float(steps)), torch.arange(steps - 1, -1, -1).double()])
