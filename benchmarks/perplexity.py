@@ -494,7 +494,8 @@ def decode_proxy(
             logits = model(input_ids=ids[:, : len(prompt)], use_cache=True, **{kwarg: cache}).logits[0, -1]
             for i in range(len(prompt), ids.shape[1]):
                 nll -= float(torch.log_softmax(logits.float(), -1)[ids[0, i]])
-                logits = model(input_ids=ids[:, i : i + 1], use_cache=True, **{kwarg: cache}).logits[0, -1]
+                if i + 1 < ids.shape[1]:  # the last token predicts nothing scored
+                    logits = model(input_ids=ids[:, i : i + 1], use_cache=True, **{kwarg: cache}).logits[0, -1]
         tokens = ids.shape[1] - len(prompt)
         out[policy] = dict(ppl=math.exp(nll / tokens), nll=nll, tokens=tokens, kept=int(cache.tokens_kept),
                            compactions=int(cache.num_compactions))
