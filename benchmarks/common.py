@@ -281,12 +281,6 @@ def median(values: list[float]) -> float | None:
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
-def gpu_kernels(events: list[Any]) -> list[Any]:
-    """The GPU kernels (and copies) among a profile's ``events``: device events that are not the device-side
-    ranges of annotations (``ProfilerStep#``, ``record_function`` labels, inductor's graph calls), which carry
-    the name of a host event and span the kernels they enclose."""
-    host_names = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU}
-    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in host_names]
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -466,16 +460,6 @@ def fmt_bytes(value: int | None) -> str:
     return f"{value / MIB:.1f} MiB"
 
 
-def padded_prompts(batch: int, longest: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded random prompts, row ``i`` shorter by ``i * longest / (2 * batch)`` tokens."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, vocab, (batch, longest), generator=g)
-    mask = torch.ones_like(ids)
-    for row in range(batch):
-        pad = row * longest // (2 * batch)
-        ids[row, :pad] = 0
-        mask[row, :pad] = 0
-    return ids.to(device), mask.to(device)
 
 # ---------------------------------------------------------------------------------------------- model shapes
 # Random-weight models of real shapes, built fast and without a CPU copy: the model is created on the ``meta``

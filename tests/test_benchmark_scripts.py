@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
