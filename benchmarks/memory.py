@@ -15,7 +15,7 @@ tokens arrive). The chunk forwards make the whole-generation peak an upper bound
 ``--a-fill direct`` writes random K/V through ``cache.update`` instead (faster; the decode steps still run the
 model).
 
-    python benchmarks/memory.py --commit SHA                     # Qwen3-8B shape, bf16, on CUDA (~3 min on an H200)
+    python benchmarks/memory.py --commit SHA                     # Qwen3-8B shape, bf16, on CUDA
     python benchmarks/memory.py --budgets 2048 --mem-points 4096,32768
     python benchmarks/memory.py --dry-run --out /tmp/mem_dry     # tiny shapes on the CPU: a code check
 
