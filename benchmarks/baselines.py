@@ -51,7 +51,8 @@ class GatherRebindLayer(DynamicLayer):
         self.tokens_seen += key_states.shape[-2]
         return keys, values
 
-    # The geometry of a sliding-window layer (DESIGN.md section 3): kept slots are the rightmost mask columns.
+    # A sliding-window layer's mask geometry (as transformers' sliding layers report it): the kept slots are the
+    # rightmost mask columns, and the evicted tokens are an offset before them.
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
         kept = self.planned_kept(query_length)
         return kept + query_length, self.tokens_seen - kept

@@ -2,7 +2,7 @@
 # Download the wheels the benchmark suite needs on the GPU machine into .whl/ (gitignored), for Python 3.12 on
 # x86-64 Linux. That machine reaches no package index; the wheels travel with the work tree (carry: [".whl"]).
 #
-#   bash benchmarks/fetch_wheels.sh            # optimum-quanto (parts a: QuantizedCache, c: int4 weights)
+#   bash benchmarks/fetch_wheels.sh            # optimum-quanto (memory.py: transformers' QuantizedCache)
 #   bash benchmarks/fetch_wheels.sh NAME==VER  # ...plus more wheels, same platform tags
 #   bash benchmarks/fetch_wheels.sh bitsandbytes==0.50.2   # for the NF4 test in tests/test_quantized.py (43 MB:
 #                                                          # fits the 64 MiB the device tool carries)

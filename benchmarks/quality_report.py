@@ -1,4 +1,4 @@
-"""Markdown table and plot of a ``benchmarks/quality.py`` result file.
+"""Markdown table and plot of a ``benchmarks/perplexity.py`` result file.
 
     python benchmarks/quality_report.py benchmarks/results/quality_smollm2.json
 

@@ -1,4 +1,4 @@
-"""Documents, planted passkeys and calibration texts for ``benchmarks/quality.py``.
+"""Documents, planted passkeys and calibration texts for ``benchmarks/perplexity.py``.
 
 Everything is offline and deterministic:
 

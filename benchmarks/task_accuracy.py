@@ -2,7 +2,10 @@
 
 Two tasks, one model load, every policy in one process:
 
-* ``--task gsm8k``: GSM8K chain-of-thought, test problems 0-599, greedy, up to ``--max-new-tokens`` (400).
+The task-accuracy entry point of ``benchmarks/README.md``: policies are judged here, on free-running generation.
+
+* ``--task gsm8k``: GSM8K chain-of-thought, greedy, up to ``--max-new-tokens`` (400), on the ``--split``'s test
+  problems: ``report`` (300-599, the default) or ``tune`` (0-299); problems 600 on are held out and never used.
   Left-padded batches of ``--batch-size`` prompts (problem order, or similar lengths with ``--sort-by-length``);
   a batch's budget is its longest prompt + G for each G of ``--gaps``.
 * ``--task long``: one prompt asks for ``--long-size`` (8) consecutive problems solved in turn, each ending in
@@ -19,13 +22,16 @@ Policies (``--policies``, comma-separated; ``NAME:key=value,key=value`` override
 depends on (``paper``: global selection, no window, uniform online statistics: the TriAttention operating
 point and the library's default before 2026-12-01).
 
-``rope-calibrated*`` use statistics calibrated on GSM8K problems ``--calib-problems`` (600-999: question and
-reference solution in the chat template), computed once per run and saved (``--stats`` reuses a file).
+``rope-calibrated*`` use statistics calibrated on GSM8K problems ``--calib-problems`` (default: the tune split,
+0-299, when reporting; question and reference solution in the chat template), computed once per run and saved
+(``--stats`` reuses a file). Calibration problems never overlap the evaluated ones.
 
-Writes ``results.json`` (every problem's outcome, metadata, settings) and ``results.md`` into ``--out`` after each
-(policy, budget), so a run cut short keeps what it measured. Example (H200)::
+Writes ``results.json`` (every problem's outcome, metadata, settings) and ``results.md`` into ``--out`` (default
+``benchmarks/results/task_accuracy_<date>_<device>/``) after each (policy, budget), so a run cut short keeps what
+it measured, and ``README.md`` at the end. Example (H200)::
 
     python benchmarks/task_accuracy.py --gguf /tmp/qwen.gguf --out /tmp/acc --policies full,default,recency
+    python benchmarks/task_accuracy.py --dry-run --out /tmp/acc_dry   # tiny random model, made-up problems, CPU
 """
 
 from __future__ import annotations
@@ -516,14 +522,21 @@ def metadata(args: argparse.Namespace, model, device: torch.device, dtype: torch
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=["gsm8k", "long"], default="gsm8k")
-    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    p.add_argument("--out", default=None,
+                   help="folder for results.json and results.md (default: benchmarks/results/task_accuracy_<date>_<device>/)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="a tiny random Llama, a character tokenizer and made-up problems on the CPU: a code check")
+    p.add_argument("--split", choices=sorted(tasks.SPLITS), default="report",
+                   help="evaluated problems: report (300-599) or tune (0-299); 600 on are held out, never used")
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON",
                    help="only combine these results.json files of earlier runs into --out (no model runs)")
     p.add_argument("--policies", default="full,default,rope-per-layer,rope-calibrated-per-layer,recency,random")
     p.add_argument("--gaps", default="48,96,160", help="gsm8k: budget = longest prompt of the batch + G")
     p.add_argument("--budgets", default="256,512,1024", help="long task: absolute budgets")
-    p.add_argument("--problems", default="0-599", help="evaluated GSM8K test problems FIRST-LAST")
-    p.add_argument("--calib-problems", default="600-999", help="calibration problems FIRST-LAST (disjoint)")
+    p.add_argument("--problems", default=None, help="evaluated GSM8K test problems FIRST-LAST (default: --split's)")
+    p.add_argument("--calib-problems", default=None,
+                   help="calibration problems FIRST-LAST, disjoint from the evaluated ones (default: the tune split "
+                   "0-299 when evaluating the report split)")
     p.add_argument("--long-size", type=int, default=8, help="long task: problems per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 400 (gsm8k), 2600 (long)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -575,15 +588,100 @@ def merge(paths: Sequence[str], out: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def problem_ranges(args: argparse.Namespace, policies: Sequence[Any]) -> tuple[range, range | None]:
+    """The evaluated and calibration problem ranges, checked: within 0-599 (600 on is held out), disjoint.
+
+    The calibration range is ``None`` when no policy calibrates."""
+    evaluated = tasks.parse_range(args.problems) if args.problems else tasks.SPLITS[args.split]
+    tasks.check_not_held_out(evaluated, "--problems")
+    if not any(p.cache_kwargs.get("stats") == CALIBRATED for p in policies):
+        return evaluated, None
+    if args.calib_problems:
+        calibration = tasks.parse_range(args.calib_problems)
+    elif evaluated.start >= tasks.TUNE_RANGE.stop:
+        calibration = tasks.TUNE_RANGE
+    else:
+        raise ValueError(f"calibrated policies on problems {evaluated.start}-{evaluated.stop - 1} need "
+                         "--calib-problems: a range of the tune split (0-299) disjoint from --problems, e.g. "
+                         "--problems 0-199 --calib-problems 200-299")
+    tasks.check_not_held_out(calibration, "--calib-problems")
+    tasks.check_disjoint(evaluated, calibration)
+    return evaluated, calibration
+
+
+# ---------------------------------------------------------------------------------------------- dry run
+class CharTokenizer:
+    """A stand-in chat tokenizer for 128-token tiny models: one token per character, digits decode as digits.
+    Ids 3..12 are the digits 0-9, 13 is a space, the rest letters; no EOS, so generate runs max_new_tokens."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    _alphabet = "0123456789 abcdefghijklmnopqrstuvwxyz"
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def _encode(self, text: str) -> list[int]:
+        return [3 + ord(c) % 125 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, return_dict=False):
+        text = self._render(messages, add_generation_prompt)
+        if not tokenize:
+            return text
+        return {"input_ids": self._encode(text)} if return_dict else self._encode(text)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self._encode(text)}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self._alphabet[(i - 3) % len(self._alphabet)] for i in ids)
+
+
+def dry_run_model() -> torch.nn.Module:
+    """A 2-layer random-weight Llama of 128 tokens (the CharTokenizer's), float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def dry_run_problems() -> list[Problem]:
+    """Made-up problems at every index of the tune and report splits (the dry run touches no data package)."""
+    return [Problem(i, f"Tom has {i} apples and buys 4. How many?", f"{i} + 4 = {i + 4}\n#### {i + 4}", str(i + 4))
+            for i in range(tasks.HELD_OUT_START)]
+
+
+def apply_dry_run(args: argparse.Namespace) -> None:
+    """Seconds on a CPU: three report problems, calibration on two tune problems, tiny budgets and traces."""
+    args.problems, args.calib_problems = args.problems or "300-302", args.calib_problems or "0-1"
+    args.policies, args.gaps, args.compress_every = "full,rope-calibrated-per-layer:window=2,recency", "4", 4
+    args.max_new_tokens, args.batch_size, args.device, args.dtype = 12, 2, "cpu", "float32"
+    args.model = "tiny"
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, problems: list[Problem] | None = None):
     """Run the benchmark; ``model`` / ``tokenizer`` / ``problems`` replace the loaded ones (tests)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.merge:
+        if args.out is None:
+            parser.error("--merge needs --out")
         return merge(args.merge, Path(args.out))
+    if args.dry_run:
+        apply_dry_run(args)
+        if model is None:
+            model, tokenizer, problems = dry_run_model(), CharTokenizer(), dry_run_problems()
     if args.max_new_tokens is None:
         args.max_new_tokens = 400 if args.task == "gsm8k" else 2600
     t0 = time.perf_counter()
@@ -592,8 +690,7 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
         print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
     policies = [parse_policy(label) for label in split_policies(args.policies)]
-    evaluated, calibration = tasks.parse_range(args.problems), tasks.parse_range(args.calib_problems)
-    tasks.check_disjoint(evaluated, calibration)
+    evaluated, calibration = problem_ranges(args, policies)
     if args.task == "long" and len(evaluated) % args.long_size:
         raise ValueError(f"--problems {args.problems} holds {len(evaluated)} problems, not a multiple of "
                          f"--long-size {args.long_size}")
@@ -620,17 +717,18 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
     log(f"{args.task}: {len(units)} prompts of {min(lengths)}-{max(lengths)} tokens "
         f"(mean {statistics.fmean(lengths):.0f}); policies {[p.label for p in policies]}")
 
+    from common import results_dir, write_run_readme
+
+    out = results_dir("task_accuracy", args.out, device)
     stats = None
     if any(p.cache_kwargs.get("stats") == CALIBRATED for p in policies):
-        out_stats = Path(args.stats) if args.stats else Path(args.out) / "calibration_stats.safetensors"
+        out_stats = Path(args.stats) if args.stats else out / "calibration_stats.safetensors"
         stats = CalibratedStats(model, tokenizer, tasks.select(all_problems, calibration), out_stats, log)
 
     pad_id = getattr(tokenizer, "pad_token_id", None)
     stop_ids = stop_token_ids(tokenizer, model)
     if pad_id is None:
         pad_id = stop_ids[0] if stop_ids else 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = metadata(args, model, device, dtype)
     meta.update(prompt_tokens={"min": min(lengths), "max": max(lengths), "mean": statistics.fmean(lengths)},
                 stop_token_ids=stop_ids, pad_token_id=pad_id, long_min_free=LONG_MIN_FREE)
@@ -663,6 +761,8 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
         log(f"{tag}: {_pct(s['accuracy'])} ({s['correct']}/{s['n']}), ratio to full "
             f"{'' if s['ratio_to_full'] is None else round(s['ratio_to_full'], 3)}, lost/gained "
             f"{s['lost_vs_full']}/{s['gained_vs_full']}, skipped {s['skipped']}, {s['wall_s']:.1f} s")
+    write_run_readme(out, {**meta, "argv": list(sys.argv[1:] if argv is None else argv)}, "task_accuracy.py",
+                     f"Task accuracy: {args.task}, {args.split} split, free-running generate()")
     log(f"done: {out / 'results.md'}")
     print((out / "results.md").read_text(), flush=True)
     return rows

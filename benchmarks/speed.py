@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Decode speed inside ``model.generate`` with compiled caches: DynamicCache, StaticCache and RopeKVCache.
+"""Speed: the median decode step inside ``model.generate`` against DynamicCache, eager and ``static=True``.
+
+The speed entry point of ``benchmarks/README.md``: DynamicCache, StaticCache and RopeKVCache (eager and compiled
+``static=True``) on a random-weight model of a published shape, paired in one process.
 
 Variants (``--variants``), alternated in one process at every decode point, because the host's speed drifts
 between processes and the ratios only mean something within one:
@@ -37,11 +40,11 @@ batch, ``--capacity-batches`` overrides it; at most ``--capacity-runs`` runs eac
 ``budget + compress_every``, so its capacity runs may use a shorter prompt (``--capacity-prompt``); the prompt
 used is recorded per run. Results are rewritten after every run (a process killed half way leaves what it had).
 
-    python benchmarks/compiled_decode.py --out cd_b1 --commit SHA --points 1x4096,1x32768 --max-minutes 8
-    python benchmarks/compiled_decode.py --out cd_16k --commit SHA --points 16x16384 --prefill-chunk auto
-    python benchmarks/compiled_decode.py --out cd_32k --commit SHA --points 16x32768 --prefill-chunk auto --repeats 1
-    python benchmarks/compiled_decode.py --out cd_cap --commit SHA --points none --capacity --capacity-prompt 4096
-    python benchmarks/compiled_decode.py --dry-run --out /tmp/cd_dry     # tiny shapes on the CPU: a code check
+    python benchmarks/speed.py --out cd_b1 --commit SHA --points 1x4096,1x32768 --max-minutes 8
+    python benchmarks/speed.py --out cd_16k --commit SHA --points 16x16384 --prefill-chunk auto
+    python benchmarks/speed.py --out cd_32k --commit SHA --points 16x32768 --prefill-chunk auto --repeats 1
+    python benchmarks/speed.py --out cd_cap --commit SHA --points none --capacity --capacity-prompt 4096
+    python benchmarks/speed.py --dry-run --out /tmp/cd_dry     # tiny shapes on the CPU: a code check
 """
 
 from __future__ import annotations
@@ -68,21 +71,23 @@ from common import (  # first: sets the hub defaults before transformers is impo
     run_device,
     run_generate,
     run_header,
+    results_dir,
     run_metadata,
     write_results,
+    write_run_readme,
 )
 
 import torch
 import torch._dynamo
 from transformers import CompileConfig, DynamicCache, StaticCache
 
-import models
+import common
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
 
-STEM = "compiled_decode"
+STEM = "speed"
 ALL_VARIANTS = "dynamic,static,ropekv,ropekv_static"
 
 
@@ -434,7 +439,7 @@ def modelled_bytes(bench: Bench, batch: int) -> int:
 def cache_row_bytes(bench: Bench, variant: Variant, prompt_len: int) -> int:
     """Modelled bytes one batch row of ``variant``'s cache holds: K/V (and slot positions for RopeKVCache)."""
     a, c = bench.args, bench.model.config
-    per_token = models.kv_bytes_per_token(c, bench.dtype)
+    per_token = common.kv_bytes_per_token(c, bench.dtype)
     if not variant.bounded:
         return per_token * (prompt_len + a.new_tokens)
     page = inspect.signature(RopeKVCache).parameters["page_size"].default
@@ -651,6 +656,8 @@ def save(bench: Bench, final: bool = False) -> None:
     markdown = render(bench.result)
     if final:
         write_results(bench.out_dir, STEM, bench.result, markdown)
+        write_run_readme(bench.out_dir, bench.result["meta"], "speed.py",
+                         "Decode speed inside generate(): DynamicCache, StaticCache, RopeKVCache eager and static")
     else:
         write_results(bench.out_dir, STEM, bench.result)
         (bench.out_dir / f"{STEM}.md").write_text(markdown)
@@ -696,7 +703,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.no_cudnn_sdpa = True
     if args.dry_run:
         args.shape, args.new_tokens, args.budget, args.compress_every = "tiny", 24, 32, 8
-        args.points, args.chunk_tokens, args.capacity = "1x48,2x80", 64, True
+        args.points, args.chunk_tokens, args.capacity, args.repeats = "1x48,2x80", 64, True, 1
         args.capacity_context, args.capacity_prompt = 96, 64
     args.variants = [v for v in args.variants.split(",") if v]
     args.capacity_variants = [v for v in args.capacity_variants.split(",") if v]
@@ -719,9 +726,8 @@ def setup(args: argparse.Namespace, argv: list[str]) -> Bench:
     device = run_device(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     log = Progress(args.max_minutes)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model = models.build_random_model(models.make_config(args.shape), dtype=dtype, device=device, log=log)
+    out_dir = results_dir("speed", args.out, device)
+    model = common.build_random_model(common.make_config(args.shape), dtype=dtype, device=device, log=log)
     compile_config = None
     if device.type != "cuda":  # generate compiles by itself on accelerators only: ask for it, the cheap way
         compile_config = CompileConfig(backend="eager", mode=None)
@@ -733,7 +739,7 @@ def setup(args: argparse.Namespace, argv: list[str]) -> Bench:
         compress_every=args.compress_every, repeats=args.repeats, variants=args.variants,
         points=[f"{b}x{n}" for b, n in args.points], prefill_chunk=args.prefill_chunk, chunk_tokens=args.chunk_tokens,
         dynamo_reset=args.dynamo_reset, recompile_limit=args.recompile_limit, compile=compile_note,
-        model=models.shape_summary(model.config), weight_bytes=models.weight_bytes(model),
+        model=common.shape_summary(model.config), weight_bytes=common.weight_bytes(model),
     )
     result = dict(meta=run_metadata(device, args.commit, argv), settings=settings, points=[], capacity=None)
     return Bench(args=args, model=model, device=device, dtype=dtype, kwarg=cache_kwarg(model),
