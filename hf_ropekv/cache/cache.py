@@ -606,6 +606,9 @@ class RopeKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> Any:
         if self.static and torch.compiler.is_compiling():
             return self._clock_on_first_device()[1]  # a device scalar: see get_query_offset
+        attachment = getattr(self, "_attachment", None)
+        if attachment is not None and attachment.detached:  # hf_ropekv.detach(model) took its hooks off
+            attachment.check_attached()
         return super().get_seq_length(layer_idx)
 
     def _clock_on_first_device(self) -> tuple[torch.Tensor, torch.Tensor]:
