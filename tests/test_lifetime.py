@@ -113,6 +113,19 @@ def test_detach_removes_everything_and_is_idempotent() -> None:
         _generate(model, **{_compat.cache_kwarg(model): cache})
 
 
+def test_detach_cleans_a_copy_that_came_with_the_originals_hooks() -> None:
+    import copy
+
+    model = tiny_model("llama")
+    kept = _run(model, RopeKVCache(model, budget=16, compress_every=8, static=True))
+    clone = copy.deepcopy(model)
+    assert clone.config._attn_implementation != "sdpa" and clone._forward_pre_hooks
+    hf_ropekv.detach(clone)
+    assert clone.config._attn_implementation == "sdpa" and not clone._forward_pre_hooks
+    assert not any("forward" in module.__dict__ for module in clone.modules())
+    assert kept._attachment._hooks.attachments  # the original keeps its hooks
+
+
 def test_detach_of_an_untouched_model_is_a_no_op() -> None:
     model = tiny_model("llama")
     hf_ropekv.detach(model)

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from torch import nn
 
+from ..model.attention import restore_attention
 from ..model.capture import _CopiedForward
 from ..storage.buffers import release_static_buffers
 from .attach import SharedHooks, _drop_copied_hooks, _ModelMethod
@@ -42,6 +43,7 @@ def detach(model: ModelT) -> ModelT:
             else:
                 setattr(target, name, value.previous)
     _drop_copied_hooks(target)
+    restore_attention(target, "sdpa")  # a copy may have come switched to grouped_sdpa by its original's hooks
     for module in target.modules():
         forward = module.__dict__.get("forward")
         if isinstance(forward, _CopiedForward):
