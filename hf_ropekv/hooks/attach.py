@@ -315,6 +315,7 @@ class SharedHooks:
     """
 
     _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, SharedHooks]" = weakref.WeakKeyDictionary()
+    copied = False  # True for what a copied model brought along (see _copied_hooks)
 
     @classmethod
     def of(cls, model: nn.Module) -> "SharedHooks":
@@ -334,9 +335,9 @@ class SharedHooks:
         self.gate = ForwardGate()  # one forward at a time (see the module docstring)
         _drop_copied_hooks(model)
         self._handles = [
-            model.register_forward_pre_hook(_Hook(self, self._pre_forward), with_kwargs=True),
-            model.register_forward_hook(_Hook(self, self._post_forward), with_kwargs=True),
-            model.register_forward_hook(_Hook(self, self._release), always_call=True),
+            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            model.register_forward_hook(self._post_forward, with_kwargs=True),
+            model.register_forward_hook(self._release, always_call=True),
         ]
         weakref.finalize(model, self._detach)  # kept hooks (static caches) go with the model
 
@@ -362,6 +363,10 @@ class SharedHooks:
             self._detach_pending = True
             return
         self._remove_hooks()
+
+    def __reduce__(self) -> tuple:
+        # The model's hooks are this object's bound methods: a copy of the model gets inert ones instead.
+        return _copied_hooks, ()
 
     def detach_model(self) -> None:
         """Take every hook off now, static caches' included; the caches attached so far refuse further use."""
@@ -453,36 +458,24 @@ class ForwardGate:
             self._lock.release()
 
 
-class _Hook:
-    """A hook of :class:`SharedHooks` as registered on the model: a copy of the model gets a :class:`_CopiedHook`
-    in its place (the original's hooks must not act on the copy's forwards)."""
-
-    __slots__ = ("shared", "call")
-
-    def __init__(self, shared: SharedHooks, call: Any) -> None:
-        self.shared, self.call = shared, call
-
-    def __call__(self, *args: Any) -> Any:
-        return self.call(*args)
-
-    def __reduce__(self) -> tuple:
-        return _CopiedHook, ()
-
-
-class _CopiedHook:
-    """A hook that came with a copied model: does nothing, and goes when hooks are next installed or detached."""
-
-    def __call__(self, *args: Any) -> None:
-        return None
+def _copied_hooks() -> SharedHooks:
+    """What a copy of a model (``copy.deepcopy``, pickle) gets for the original's :class:`SharedHooks`: hooks with
+    no attachment and no capture, which pass every forward through until the copy's next hooks replace them."""
+    hooks = SharedHooks.__new__(SharedHooks)
+    hooks._model_ref = lambda: None
+    hooks.attachments, hooks.capture, hooks.active, hooks.keep = [], None, None, False
+    hooks._detach_pending, hooks._attention_before, hooks._handles = False, None, []
+    hooks.gate, hooks.copied = ForwardGate(), True
+    return hooks
 
 
 def _drop_copied_hooks(model: nn.Module) -> None:
-    """Remove the :class:`_CopiedHook` objects a copied model came with."""
+    """Remove the hooks a copied model came with from its original (see :func:`_copied_hooks`)."""
     for hooks, extras in (
         (model._forward_pre_hooks, ("_forward_pre_hooks_with_kwargs",)),
         (model._forward_hooks, ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
     ):
-        for hook_id in [i for i, hook in hooks.items() if isinstance(hook, _CopiedHook)]:
+        for hook_id in [i for i, hook in hooks.items() if getattr(getattr(hook, "__self__", None), "copied", False)]:
             del hooks[hook_id]
             for extra in extras:
                 getattr(model, extra, {}).pop(hook_id, None)

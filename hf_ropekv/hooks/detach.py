@@ -45,8 +45,8 @@ def detach(model: ModelT) -> ModelT:
     _drop_copied_hooks(target)
     restore_attention(target, "sdpa")  # a copy may have come switched to grouped_sdpa by its original's hooks
     for module in target.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, _CopiedForward):
-            forward.restore()
+        copied = getattr(module.__dict__.get("forward"), "__self__", None)
+        if isinstance(copied, _CopiedForward):  # a copied model's pass-through (see _Frame.__reduce__)
+            copied.restore()
     release_static_buffers(target)
     return model

@@ -34,6 +34,11 @@ for :func:`last_summary` and logs it at INFO level on the ``hf_ropekv`` logger, 
 cache itself is held weakly (:func:`last_cache`): remembering it must not keep its KV memory alive between calls.
 These records outlive ``disable`` (so ``with enabled(...):`` blocks can be inspected afterwards) and are not copied
 with the model.
+
+Copies. The wrappers hold the model weakly (``del model`` frees it without the garbage collector), and a copy of an
+enabled model (``copy.deepcopy``, ``pickle``, ``torch.save``) **stays enabled with the same options**: its
+wrappers are the copy's own and never call into the original. ``hf_ropekv.detach(model)`` removes them with
+everything else hf_ropekv put on the model.
 """
 
 from __future__ import annotations
@@ -66,7 +71,6 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 _STATE_ATTR = "_hf_ropekv_enablement"
 _HOOK_ATTR = "_prepare_cache_for_generation"
 _GENERATE_ATTR = "generate"
-_HOOK_MARK = "_hf_ropekv_enable_hook"  # set on both wrappers (of _HOOK_ATTR and of _GENERATE_ATTR)
 #: The instance attributes ``enable`` replaces by its wrappers, and ``disable`` restores.
 _WRAPPED_ATTRS = (_HOOK_ATTR, _GENERATE_ATTR)
 
@@ -389,7 +393,6 @@ class _EnableWrapper:
     """
 
     name = ""
-    _hf_ropekv_enable_hook = True  # _HOOK_MARK
 
     def __init__(self, model: nn.Module, previous: Any = None) -> None:
         self._model_ref = weakref.ref(model)

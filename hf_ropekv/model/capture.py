@@ -303,10 +303,14 @@ class _Frame:
     def attention(self) -> nn.Module | None:
         return self._attention_ref()
 
+    def __reduce__(self) -> tuple:
+        # A copied model's attention forward (this frame's bound forward) becomes a pass-through of the copy.
+        return _CopiedForward, (self.attention, self.inner)
+
     # ---------------------------------------------------------------- the attention module's forward, wrapped
     def wrap(self) -> None:
-        """Make ``attention.forward`` this frame's :class:`_FrameForward` (an instance attribute over whatever ran
-        before: the class's forward, or another capture's or library's wrapper)."""
+        """Make ``attention.forward`` this frame's :meth:`forward` (an instance attribute over whatever ran before:
+        the class's forward, or another capture's or library's wrapper)."""
         attention = self.attention
         if attention is None:
             return
@@ -316,7 +320,7 @@ class _Frame:
         self.inner = attention.__dict__.get("forward")
         self.had_instance_forward = self.inner is not None
         self.class_forward = type(attention).forward
-        attention.forward = _FrameForward(self)
+        attention.forward = self.forward
 
     def run_inner(self, args: tuple, kwargs: dict) -> Any:
         if self.inner is not None:
@@ -433,51 +437,38 @@ def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
     return q.as_strided((*q.shape[:-1], head_dim), q.stride(), q.storage_offset())
 
 
-class _FrameForward:
-    """What a capture puts in an attention module's ``forward``: calls its frame's :meth:`_Frame.forward`.
+class _CopiedForward(_Frame):
+    """What a copy of the model (``copy.deepcopy``, pickle) gets for a frame's forward: the capture belongs to the
+    original model, so on its first call it puts back the forward the module had before (``inner``, or the
+    class's) and runs it. (A frame's bound ``forward`` is copied as ``_Frame.forward`` bound to the frame's copy:
+    this subclass, never live, makes that call a pass-through.)"""
 
-    A copy of the model (``copy.deepcopy``, pickle) gets a :class:`_CopiedForward` instead: the capture belongs to
-    the original model, and the copy starts without hf_ropekv's hooks.
-    """
-
-    __slots__ = ("frame",)
-
-    def __init__(self, frame: _Frame) -> None:
-        self.frame = frame
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.frame.forward(*args, **kwargs)
-
-    def __reduce__(self) -> tuple:
-        frame = self.frame
-        return _CopiedForward, (frame.attention, frame.inner)
-
-
-class _CopiedForward:
-    """A copied model's attention forward that was wrapped by a capture: on its first call it puts back the forward
-    the module had before (``inner``, or the class's) and runs it."""
-
-    def __init__(self, attention: nn.Module, inner: Any = None) -> None:
+    def __init__(self, attention: nn.Module, inner: Any = None) -> None:  # noqa: super().__init__ is the capture's
         self._attention_ref = weakref.ref(attention)
-        self.inner = inner
+        self.inner, self.had_instance_forward, self.live = inner, inner is not None, False
+        self.class_forward = type(attention).forward
 
     def restore(self) -> nn.Module:
         attention = self._attention_ref()
-        if attention.__dict__.get("forward") is self:
+        current = attention.__dict__.get("forward")
+        if getattr(current, "__self__", None) is self:
             if self.inner is None:
                 del attention.forward
             else:
                 attention.forward = self.inner
         return attention
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        attention = self.restore()
-        return self.inner(*args, **kwargs) if self.inner is not None else type(attention).forward(attention, *args, **kwargs)
+    def run_inner(self, args: tuple, kwargs: dict) -> Any:
+        self.restore()
+        return super().run_inner(args, kwargs)
 
 
 def _frame_of(forward: Any) -> "_Frame | None":
-    """The frame whose :class:`_FrameForward` ``forward`` is, else None."""
-    return forward.frame if isinstance(forward, _FrameForward) else None
+    """The live capture frame whose :meth:`_Frame.forward` ``forward`` is (a bound method), else None."""
+    owner = getattr(forward, "__self__", None)
+    if not isinstance(owner, _Frame) or isinstance(owner, _CopiedForward):
+        return None
+    return owner if getattr(forward, "__func__", None) is _Frame.forward else None
 
 
 def _rotary_function_of(model: nn.Module, attention: nn.Module) -> rotary.RotaryFunction:
