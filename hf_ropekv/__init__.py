@@ -8,6 +8,7 @@
 from .cache.cache import RopeKVCache
 from .statistics.calibration import calibrate
 from .hooks.enable import disable, enable, enabled, is_enabled, last_cache, last_summary
+from .hooks.detach import detach
 from .scorers import (
     FrequencyScorer,
     H2OScorer,
@@ -30,6 +31,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "calibrate",
+    "detach",
     "disable",
     "enable",
     "enabled",

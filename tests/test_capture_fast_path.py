@@ -21,7 +21,8 @@ from hf_ropekv import RopeKVCache
 from hf_ropekv.model import rotary
 from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.hooks.attach import SharedHooks
-from hf_ropekv.model.capture import _Frame
+from hf_ropekv.model.capture import _Frame, _frame_of
+from hf_ropekv.warnings import HfRopeKVWarning
 from hf_ropekv.model.geometry import describe
 from hf_ropekv.statistics.online import OnlineStatistics
 
@@ -138,7 +139,7 @@ def test_a_step_that_breaks_the_learned_pattern_warns_and_falls_back_to_frames(m
         assert capture._plan is not None
         capture._plan = capture._plan + (None,)  # as if an earlier step had made one more rotary call
         counter.calls = 0
-        with pytest.warns(RuntimeWarning, match="rotary calls where earlier steps made"):
+        with pytest.warns(HfRopeKVWarning, match="rotary calls where earlier steps made"):
             step = torch.tensor([[5]])
             model(input_ids=step, use_cache=True, **kw)
         assert capture._plan is None and capture._plan_failed and counter.calls == 0
@@ -189,7 +190,7 @@ def test_deferred_queries_are_bounded_in_bytes(monkeypatch) -> None:
 def _wrapped(model) -> list[bool]:
     """Per attention module: whether its forward goes through a capture frame now."""
     capture = SharedHooks.of(model).capture
-    return [isinstance(getattr(a.__dict__.get("forward"), "__self__", None), _Frame) for a in capture.attention_modules]
+    return [isinstance(_frame_of(a.__dict__.get("forward")), _Frame) for a in capture.attention_modules]
 
 
 def test_recorded_steps_bypass_the_attention_wrappers_and_multi_token_forwards_get_them_back(monkeypatch) -> None:
@@ -230,7 +231,7 @@ def test_a_growing_cache_decoding_compiled_warns_and_takes_the_frame_path() -> N
         inner.forward = torch.compile(original, backend="eager", fullgraph=False)
         try:
             torch._dynamo.reset()
-            with pytest.warns(RuntimeWarning, match="hf_ropekv"):
+            with pytest.warns(HfRopeKVWarning, match="hf_ropekv"):
                 model(input_ids=torch.tensor([[6]]), use_cache=True, **kw)
         finally:
             inner.forward = original

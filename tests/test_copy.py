@@ -161,3 +161,95 @@ def test_a_failed_cache_does_not_disturb_the_next(model) -> None:
     del failed
     gc.collect()
     assert torch.equal(got, generate(model, REQUESTS[1], RopeKVCache(model, **EVICTING)))
+
+
+# --------------------------------------------------------------------------- copies of the model itself
+
+def _model_in_state(state: str):
+    """A fresh model after one way of using hf_ropekv; returns it and what must stay alive meanwhile."""
+    import hf_ropekv
+
+    model = tiny_model("qwen3")
+    held = []
+    if state == "cache built":
+        held.append(RopeKVCache(model, **EVICTING))
+    elif state == "capturing cache alive":
+        cache = RopeKVCache(model, **EVICTING)
+        generate(model, REQUESTS[0], cache, new=6)
+        held.append(cache)
+    elif state == "static cache":
+        held.append(RopeKVCache(model, budget=24, compress_every=4, static=True))
+        generate(model, REQUESTS[0], held[-1], new=6)
+    elif state == "enabled":
+        with pytest.warns(hf_ropekv.warnings.HfRopeKVWarning, match="is small"):
+            hf_ropekv.enable(model, **EVICTING)
+        generate(model, REQUESTS[0], None, new=6)
+    return model, held
+
+
+STATES = ["cache built", "capturing cache alive", "static cache", "enabled"]
+
+
+def _copy(model, how: str):
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _calls_into(model):
+    """Count forwards of ``model`` (the original must see none while its copy generates)."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("state", STATES)
+def test_a_model_copy_is_independent_and_generates_like_the_original(state: str, how: str) -> None:
+    model, held = _model_in_state(state)
+    clone = _copy(model, how)
+    calls, handle = _calls_into(model)
+    # The copy's own cache, and (enabled) the one enable gives it; the original's copied wrappers act on the copy.
+    got = generate(clone, REQUESTS[1], RopeKVCache(clone, **EVICTING))
+    assert not calls, "the copy's generate ran the original model"
+    handle.remove()
+    want = generate(model, REQUESTS[1], RopeKVCache(model, **EVICTING))
+    assert torch.equal(got, want)
+    assert clone.__dict__["prepare_inputs_for_generation"]._model_ref() is clone
+    if state == "enabled":
+        import hf_ropekv
+
+        assert hf_ropekv.is_enabled(clone)
+        calls, handle = _calls_into(model)
+        got = generate(clone, REQUESTS[1], None)
+        assert not calls
+        handle.remove()
+        assert hf_ropekv.last_summary(clone).budget == EVICTING["budget"]  # the copy's own enable made its cache
+        assert torch.equal(got, generate(model, REQUESTS[1], None))
+    # the copy's hooks came as pass-throughs; its next cache installs its own, and they go with it
+    del held
+
+
+def test_a_copied_static_cache_leases_from_the_same_pool() -> None:
+    from hf_ropekv.storage.buffers import BufferPool
+
+    model = tiny_model("qwen3")
+    cache = RopeKVCache(model, budget=24, compress_every=4, static=True)
+    generate(model, REQUESTS[0], cache, new=6)
+    pool = BufferPool.of(model)
+    twin = copy.deepcopy(cache)
+    assert twin._lease is not cache._lease and twin._lease._pool is pool
+    twin_buffers = {id(t) for _, t in twin._lease._held}
+    assert twin_buffers and not twin_buffers & {id(t) for _, t in cache._lease._held}
+    gc.disable()
+    try:
+        del twin
+        assert twin_buffers <= {id(t) for t in BufferPool.of(model).free.values()}
+    finally:
+        gc.enable()
+    assert BufferPool.of(model) is pool

@@ -18,6 +18,10 @@ from conftest import padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import TRANSFORMERS_VERSION
 from hf_ropekv.hooks.enable import disable, enable, enabled, is_enabled
+from hf_ropekv.warnings import HfRopeKVWarning
+
+# The tiny budgets here are meant: their warning is checked once, in test_risky_settings_warn.
+pytestmark = pytest.mark.filterwarnings("ignore:hf_ropekv.enable. budget=16 is small")
 
 # A budget small enough that 30 new tokens evict (prompts are at most 12 tokens).
 OPTIONS = dict(budget=16, compress_every=4)
@@ -362,32 +366,30 @@ def test_calibrated_stats_loaded_once(model, tmp_path) -> None:
         assert torch.equal(gen(model, ids, mask), want)
 
 
-def test_risky_settings_warn(model, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="hf_ropekv"):
+def test_risky_settings_warn(model) -> None:
+    with pytest.warns(HfRopeKVWarning) as caught:
         enable(model, budget=40, compress_every=64)
-    text = caplog.text
+    text = " ".join(str(w.message) for w in caught)
     assert "budget=40 is small" in text
     assert "compress_every=64 exceeds budget=40" in text
+    assert all(w.filename == __file__ for w in caught)  # attributed to the caller's line
     disable(model)
 
-    caplog.clear()
     model.generation_config.cache_implementation = "static"
-    with caplog.at_level(logging.WARNING, logger="hf_ropekv"):
+    with pytest.warns(HfRopeKVWarning, match="cache_implementation='static'"):
         enable(model, budget=512)
-    assert "cache_implementation='static'" in caplog.text
     model.generation_config.cache_implementation = None
     disable(model)
 
 
-def test_cropping_modes_fall_back_to_dynamic_cache(model, caplog) -> None:
+def test_cropping_modes_fall_back_to_dynamic_cache(model) -> None:
     ids, mask = padded_batch(lengths=(12,))
     ids[0, 6:] = ids[0, :6]  # a repetition for prompt lookup to find
     enable(model, **OPTIONS)
     spy = CacheSpy(model)
-    with caplog.at_level(logging.WARNING, logger="hf_ropekv"):
+    with pytest.warns(HfRopeKVWarning, match="assisted_generation"):
         out = gen(model, ids, mask, prompt_lookup_num_tokens=3, max_new_tokens=10)
     assert type(spy.caches[-1]) is DynamicCache
-    assert "assisted_generation" in caplog.text
     assert torch.equal(out, gen(model, ids, mask, DynamicCache(config=model.config), prompt_lookup_num_tokens=3, max_new_tokens=10))
     # Plain decoding still gets RopeKVCache.
     gen(model, ids, mask, max_new_tokens=4)
@@ -449,16 +451,15 @@ def test_wrapper_delegating_generate(model) -> None:
     assert not is_enabled(model)
 
 
-def test_pickled_enabled_model_generates_and_can_be_enabled_again(model) -> None:
-    """Pickling keeps a working model; the enablement itself does not survive it (enable the copy again)."""
+def test_pickled_enabled_model_stays_enabled_with_the_same_options(model) -> None:
+    """A pickled copy, like a deep copy, stays enabled with the original's options, bound to the copy."""
     import pickle
 
     ids, mask = padded_batch(lengths=(6,))
     enable(model, **OPTIONS)
     clone = pickle.loads(pickle.dumps(model))
-    assert not is_enabled(clone)
-    assert gen(clone, ids, mask, max_new_tokens=6).shape[1] == ids.shape[1] + 6
-    enable(clone, **OPTIONS)
+    assert is_enabled(clone)
+    assert clone.__dict__["_hf_ropekv_enablement"].options == model.__dict__["_hf_ropekv_enablement"].options
     spy = CacheSpy(clone)
     assert torch.equal(gen(clone, ids, mask), gen(model, ids, mask))
     spy.remove()

@@ -367,4 +367,7 @@ class RopeKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> Any:
         if self._static_driver is not None and torch.compiler.is_compiling():
             return self._static_driver.clock_on_first_device()[1]  # a device scalar: see get_query_offset
+        attachment = self._attachment
+        if attachment is not None and attachment.detached:  # hf_ropekv.detach(model) took its hooks off
+            attachment.check_attached()
         return super().get_seq_length(layer_idx)

@@ -15,11 +15,23 @@
 
 Every hook only acts when the forward's cache is the cache that installed it, and all are removed when that
 cache is garbage-collected.
+
+No hidden ties to the model. Nothing hf_ropekv stores on a model holds the model strongly (wrappers and hooks
+hold it weakly, frames hold their attention module weakly), so ``del model`` frees it by reference counting
+alone, and :func:`hf_ropekv.detach` takes everything off at once. A copy of the model (``copy.deepcopy``,
+``pickle``, ``torch.save``) starts without the original's hooks: what was put on its modules only passes calls
+through (and takes itself out), and the next ``RopeKVCache`` of the copy installs fresh hooks.
+
+Threads: one forward at a time per model. While a model carries these hooks, its forwards (and a static cache's
+step preparation) take a per-model lock, so two threads calling ``generate()`` on one model (a web server's
+handler threads) each get exactly their serial result, taking turns forward by forward. For parallel
+generation, use one model copy per thread (``copy.deepcopy(model)``).
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from typing import Any, Protocol
 
@@ -78,11 +90,25 @@ class ModelAttachment:
         self._query_consumers = cache._query_consumers()
         self._hooks = SharedHooks.of(model)
         self._hooks.add(self, cache.geometry, collect_queries, keep=self.static)
-        self.attention_modules: list[nn.Module] = self._hooks.capture.attention_modules if collect_queries else []
+        self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
         _wrap_prepare_inputs(model)
         if self.static:
             _wrap_compiled_call(model)
+
+    @property
+    def attention_modules(self) -> list[nn.Module]:
+        """The attention module of every decoder layer whose queries this attachment collects (else none)."""
+        capture = self._hooks.capture
+        return capture.attention_modules if self._collect_queries and capture is not None else []
+
+    def check_attached(self) -> None:
+        """Raise if :func:`hf_ropekv.detach` took this cache's hooks off its model."""
+        if self.detached:
+            raise RuntimeError(
+                "This RopeKVCache was attached to a model that hf_ropekv.detach(model) has since cleaned: its hooks are "
+                "gone, so the cache cannot follow the model's forwards. Create a new RopeKVCache(model, ...)."
+            )
 
     def copy_for(self, cache: AttachedCache, memo: dict) -> "ModelAttachment":
         """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, same state.
@@ -94,6 +120,7 @@ class ModelAttachment:
         model = self._model_ref()
         if model is None:
             raise RuntimeError("Cannot copy this RopeKVCache: the model it was attached to no longer exists.")
+        self.check_attached()
         twin = ModelAttachment(model, cache, collect_queries=self._collect_queries)
         for name, value in self.__dict__.items():
             if not _binds_to_owner(value):
@@ -128,16 +155,22 @@ class ModelAttachment:
         a compileable cache comes from the cache's slot mask.
         """
         cache = self._cache_ref()
-        embeds = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
-        source = embeds if embeds is not None else input_ids
-        # generate names the new tokens' count when it passes the whole sequence; otherwise all are new.
-        new = kwargs.get("next_sequence_length") or source.shape[1]
-        new_ids = None if embeds is not None else input_ids[:, -new:]
-        new_embeds = None if embeds is None else embeds[:, -new:]
-        replaced = self._start_forward(cache, new_ids, new_embeds, kwargs.get("attention_mask"))
-        if replaced is not UNCHANGED:
-            kwargs = {**kwargs, "attention_mask": replaced}
-        model_inputs = _with_canonical_strides(prepare(input_ids, *args, **kwargs))
+        self.check_attached()
+        self._hooks.gate.enter()  # held until this forward ends (SharedHooks._release)
+        try:
+            embeds = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
+            source = embeds if embeds is not None else input_ids
+            # generate names the new tokens' count when it passes the whole sequence; otherwise all are new.
+            new = kwargs.get("next_sequence_length") or source.shape[1]
+            new_ids = None if embeds is not None else input_ids[:, -new:]
+            new_embeds = None if embeds is None else embeds[:, -new:]
+            replaced = self._start_forward(cache, new_ids, new_embeds, kwargs.get("attention_mask"))
+            if replaced is not UNCHANGED:
+                kwargs = {**kwargs, "attention_mask": replaced}
+            model_inputs = _with_canonical_strides(prepare(input_ids, *args, **kwargs))
+        except BaseException:
+            self._hooks.gate.leave()  # no forward follows
+            raise
         source = model_inputs.get("input_ids")
         self._prepared = source if source is not None else model_inputs.get("inputs_embeds")
         return model_inputs
@@ -277,10 +310,12 @@ class SharedHooks:
     The hooks go with the last attachment, unless a static cache was attached: then they stay, idle, for the
     model's lifetime, so the next static cache (a new ``generate()`` call) reuses the compiled step. A static
     cache also switches an sdpa grouped-query model to :func:`~hf_ropekv.model.attention.grouped_sdpa` (same attention,
-    no copy of the key/value heads under its mask), for as long as the hooks stay.
+    no copy of the key/value heads under its mask), for as long as the hooks stay. Nothing here holds the model
+    strongly: when it goes, the hooks go with it and the rotary functions are given back.
     """
 
     _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, SharedHooks]" = weakref.WeakKeyDictionary()
+    copied = False  # True for what a copied model brought along (see _copied_hooks)
 
     @classmethod
     def of(cls, model: nn.Module) -> "SharedHooks":
@@ -297,9 +332,12 @@ class SharedHooks:
         self.keep = False
         self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
         self._attention_before: str | None = None  # the implementation a static cache replaced
+        self.gate = ForwardGate()  # one forward at a time (see the module docstring)
+        _drop_copied_hooks(model)
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             model.register_forward_hook(self._post_forward, with_kwargs=True),
+            model.register_forward_hook(self._release, always_call=True),
         ]
         weakref.finalize(model, self._detach)  # kept hooks (static caches) go with the model
 
@@ -324,6 +362,17 @@ class SharedHooks:
             # that is not being compiled takes the idle hooks out instead.
             self._detach_pending = True
             return
+        self._remove_hooks()
+
+    def __reduce__(self) -> tuple:
+        # The model's hooks are this object's bound methods: a copy of the model gets inert ones instead.
+        return _copied_hooks, ()
+
+    def detach_model(self) -> None:
+        """Take every hook off now, static caches' included; the caches attached so far refuse further use."""
+        for attachment in self.attachments:
+            attachment.detached = True
+        self.attachments, self.active, self.keep = [], None, False
         self._remove_hooks()
 
     def _remove_hooks(self) -> None:
@@ -356,6 +405,7 @@ class SharedHooks:
         if self._detach_pending and not self.attachments:
             self._remove_hooks()
             return None
+        self.gate.enter()  # released by _release, which runs even when the forward raises
         cache = _compat.cache_from_forward_kwargs(kwargs)
         # Another cache's forward, or none: every attachment's query hooks stay idle through it.
         self.active = next((a for a in self.attachments if a.owns(cache)), None)
@@ -372,6 +422,10 @@ class SharedHooks:
         if self.active is not None:
             self.active._post_forward(module, args, kwargs, output)
 
+    @torch.compiler.disable
+    def _release(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.gate.leave()
+
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         if self.active is not None:
             self.active._on_query(layer_idx, queries)
@@ -379,6 +433,52 @@ class SharedHooks:
     def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None:
         if self.active is not None:
             self.active._on_step(layers, queries, heads_dim)
+
+
+
+class ForwardGate:
+    """One forward at a time per model, across threads: a forward enters before anything reads shared hook state
+    and leaves when it ends. Entering again on the thread that holds it is a no-op (a static cache's step is
+    prepared before its forward starts)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def enter(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            return
+        self._lock.acquire()
+        self._owner = me
+
+    def leave(self) -> None:
+        if self._owner == threading.get_ident():
+            self._owner = None
+            self._lock.release()
+
+
+def _copied_hooks() -> SharedHooks:
+    """What a copy of a model (``copy.deepcopy``, pickle) gets for the original's :class:`SharedHooks`: hooks with
+    no attachment and no capture, which pass every forward through until the copy's next hooks replace them."""
+    hooks = SharedHooks.__new__(SharedHooks)
+    hooks._model_ref = lambda: None
+    hooks.attachments, hooks.capture, hooks.active, hooks.keep = [], None, None, False
+    hooks._detach_pending, hooks._attention_before, hooks._handles = False, None, []
+    hooks.gate, hooks.copied = ForwardGate(), True
+    return hooks
+
+
+def _drop_copied_hooks(model: nn.Module) -> None:
+    """Remove the hooks a copied model came with from its original (see :func:`_copied_hooks`)."""
+    for hooks, extras in (
+        (model._forward_pre_hooks, ("_forward_pre_hooks_with_kwargs",)),
+        (model._forward_hooks, ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+    ):
+        for hook_id in [i for i, hook in hooks.items() if getattr(getattr(hook, "__self__", None), "copied", False)]:
+            del hooks[hook_id]
+            for extra in extras:
+                getattr(model, extra, {}).pop(hook_id, None)
 
 
 def _dynamo_compiling() -> bool:
@@ -390,12 +490,47 @@ def _dynamo_compiling() -> bool:
     return TracingContext.try_get() is not None
 
 
-def _wrap_prepare_inputs(model: nn.Module) -> None:
-    original = model.prepare_inputs_for_generation
-    if getattr(original, _WRAPPED_MARK, False):
-        return
+class _ModelMethod:
+    """A method of one model instance that this module wraps, stored as an instance attribute.
 
-    def prepare_inputs_for_generation(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    It holds the model weakly (a wrapper on the model that held it would keep it alive until the garbage
+    collector ran), and a copy of the model (``copy.deepcopy``, ``pickle``) gets a wrapper of the copy.
+    """
+
+    name = ""
+    _hf_ropekv_continuation_check = True  # _WRAPPED_MARK
+
+    def __init__(self, model: nn.Module, previous: Any = None) -> None:
+        self._model_ref = weakref.ref(model)
+        self.previous = previous  # an instance attribute it replaced, else None: the class's method
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self._model_ref(), self.previous)
+
+    def _original(self) -> tuple[nn.Module, Any]:
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError(f"The model of this {self.name} wrapper no longer exists.")
+        if self.previous is not None:
+            return model, self.previous
+        return model, getattr(type(model), self.name).__get__(model)
+
+    @classmethod
+    def install(cls, model: nn.Module) -> None:
+        current = model.__dict__.get(cls.name)
+        if getattr(current, _WRAPPED_MARK, False):
+            return
+        previous = None if _is_class_method(current, model, cls.name) else current
+        setattr(model, cls.name, cls(model, previous))
+
+
+class _PrepareInputsForGeneration(_ModelMethod):
+    """``prepare_inputs_for_generation`` that refuses a reused cache and prepares a static cache's step."""
+
+    name = "prepare_inputs_for_generation"
+
+    def __call__(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        _, original = self._original()
         cache = _compat.cache_from_forward_kwargs(kwargs)
         attachment = getattr(cache, "_attachment", None)
         if isinstance(attachment, ModelAttachment) and input_ids is not None:
@@ -404,12 +539,9 @@ def _wrap_prepare_inputs(model: nn.Module) -> None:
             return attachment.prepare_generation_step(original, input_ids, args, kwargs)
         return original(input_ids, *args, **kwargs)
 
-    setattr(prepare_inputs_for_generation, _WRAPPED_MARK, True)
-    model.prepare_inputs_for_generation = prepare_inputs_for_generation
 
-
-def _wrap_compiled_call(model: nn.Module) -> None:
-    """Make generate's compiled forward (``get_compiled_call``) run a static cache's multi-token forwards eagerly.
+class _GetCompiledCall(_ModelMethod):
+    """``get_compiled_call`` whose forward runs a static cache's multi-token forwards eagerly.
 
     generate sends every chunk of a chunked prefill (``prefill_chunk_size``) through its compiled forward; only
     its unchunked prefill runs eagerly. A static cache's chunks attend over a temporary arena larger than the
@@ -418,22 +550,32 @@ def _wrap_compiled_call(model: nn.Module) -> None:
     for the decode step alone. A forward of many tokens is bound by the GPU, so running it eagerly costs little;
     the decode steps (one token) keep the compiled call.
     """
-    original = model.get_compiled_call
-    if getattr(original, _WRAPPED_MARK, False):
-        return
 
-    def get_compiled_call(*args: Any, **kwargs: Any) -> Any:
+    name = "get_compiled_call"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model, original = self._original()
         compiled = original(*args, **kwargs)
 
-        def forward(*call_args: Any, **call_kwargs: Any) -> Any:
+        def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
             if _is_static_multi_token_forward(call_args, call_kwargs):
                 return model(*call_args, **call_kwargs)
             return compiled(*call_args, **call_kwargs)
 
         return forward
 
-    setattr(get_compiled_call, _WRAPPED_MARK, True)
-    model.get_compiled_call = get_compiled_call
+
+def _is_class_method(method: Any, model: nn.Module, name: str) -> bool:
+    """The class's own method bound to ``model`` (what an unpickled model may hold): nothing to chain to."""
+    return getattr(method, "__self__", None) is model and getattr(method, "__func__", None) is getattr(type(model), name, None)
+
+
+def _wrap_prepare_inputs(model: nn.Module) -> None:
+    _PrepareInputsForGeneration.install(model)
+
+
+def _wrap_compiled_call(model: nn.Module) -> None:
+    _GetCompiledCall.install(model)
 
 
 def _with_canonical_strides(model_inputs: dict[str, Any]) -> dict[str, Any]:

@@ -34,13 +34,17 @@ for :func:`last_summary` and logs it at INFO level on the ``hf_ropekv`` logger, 
 cache itself is held weakly (:func:`last_cache`): remembering it must not keep its KV memory alive between calls.
 These records outlive ``disable`` (so ``with enabled(...):`` blocks can be inspected afterwards) and are not copied
 with the model.
+
+Copies. The wrappers hold the model weakly (``del model`` frees it without the garbage collector), and a copy of an
+enabled model (``copy.deepcopy``, ``pickle``, ``torch.save``) **stays enabled with the same options**: its
+wrappers are the copy's own and never call into the original. ``hf_ropekv.detach(model)`` removes them with
+everything else hf_ropekv put on the model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import inspect
 import types
 import weakref
@@ -52,6 +56,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
 
 from .. import _compat
+from ..warnings import warn
 from .attach import _WRAPPED_MARK, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
 from ..cache.cache import RopeKVCache
 from ..cache.options import OPTION_NAMES, CacheOptions
@@ -67,7 +72,6 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 _STATE_ATTR = "_hf_ropekv_enablement"
 _HOOK_ATTR = "_prepare_cache_for_generation"
 _GENERATE_ATTR = "generate"
-_HOOK_MARK = "_hf_ropekv_enable_hook"  # set on both wrappers (of _HOOK_ATTR and of _GENERATE_ATTR)
 #: The instance attributes ``enable`` replaces by its wrappers, and ``disable`` restores.
 _WRAPPED_ATTRS = (_HOOK_ATTR, _GENERATE_ATTR)
 
@@ -131,7 +135,7 @@ def enable(model: ModelT, budget: int | None = None, *, stats: Any = None, **opt
         budget: tokens kept per row, KV head and layer (see :class:`RopeKVCache`); ``None`` never evicts.
         stats: query statistics for the default RoPE scorer: a ``FrequencyStats`` or the path of a file from
             ``hf_ropekv.calibrate``. Loaded and checked against the model once, here. ``None`` gathers them
-            online from each prompt.
+            online, from each call's prompt and decoding steps.
         **options: any other keyword of :class:`RopeKVCache`: ``compress_every``, ``page_size``, ``window``,
             ``sink``, ``protect_prompt``, ``scorer``, ``selection``, ``seed``. ``scorer`` may be a scorer
             (shared by all calls) or a zero-argument callable returning one (called once per cache).
@@ -293,31 +297,32 @@ def _warn_risky(model: nn.Module, config: _Config) -> None:
         logger.info("hf_ropekv.enable(%s, budget=None): nothing is evicted; outputs equal DynamicCache's.", name)
     else:
         if budget < _SMALL_BUDGET:
-            logger.warning_once(
+            warn(
                 f"hf_ropekv.enable: budget={budget} is small. The prompt is pinned and counts toward the budget "
                 "(a longer prompt raises), and little room is left for the answer: expect degraded outputs. "
                 f"Budgets of 1024-4096 tokens are typical."
             )
         compress_every = options.get("compress_every", 128)
         if compress_every > budget:
-            logger.warning_once(
+            warn(
                 f"hf_ropekv.enable: compress_every={compress_every} exceeds budget={budget}; the cache grows to "
                 f"{budget + compress_every} tokens before each compaction, more than twice the budget."
             )
         if options.get("stats") is None and options.get("scorer") is None:
             logger.info(
-                "hf_ropekv.enable: no calibrated statistics; query statistics are gathered from each prompt. "
-                "Short prompts give noisy statistics: see hf_ropekv.calibrate."
+                "hf_ropekv.enable: no calibrated statistics; query statistics are gathered online from each "
+                "generate() call's prompt and decoding steps. Short prompts give noisy statistics at first: see "
+                "hf_ropekv.calibrate."
             )
         mode = _cropping_mode(getattr(model, "generation_config", None))
         if mode is not None:
-            logger.warning_once(
+            warn(
                 f"hf_ropekv.enable: {name}.generation_config asks for {mode}, which rolls the cache back; a cache "
                 "that evicted tokens cannot. Such calls get transformers' DynamicCache instead of RopeKVCache."
             )
     implementation = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
     if implementation not in (*_DYNAMIC_IMPLEMENTATIONS, "hybrid"):
-        logger.warning_once(
+        warn(
             f"hf_ropekv.enable: {name}.generation_config.cache_implementation={implementation!r} is set; while it "
             "is, generate() builds that cache and not RopeKVCache. Set it to None to use RopeKVCache."
         )
@@ -359,22 +364,49 @@ def _install(model: nn.Module, config: _Config) -> None:
         previous=previous,
         attach_had={attr for attr in ATTACH_WRAPPED_METHODS if attr in model.__dict__},
     )
-    hook = types.MethodType(_make_hook(previous[_HOOK_ATTR]), model)
-    generate = types.MethodType(_make_generate(previous[_GENERATE_ATTR], type(model)), model)
     # nn.Module.__setattr__ stores plain callables in the instance __dict__, where attribute lookup finds them
     # before the class's method.
     object.__setattr__(model, _STATE_ATTR, state)
-    setattr(model, _HOOK_ATTR, hook)
-    setattr(model, _GENERATE_ATTR, generate)
+    setattr(model, _HOOK_ATTR, _PrepareCacheHook(model, previous[_HOOK_ATTR]))
+    setattr(model, _GENERATE_ATTR, _GenerateWrapper(model, previous[_GENERATE_ATTR]))
     logger.info("hf_ropekv enabled on %s: %s", type(model).__name__, _describe_options(config.options))
 
 
-def _make_hook(previous: Any) -> Callable[..., Any]:
-    """The replacement of ``_prepare_cache_for_generation``; ``previous`` is an instance attribute it replaced."""
+class _EnableWrapper:
+    """A method of one model instance replaced by :func:`enable` (an instance attribute).
 
-    def _prepare_cache_for_generation(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        original = previous if previous is not None else getattr(type(self), _HOOK_ATTR).__get__(self)
-        state = self.__dict__.get(_STATE_ATTR)
+    It holds the model weakly: a wrapper stored on the model that held it would keep the model alive until the
+    garbage collector ran. A copy of the model (``copy.deepcopy``, ``pickle``, ``torch.save``) gets wrappers of
+    the copy, and the enable state is copied with it: **a copy stays enabled with the same options**.
+    """
+
+    name = ""
+
+    def __init__(self, model: nn.Module, previous: Any = None) -> None:
+        self._model_ref = weakref.ref(model)
+        self.previous = previous  # an instance attribute it replaced, or None: the class's method
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self._model_ref(), self.previous)
+
+    def _model_and_original(self) -> tuple[nn.Module, Callable[..., Any]]:
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError(f"The model of this hf_ropekv {self.name} wrapper no longer exists.")
+        if self.previous is not None:
+            return model, self.previous
+        return model, getattr(type(model), self.name).__get__(model)
+
+
+class _PrepareCacheHook(_EnableWrapper):
+    """The replacement of ``_prepare_cache_for_generation``: a fresh RopeKVCache where transformers made a
+    DynamicCache."""
+
+    name = _HOOK_ATTR
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model, original = self._model_and_original()
+        state = model.__dict__.get(_STATE_ATTR)
         if state is None:
             return original(*args, **kwargs)
         call = _prepare_cache_call(original, args, kwargs)
@@ -388,22 +420,29 @@ def _make_hook(previous: Any) -> Callable[..., Any]:
             return result
         for name in _compat.CACHE_KWARGS:
             if type(model_kwargs.get(name)) is DynamicCache:
-                cache = model_kwargs[name] = state.new_cache(self)
-                _note_new_cache(self, cache)
+                cache = model_kwargs[name] = state.new_cache(model)
+                _note_new_cache(model, cache)
                 _warn_many_rows(state, generation_config, batch_size)
                 break
         return result
 
-    setattr(_prepare_cache_for_generation, _HOOK_MARK, True)
-    return _prepare_cache_for_generation
 
-
-def _make_generate(previous: Any, model_class: type) -> Callable[..., Any]:
+class _GenerateWrapper(_EnableWrapper):
     """The replacement of ``generate``: when the call ends, summarise (and log) the caches the hook made in it."""
 
-    def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        original = previous if previous is not None else getattr(type(self), _GENERATE_ATTR).__get__(self)
-        if self.__dict__.get(_STATE_ATTR) is None:
+    name = _GENERATE_ATTR
+
+    def __init__(self, model: nn.Module, previous: Any = None) -> None:
+        super().__init__(model, previous)
+        # Name, docstring and signature of the method it stands for (without ``self``, as a bound method shows).
+        method = getattr(type(model), _GENERATE_ATTR)
+        self.__name__, self.__qualname__, self.__doc__ = method.__name__, method.__qualname__, method.__doc__
+        signature = inspect.signature(method)
+        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model, original = self._model_and_original()
+        if model.__dict__.get(_STATE_ATTR) is None:
             return original(*args, **kwargs)
         made: list[RopeKVCache] = []
         token = _CACHES_MADE.set(made)  # a nested generate() (another model's) sets its own list
@@ -412,13 +451,8 @@ def _make_generate(previous: Any, model_class: type) -> Callable[..., Any]:
         finally:
             _CACHES_MADE.reset(token)
         for cache in made:
-            logger.info("hf_ropekv, %s.generate(): %s", type(self).__name__, _note_finished_cache(self, cache))
+            logger.info("hf_ropekv, %s.generate(): %s", type(model).__name__, _note_finished_cache(model, cache))
         return output
-
-    # Name, docstring and signature (``inspect.signature`` follows ``__wrapped__``) of the method it stands for.
-    functools.update_wrapper(generate, getattr(model_class, _GENERATE_ATTR))
-    setattr(generate, _HOOK_MARK, True)
-    return generate
 
 
 def _note_new_cache(model: nn.Module, cache: RopeKVCache) -> None:
@@ -469,7 +503,7 @@ def _prepare_cache_call(original: Callable[..., Any], args: tuple, kwargs: dict)
         bound = {}
     generation_config, model_kwargs = bound.get("generation_config"), bound.get("model_kwargs")
     if generation_config is None or not isinstance(model_kwargs, dict):
-        logger.warning_once(
+        warn(
             "hf_ropekv.enable: this transformers version calls `_prepare_cache_for_generation` in an unknown way; "
             "generate() uses transformers' own cache. Pass cache=RopeKVCache(model, ...) explicitly "
             "(past_key_values= before transformers 5.24)."
@@ -487,7 +521,7 @@ def _keep_transformers_cache(state: _Enablement, generation_config: Any, model_k
         return "use_cache=False"
     implementation = getattr(generation_config, "cache_implementation", None)
     if implementation not in _DYNAMIC_IMPLEMENTATIONS:
-        logger.warning_once(
+        warn(
             f"hf_ropekv: generate() was asked for cache_implementation={implementation!r}; that cache is used "
             "instead of RopeKVCache for these calls."
         )
@@ -497,7 +531,7 @@ def _keep_transformers_cache(state: _Enablement, generation_config: Any, model_k
     if mode in _CROPPING_MODES:
         # Without a budget RopeKVCache would only equal DynamicCache, so nothing is lost by keeping it.
         if state.options.get("budget") is not None:
-            logger.warning_once(
+            warn(
                 f"hf_ropekv: {mode} rolls the cache back, which a cache that evicted tokens cannot do; these calls "
                 "use transformers' DynamicCache (no memory bound). Use greedy/sampling/beam search for a bounded cache."
             )
@@ -515,7 +549,7 @@ def _warn_many_rows(state: _Enablement, generation_config: Any, batch_size: Any)
         compress_every = state.options.get("compress_every", 128)
         per_token = state.geometry.kv_bytes_per_token(torch.bfloat16)
         estimate = rows * (budget + compress_every) * per_token / 2**30
-        logger.warning_once(
+        warn(
             f"hf_ropekv: {rows} rows (batch {batch_size} x {expand} beams/sequences) each keep up to "
             f"budget + compress_every = {budget + compress_every} tokens: about {estimate:.1f} GiB of KV in 16-bit. "
             "The budget is per row: lower it, or the batch / num_beams, if memory is tight."
@@ -563,19 +597,14 @@ def _restore(model: nn.Module, attr: str, previous: Any) -> None:
     else:
         # Someone wrapped the method after us: our wrapper stays in their chain but, with the state gone, only
         # passes through.
-        logger.warning(
-            "hf_ropekv.disable: `%s` was wrapped again after hf_ropekv.enable(); the hf_ropekv wrapper stays inside "
-            "that wrapper as a pass-through.",
-            attr,
+        warn(
+            f"hf_ropekv.disable: `{attr}` was wrapped again after hf_ropekv.enable(); the hf_ropekv wrapper stays "
+            "inside that wrapper as a pass-through."
         )
 
 
 def _is_our_wrapper(method: Any, model: nn.Module) -> bool:
-    return (
-        isinstance(method, types.MethodType)
-        and getattr(method.__func__, _HOOK_MARK, False)
-        and method.__self__ is model
-    )
+    return isinstance(method, _EnableWrapper) and method._model_ref() is model
 
 
 def _is_class_method_copy(method: Any, model: nn.Module, attr: str) -> bool:

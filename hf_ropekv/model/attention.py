@@ -102,6 +102,8 @@ def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
     sub-configs'), so ``restore_attention`` can undo it.
     """
     config = getattr(model, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", None) == GROUPED_SDPA:
+        return "sdpa"  # switched already (by this model's hooks, or, for a copy of a model, by the original's)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return None
     if geometry.num_kv_heads == geometry.num_q_heads:

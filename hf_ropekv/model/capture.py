@@ -17,13 +17,14 @@ model's own tensor, no copy). The rotary pairs are always the first ``R`` dims.
 
 from __future__ import annotations
 
-import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from . import rotary
+from ..warnings import warn
 from .geometry import FULL, ModelGeometry
 
 QUERY_NORM_NAMES = ("q_norm", "q_layernorm")
@@ -125,11 +126,12 @@ class QueryCapture:
         self.callback = callback
         self.step_callback = step_callback  # optional: a recorded decoding step's queries in one call
         geometry.require_rotary_layout()
-        self.attention_modules = find_attention_modules(model, geometry)
-        self._functions = [_rotary_function_of(model, attn) for attn in self.attention_modules]
+        modules = find_attention_modules(model, geometry)
+        # Weak: the frames put on these modules point back at the capture, which must not keep them alive.
+        self._attention_refs = [weakref.ref(module) for module in modules]
+        self._functions = [_rotary_function_of(model, attn) for attn in modules]
         self._query_calls = [
-            None if fn.paired else _query_call_of(model, attn, fn)
-            for attn, fn in zip(self.attention_modules, self._functions)
+            None if fn.paired else _query_call_of(model, attn, fn) for attn, fn in zip(modules, self._functions)
         ]
         self._frames: list[_Frame] = []
         self._installed: list[rotary._Patch] = []
@@ -144,6 +146,11 @@ class QueryCapture:
         self._bypassed = False  # the frames are out of the attention forwards (recorded decoding steps)
 
     @property
+    def attention_modules(self) -> list[nn.Module]:
+        """The attention module of every decoder layer, in layer order (those still alive)."""
+        return [module for module in (ref() for ref in self._attention_refs) if module is not None]
+
+    @property
     def attached(self) -> bool:
         return bool(self._frames)
 
@@ -153,7 +160,10 @@ class QueryCapture:
             return self
         for fn in dict.fromkeys(self._functions):
             self._installed.append(rotary.install(fn))
-        for layer_idx, attention in enumerate(self.attention_modules):
+        for layer_idx, ref in enumerate(self._attention_refs):
+            attention = ref()
+            if attention is None:
+                continue
             frame = _Frame(self, attention, layer_idx, self._functions[layer_idx], self._query_calls[layer_idx])
             frame.wrap()
             self._frames.append(frame)
@@ -223,12 +233,10 @@ class QueryCapture:
         else:  # the forward ran compiled: its rotary calls were traced, past the recording and the bypassed frames
             self._plan, self._plan_failed = None, True
             self._bypass_frames(False)
-            warnings.warn(
+            warn(
                 "hf_ropekv: a decoding step of this model ran compiled with a growing RopeKVCache; its queries are "
                 "left out of the online statistics, and later steps take the slower, checked path. A compiled "
-                "decode wants RopeKVCache(model, budget=..., static=True).",
-                RuntimeWarning,
-                stacklevel=2,
+                "decode wants RopeKVCache(model, budget=..., static=True)."
             )
 
     def _plan_from(self, calls: list[Any], learning: list[tuple[torch.Tensor, int, int, bool]]) -> tuple | None:
@@ -252,12 +260,10 @@ class QueryCapture:
         expected = len(self._plan)
         if len(calls) != expected:
             self._plan, self._plan_failed = None, True
-            warnings.warn(
+            warn(
                 f"hf_ropekv: a decoding step of this model made {len(calls)} rotary calls where earlier steps made "
                 f"{expected}; its queries are left out of the online statistics, and later steps take "
-                "the slower, checked path.",
-                RuntimeWarning,
-                stacklevel=2,
+                "the slower, checked path."
             )
             return
         if self.step_callback is not None and self._step is not None:
@@ -283,7 +289,9 @@ class _Frame:
         self, capture: QueryCapture, attention: nn.Module, layer_idx: int, function: rotary.RotaryFunction,
         query_call: int | None,
     ) -> None:
-        self.capture, self.attention, self.layer_idx = capture, attention, layer_idx
+        # The module holds this frame (its forward): the frame holds the module weakly, so no cycle outlives it.
+        self._attention_ref = weakref.ref(attention)
+        self.capture, self.layer_idx = capture, layer_idx
         self.function, self.query_call = function, query_call
         self.calls = 0
         self.full_attention = capture.geometry.layer_types[layer_idx] == FULL
@@ -291,21 +299,42 @@ class _Frame:
         self.key = function.key  # where the pass-through looks for the frames of this rotary function
         self.bypassed = False  # taken out of attention.forward for recorded decoding steps (QueryCapture.begin_forward)
 
+    @property
+    def attention(self) -> nn.Module | None:
+        return self._attention_ref()
+
+    def __reduce__(self) -> tuple:
+        # A copied model's attention forward (this frame's bound forward) becomes a pass-through of the copy.
+        return _CopiedForward, (self.attention, self.inner)
+
     # ---------------------------------------------------------------- the attention module's forward, wrapped
     def wrap(self) -> None:
         """Make ``attention.forward`` this frame's :meth:`forward` (an instance attribute over whatever ran before:
         the class's forward, or another capture's or library's wrapper)."""
         attention = self.attention
+        if attention is None:
+            return
         self.live = True
-        self.had_instance_forward = "forward" in attention.__dict__
-        self.inner = attention.forward
+        # The forward to run inside: an instance attribute (another wrapper) as it is; the class's forward as the
+        # plain function, called with the module (a bound method would hold the module from its own __dict__).
+        self.inner = attention.__dict__.get("forward")
+        self.had_instance_forward = self.inner is not None
+        self.class_forward = type(attention).forward
         attention.forward = self.forward
+
+    def run_inner(self, args: tuple, kwargs: dict) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return self.class_forward(self._attention_ref(), *args, **kwargs)
 
     def bypass(self, on: bool) -> None:
         """``on``: take this frame out of ``attention.forward`` while it is the outermost wrapper (under another one
         it stays, passing recorded calls through); off: wrap again, outermost, over whatever is there now."""
+        attention = self.attention
+        if attention is None:
+            return
         if on:
-            if _frame_of(self.attention.__dict__.get("forward")) is self:
+            if _frame_of(attention.__dict__.get("forward")) is self:
                 self.unwrap()
                 self.bypassed = True
         elif self.bypassed:
@@ -317,6 +346,8 @@ class _Frame:
         of the chain; a wrapper that cannot be reached any more just passes calls through (``live`` off)."""
         self.live = False
         attention = self.attention
+        if attention is None:
+            return
         current = attention.__dict__.get("forward")
         if _frame_of(current) is self:
             if self.had_instance_forward:
@@ -335,12 +366,12 @@ class _Frame:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.live or (self.capture._recording is not None and self.capture._learning is None
                              and not torch.compiler.is_compiling()):
-            return self.inner(*args, **kwargs)  # detached, or a recorded decoding step: no frame
+            return self.run_inner(args, kwargs)  # detached, or a recorded decoding step: no frame
         frames = rotary.frame_stack(self.key)
         self.calls = 0
         frames.append(self)
         try:
-            output = self.inner(*args, **kwargs)
+            output = self.run_inner(args, kwargs)
         finally:
             rotary.pop_frame(frames, self)
         if self.calls == 0 and self.full_attention:
@@ -406,10 +437,38 @@ def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
     return q.as_strided((*q.shape[:-1], head_dim), q.stride(), q.storage_offset())
 
 
+class _CopiedForward(_Frame):
+    """What a copy of the model (``copy.deepcopy``, pickle) gets for a frame's forward: the capture belongs to the
+    original model, so on its first call it puts back the forward the module had before (``inner``, or the
+    class's) and runs it. (A frame's bound ``forward`` is copied as ``_Frame.forward`` bound to the frame's copy:
+    this subclass, never live, makes that call a pass-through.)"""
+
+    def __init__(self, attention: nn.Module, inner: Any = None) -> None:  # noqa: super().__init__ is the capture's
+        self._attention_ref = weakref.ref(attention)
+        self.inner, self.had_instance_forward, self.live = inner, inner is not None, False
+        self.class_forward = type(attention).forward
+
+    def restore(self) -> nn.Module:
+        attention = self._attention_ref()
+        current = attention.__dict__.get("forward")
+        if getattr(current, "__self__", None) is self:
+            if self.inner is None:
+                del attention.forward
+            else:
+                attention.forward = self.inner
+        return attention
+
+    def run_inner(self, args: tuple, kwargs: dict) -> Any:
+        self.restore()
+        return super().run_inner(args, kwargs)
+
+
 def _frame_of(forward: Any) -> "_Frame | None":
-    """The frame whose :meth:`_Frame.forward` ``forward`` is (a bound method), else None."""
+    """The live capture frame whose :meth:`_Frame.forward` ``forward`` is (a bound method), else None."""
     owner = getattr(forward, "__self__", None)
-    return owner if isinstance(owner, _Frame) and getattr(forward, "__func__", None) is _Frame.forward else None
+    if not isinstance(owner, _Frame) or isinstance(owner, _CopiedForward):
+        return None
+    return owner if getattr(forward, "__func__", None) is _Frame.forward else None
 
 
 def _rotary_function_of(model: nn.Module, attention: nn.Module) -> rotary.RotaryFunction:

@@ -86,10 +86,6 @@ class RotaryFunction:
             return q, int(args[index])
         return q, default
 
-    def cos_sin_names(self) -> tuple[str, str]:
-        params = self.signature.parameters
-        return ("cos", "sin") if "cos" in params and "sin" in params else ("", "")
-
 
 def find_rotary_function(module_name: str) -> RotaryFunction | None:
     """The rotary function of the modeling module ``module_name``, or ``None`` when it has none we understand."""

@@ -16,6 +16,7 @@ so a model never holds the arenas of a configuration that no longer runs beside 
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Callable, Hashable
 
@@ -49,10 +50,22 @@ class BufferLease:
 
     def __init__(self, owner: object, pool: BufferPool) -> None:
         self._pool = pool
+        self._owner_id = id(owner)  # for __deepcopy__: the copy's owner is memo[id(owner)]
         # (purpose, tensor) pairs; a list, not a dict by id(): a compiled prefill allocates through take(), and
         # dynamo cannot trace id() of a tensor it creates.
         self._held: list[tuple[Hashable, torch.Tensor]] = []
         weakref.finalize(owner, _give_all_back, pool, self._held)
+
+    def __deepcopy__(self, memo: dict) -> "BufferLease":
+        """A copied cache's lease: the copies of this lease's buffers, on the same pool, given back to it when
+        the copied owner goes (the owner's ``__deepcopy__`` must have put its copy in ``memo`` first)."""
+        owner = memo.get(self._owner_id)
+        if owner is None:
+            raise RuntimeError("A BufferLease is copied only with the cache that owns it (copy.deepcopy(cache)).")
+        twin = BufferLease(owner, self._pool)
+        memo[id(self)] = twin
+        twin._held.extend((purpose, copy.deepcopy(tensor, memo)) for purpose, tensor in self._held)
+        return twin
 
     def take(self, purpose: Hashable, shape: tuple[int, ...], dtype: torch.dtype, make: Make) -> torch.Tensor:
         """A buffer for ``purpose`` of ``shape`` and ``dtype``: the pool's (zeroed) when it has one of them, else
