@@ -46,11 +46,6 @@ def test_import_hf_ropekv_does_not_load_model_loading_code() -> None:
     assert [name for name, loaded in imported.items() if loaded] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hf_ropekv/hooks/attach.py applies @torch.compiler.disable at class definition (_pre_forward, "
-    "_post_forward), which imports torch._dynamo (~1.5 s of CPU). Remove this mark once it is applied lazily.",
-)
 def test_import_hf_ropekv_does_not_load_the_compiler() -> None:
     imported = _imported_after("import hf_ropekv", ("torch._dynamo", "sympy", "torch.distributed.tensor"))
     assert [name for name, loaded in imported.items() if loaded] == []

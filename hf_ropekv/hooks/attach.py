@@ -324,7 +324,20 @@ class SharedHooks:
             hooks = cls._BY_MODEL[model] = cls(model)
         return hooks
 
+    #: Hooks that must never be compiled (see each one's comment). ``torch.compiler.disable`` imports dynamo, which
+    #: costs about 1.5 s of CPU, so the marks go on at the first model hf_ropekv attaches to, not at import.
+    _EAGER_ONLY = ("_pre_forward", "_post_forward", "_release")
+    _eager_marked = False
+
+    @classmethod
+    def _mark_eager_only(cls) -> None:
+        if not cls._eager_marked:
+            for name in cls._EAGER_ONLY:
+                setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
+            cls._eager_marked = True
+
     def __init__(self, model: nn.Module) -> None:
+        self._mark_eager_only()
         self._model_ref = weakref.ref(model)
         self.attachments: list[ModelAttachment] = []
         self.capture: QueryCapture | None = None
@@ -400,7 +413,6 @@ class SharedHooks:
     # the slot of the new tokens), which a compiled frame could not redo each step. So a model compiled as a whole
     # (torch.compile(model), generate's own compilation) still has each forward prepared here, eagerly; a forward
     # that generate's prepare_inputs_for_generation already prepared is recognised and left alone.
-    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         if self._detach_pending and not self.attachments:
             self._remove_hooks()
@@ -417,12 +429,10 @@ class SharedHooks:
     # that outlive the call, and a tensor made inside a compiled call would, under CUDA graphs, live in the graph's
     # pool and be overwritten by the next replay. Run eagerly, it reads the forward's outputs right after the
     # forward. (A static decode step folds in place during the forward.)
-    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         if self.active is not None:
             self.active._post_forward(module, args, kwargs, output)
 
-    @torch.compiler.disable
     def _release(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.gate.leave()
 
