@@ -65,5 +65,5 @@ def test_quickstart_notebook_executes(monkeypatch) -> None:
     assert 0 < final_bytes["RopeKVCache"] < final_bytes["DynamicCache"]
 
     text = "".join(texts)
-    assert text.count("INFO hf_ropekv.enable: hf_ropekv, LlamaForCausalLM.generate(): RopeKVCache: kept") == 1
+    assert text.count("INFO hf_ropekv.hooks.enable: hf_ropekv, LlamaForCausalLM.generate(): RopeKVCache: kept") == 1
     assert any(text.startswith("RopeKVCache: kept") for text in texts), "the summary was printed"
