@@ -19,6 +19,7 @@ undecayed, batch-summed parts into the model's workload sums (one more reduction
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
@@ -75,14 +76,23 @@ class OnlineStatistics:
         self.geometry = geometry
         self.half_life = half_life
         self.learn = learn
+        self._deferred_layers: list[tuple[int, ...]] = [()]  # the layers of the deferred steps (one device)
+        if learn is not None:
+            learn.register(self)
         self.prior = prior if prior_tokens > 0 else None
         self.prior_tokens = float(prior_tokens)
         self._prior_on: dict[tuple[int, torch.device], torch.Tensor] = {}  # layer's prior means on its device
         self._layout = geometry.require_rotary_layout()  # how the model pairs dims (rotate_half / interleaved)
         self._pairs = geometry.rotary_dim // 2
         self.reset()
+        if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
+            ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
+                                      self._pairs)
+            ending.atexit = False
 
     def reset(self) -> None:
+        if getattr(self, "_deferred", None):
+            self.flush()  # finished forwards: the workload keeps them even though this object forgets them
         # Per device: float64 [L_device, B, 3, H_q, F] sums (real, imaginary, modulus) and [B] counts.
         self._sums: dict[torch.device, torch.Tensor] = {}
         self._counts: dict[torch.device, torch.Tensor] = {}
@@ -95,7 +105,9 @@ class OnlineStatistics:
         self._on_buffers = False
         self._fold_indices: dict[tuple, tuple[torch.Tensor | None, int]] = {}  # see _fold_index
         self._step: tuple[tuple[int, ...], torch.Tensor] | None = None  # this forward's add_step: [B, L, H, D]
-        self._deferred: list[torch.Tensor] = []  # finished decoding steps not folded yet, [B, L_device, H, D] each
+        # Finished decoding steps not folded yet, [B, L_device, H, D] each. One list for the object's life: a cache
+        # dropped with steps still here hands them to the workload statistics (see __init__).
+        self._deferred: list[torch.Tensor] = getattr(self, "_deferred", [])
         self._weights: dict[tuple, torch.Tensor] = {}  # the deferred steps' decay weights, by (device, steps)
 
     # ------------------------------------------------------------------ one forward
@@ -211,6 +223,7 @@ class OnlineStatistics:
         if self._mask is not None or self._new != 1 or len(self._sums) != 1 or not every_layer_in_order:
             return False
         self._deferred.append(stacked)
+        self._deferred_layers[0] = layers
         self._snapshot = None
         if len(self._deferred) >= self.DEFER_STEPS or len(self._deferred) * stacked.nbytes > self.DEFER_BYTES:
             self.flush()
@@ -221,7 +234,8 @@ class OnlineStatistics:
         which is ``sums * f**n + sum_j f**(n-1-j) * parts_j`` (float64; the same up to its rounding)."""
         if not self._deferred:
             return
-        steps, self._deferred = self._deferred, []
+        steps = list(self._deferred)
+        self._deferred.clear()
         device, n = steps[0].device, len(steps)
         parts = self._parts(torch.stack(steps))  # [n, B, L, 3, H, F]
         parts = parts.transpose(1, 2)  # [n, L, B, 3, H, F], as the sums

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +68,22 @@ class WorkloadStatistics:
         self.fingerprint = fingerprint
         self.source = source
         self.freeze_at = freeze_at
+        # The online statistics feeding these: their last (< 16) deferred decoding steps are folded in before
+        # anything reads the sums, so a call's every step counts even when its cache is dropped right after.
+        self._feeders: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.reset()
+
+    def __deepcopy__(self, memo: dict) -> "WorkloadStatistics":
+        return self  # one per model: a copied cache keeps feeding its model's workload
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_feeders"] = None  # live caches are not part of the statistics
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._feeders = weakref.WeakSet()
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -81,6 +97,7 @@ class WorkloadStatistics:
     @property
     def tokens(self) -> int:
         """Real tokens (query positions) learned so far."""
+        self._collect()
         return self._tokens
 
     @property
@@ -127,6 +144,29 @@ class WorkloadStatistics:
                 index = self._indices[(device, layers)] = torch.tensor(layers, device=device)
             total.index_add_(0, index, sums.to(torch.float64))
 
+    def register(self, feeder: Any) -> None:
+        """Note online statistics that feed these (see ``_collect``)."""
+        self._feeders.add(feeder)
+
+    def _collect(self) -> None:
+        """Fold the feeders' deferred decoding steps in (only while learning: frozen sums never change)."""
+        if not self._frozen:
+            for feeder in list(self._feeders):
+                feeder.flush()
+
+    def adopt_steps(self, steps: list[torch.Tensor], layers: list[tuple[int, ...]], layout: str, pairs: int) -> None:
+        """Add decoding steps a dropped cache had deferred (``[B, L, H, D]`` queries of ``layers[0]``, no padding)."""
+        if not steps or self._frozen:
+            return
+        from ..model.layouts import split_pairs
+
+        q = torch.stack(steps)[..., : 2 * pairs].float()  # [n, B, L, H, 2F]
+        real, imag = split_pairs(q, layout, pairs)
+        parts = torch.stack((real, imag, torch.hypot(real, imag)), dim=-3)  # [n, B, L, 3, H, F]
+        self.add_layers(layers[0], parts.sum(dim=(0, 1), dtype=torch.float64))
+        self.count(parts.shape[0] * parts.shape[1])
+        steps.clear()
+
     def count(self, tokens: int) -> None:
         """The forward whose queries were just added held ``tokens`` real tokens; freezes at ``freeze_at``."""
         self._tokens += int(tokens)
@@ -136,6 +176,7 @@ class WorkloadStatistics:
     # ------------------------------------------------------------------ reading
     def prior(self) -> WorkloadPrior | None:
         """The means now, for a cache being built (``None`` before any token was learned)."""
+        self._collect()
         if self._tokens == 0 or not self._sums:
             return None
         totals = list(self._sums.values())
