@@ -307,12 +307,15 @@ class CalibratedStats:
 
 
 def make_cache(model, policy: Policy, budget: int, compress_every: int, protect_prompt: bool,
-               stats: CalibratedStats | None):
-    """The cache of one batch (``None`` for ``full``: generate builds its DynamicCache)."""
+               stats: CalibratedStats | None, warm: bool = False):
+    """The cache of one batch (``None`` for ``full``: generate builds its DynamicCache); ``warm``: one that scores
+    with the model's (frozen) workload statistics."""
     if policy.is_full:
         return None
     hf_ropekv = _import_hf_ropekv()
     kwargs = {"compress_every": compress_every, "protect_prompt": protect_prompt, **policy.cache_kwargs}
+    if warm:
+        kwargs["learn_workload"] = True
     if kwargs.get("stats") == CALIBRATED:
         if stats is None:
             raise ValueError(f"{policy.label}: calibrated statistics are not available")
@@ -393,7 +396,8 @@ def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_o
         pinned = args.protect_prompt == "on"
         if not warm:  # cold: every batch as the first call on a fresh model
             _import_hf_ropekv().workload_statistics(model).reset()
-        cache = None if budget is None else make_cache(model, policy, budget, args.compress_every, pinned, stats)
+        cache = None if budget is None else make_cache(model, policy, budget, args.compress_every, pinned, stats,
+                                                        warm)
         _sync(device)
         start = time.perf_counter()
         rows, positions = generate_batch(model, [u.prompt for u in fits], pad_id, stop_ids, args.max_new_tokens, cache)
@@ -424,7 +428,7 @@ def learns_workload(policy: Policy) -> bool:
     """Whether the policy's caches use online statistics, hence the workload prior."""
     kwargs = policy.cache_kwargs
     return (not policy.is_full and policy.scorer is None and kwargs.get("stats") is None
-            and kwargs.get("learn_workload", True))
+            and kwargs.get("learn_workload", True) is not False)
 
 
 def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argparse.Namespace, pad_id: int,
@@ -442,7 +446,7 @@ def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argp
             break
         budget = max(len(u.prompt) for u in batch) + gap
         cache = hf_ropekv.RopeKVCache(model, budget=budget, compress_every=args.compress_every,
-                                      protect_prompt=args.protect_prompt == "on")
+                                      protect_prompt=args.protect_prompt == "on", learn_workload=True)
         generate_batch(model, [u.prompt for u in batch], pad_id, stop_ids, args.max_new_tokens, cache)
         used += len(batch)
     by_limit = workload.frozen

@@ -50,15 +50,25 @@ def test_a_fresh_model_has_empty_workload_statistics_and_a_cache_without_prior()
     model = tiny_model("llama")
     workload = workload_statistics(model)
     assert workload.tokens == 0 and not workload.frozen and workload.prior() is None
-    cache = RopeKVCache(model, budget=16, compress_every=8)
+    cache = RopeKVCache(model, budget=16, compress_every=8, learn_workload=True)
     assert cache.workload_prior_tokens == 0 and "workload_prior" not in repr(cache)
     assert workload_statistics(tiny_model("llama")) is not workload  # same seed, new object: nothing shared
+
+
+def test_caches_learn_only_when_asked_for_now() -> None:
+    """Off by default (for now): a default cache neither feeds nor reads the workload statistics."""
+    model = tiny_model("llama")
+    ids = _prompt(15)
+    first = _generate(model, RopeKVCache(model, budget=16, compress_every=8), ids)
+    assert workload_statistics(model).tokens == 0
+    torch.testing.assert_close(_generate(model, RopeKVCache(model, budget=16, compress_every=8), ids), first,
+                               atol=0, rtol=0)
 
 
 def test_the_workload_learns_every_real_query_and_a_second_cache_starts_from_it() -> None:
     model = tiny_model("llama")
     # No eviction in the first call: its queries are those of one full forward over the same tokens.
-    first = _generate(model, RopeKVCache(model, budget=64, compress_every=8), _prompt(1))
+    first = _generate(model, RopeKVCache(model, budget=64, compress_every=8, learn_workload=True), _prompt(1))
     workload = workload_statistics(model)
     expected = _calibrated(model, _forwarded(first))
     assert workload.tokens == expected.tokens == PROMPT + NEW - 1
@@ -69,7 +79,7 @@ def test_the_workload_learns_every_real_query_and_a_second_cache_starts_from_it(
 
     # The second cache blends the prior (weight w) with its own undecayed queries at its first compaction.
     w = 40.0
-    cache = RopeKVCache(model, budget=16, compress_every=8, stats_half_life=None, prior_tokens=w)
+    cache = RopeKVCache(model, budget=16, compress_every=8, stats_half_life=None, prior_tokens=w, learn_workload=True)
     assert cache.workload_prior_tokens == PROMPT + NEW - 1 and not cache.workload_prior_frozen
     seen = _first_compaction_stats(cache)
     second = _generate(model, cache, _prompt(2))
@@ -93,27 +103,27 @@ def test_freezing_stops_learning_and_makes_calls_reproducible() -> None:
     workload = workload_statistics(model)
     workload.freeze_at = 50  # the first call (12 + 19 tokens) leaves it learning, the second freezes it
     ids = _prompt(3)
-    caches = [RopeKVCache(model, budget=16, compress_every=8)]
+    caches = [RopeKVCache(model, budget=16, compress_every=8, learn_workload=True)]
     _generate(model, caches[0], ids)
-    caches.append(RopeKVCache(model, budget=16, compress_every=8))
+    caches.append(RopeKVCache(model, budget=16, compress_every=8, learn_workload=True))
     _generate(model, caches[1], ids)
     assert caches[0].workload_prior_tokens == 0 and caches[1].workload_prior_tokens == PROMPT + NEW - 1
     learned = workload.tokens  # the fold that crossed 50 counts whole; what came after it does not
     assert workload.frozen and 50 <= learned < 2 * (PROMPT + NEW - 1)
-    frozen = [_generate(model, RopeKVCache(model, budget=16, compress_every=8), ids) for _ in range(2)]
+    frozen = [_generate(model, RopeKVCache(model, budget=16, compress_every=8, learn_workload=True), ids) for _ in range(2)]
     assert workload.tokens == learned  # nothing learned since
     torch.testing.assert_close(frozen[0], frozen[1], atol=0, rtol=0)
-    cache = RopeKVCache(model, budget=16, compress_every=8)
+    cache = RopeKVCache(model, budget=16, compress_every=8, learn_workload=True)
     assert cache.workload_prior_frozen and "(frozen)" in repr(cache)
 
 
 def test_freeze_by_hand_and_reset() -> None:
     model = tiny_model("llama")
     workload = workload_statistics(model)
-    _generate(model, RopeKVCache(model, budget=16, compress_every=8), _prompt(4))
+    _generate(model, RopeKVCache(model, budget=16, compress_every=8, learn_workload=True), _prompt(4))
     learned = workload.tokens
     workload.freeze()
-    _generate(model, RopeKVCache(model, budget=16, compress_every=8), _prompt(5))
+    _generate(model, RopeKVCache(model, budget=16, compress_every=8, learn_workload=True), _prompt(5))
     assert workload.frozen and workload.tokens == learned
     workload.reset()
     assert workload.tokens == 0 and not workload.frozen and workload.prior() is None
@@ -127,16 +137,17 @@ def test_opting_out_neither_feeds_nor_reads() -> None:
     ids = _prompt(6)
     baseline = _generate(model, RopeKVCache(model, budget=16, compress_every=8, learn_workload=False), ids)
     assert workload.tokens == 0
-    _generate(model, RopeKVCache(model, budget=16, compress_every=8, stats=_calibrated(model, ids)), ids)
+    _generate(model, RopeKVCache(model, budget=16, compress_every=8, stats=_calibrated(model, ids),
+                                         learn_workload=True), ids)
     assert workload.tokens == 0  # explicit statistics take no part either
-    _generate(model, RopeKVCache(model, budget=16, compress_every=8), _prompt(7))
+    _generate(model, RopeKVCache(model, budget=16, compress_every=8, learn_workload=True), _prompt(7))
     assert workload.tokens > 0
     opted_out = RopeKVCache(model, budget=16, compress_every=8, learn_workload=False)
     assert opted_out.workload_prior_tokens == 0
     torch.testing.assert_close(_generate(model, opted_out, ids), baseline, atol=0, rtol=0)
     # prior_tokens=0: the cache still feeds but scores as without a prior.
     before = workload.tokens
-    unweighted = RopeKVCache(model, budget=16, compress_every=8, prior_tokens=0)
+    unweighted = RopeKVCache(model, budget=16, compress_every=8, prior_tokens=0, learn_workload=True)
     torch.testing.assert_close(_generate(model, unweighted, ids), baseline, atol=0, rtol=0)
     assert workload.tokens > before
 
@@ -156,7 +167,7 @@ def test_prior_tokens_must_be_a_number_at_least_zero(bad) -> None:
 def test_save_load_round_trip_and_refusal_for_other_weights(tmp_path) -> None:
     model = tiny_model("llama")
     workload = workload_statistics(model)
-    _generate(model, RopeKVCache(model, budget=16, compress_every=8), _prompt(8))
+    _generate(model, RopeKVCache(model, budget=16, compress_every=8, learn_workload=True), _prompt(8))
     workload.freeze()
     path = tmp_path / "workload.safetensors"
     workload.save(path)
@@ -167,8 +178,8 @@ def test_save_load_round_trip_and_refusal_for_other_weights(tmp_path) -> None:
     assert loaded.frozen and loaded.tokens == workload.tokens
     torch.testing.assert_close(loaded.to_stats().q_mean, saved.q_mean, atol=1e-6, rtol=1e-5)
     ids = _prompt(9)
-    on_loaded = _generate(fresh, RopeKVCache(fresh, budget=16, compress_every=8), ids)
-    on_original = _generate(model, RopeKVCache(model, budget=16, compress_every=8), ids)
+    on_loaded = _generate(fresh, RopeKVCache(fresh, budget=16, compress_every=8, learn_workload=True), ids)
+    on_original = _generate(model, RopeKVCache(model, budget=16, compress_every=8, learn_workload=True), ids)
     torch.testing.assert_close(on_loaded, on_original, atol=0, rtol=0)
     # A file is also plain statistics for stats=.
     assert hf_ropekv.FrequencyStats.load(path).tokens == workload.tokens
@@ -182,7 +193,7 @@ def test_save_load_round_trip_and_refusal_for_other_weights(tmp_path) -> None:
 
 def test_rows_do_not_depend_on_padding_or_batch_mates_with_a_learned_prior() -> None:
     model = tiny_model("llama")
-    _generate(model, RopeKVCache(model, budget=16, compress_every=8), _prompt(10, batch=2))
+    _generate(model, RopeKVCache(model, budget=16, compress_every=8, learn_workload=True), _prompt(10, batch=2))
     workload_statistics(model).freeze()
     row = _prompt(11, length=7)
     mate = _prompt(12, length=13)
@@ -193,7 +204,7 @@ def test_rows_do_not_depend_on_padding_or_batch_mates_with_a_learned_prior() -> 
         mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):
             ids[i, width - r.shape[1]:], mask[i, width - r.shape[1]:] = r[0], 1
-        cache = RopeKVCache(model, budget=16, compress_every=8)
+        cache = RopeKVCache(model, budget=16, compress_every=8, learn_workload=True)
         assert cache.workload_prior_tokens > 0
         out = _generate(model, cache, ids, new=30, mask=mask)
         assert cache.num_compactions >= 2
@@ -210,7 +221,7 @@ def test_enable_passes_the_option_and_the_summary_reports_the_prior() -> None:
     with hf_ropekv.enabled(model, budget=16, compress_every=8, learn_workload=False):
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
     assert workload_statistics(model).tokens == 0
-    with hf_ropekv.enabled(model, budget=16, compress_every=8):
+    with hf_ropekv.enabled(model, budget=16, compress_every=8, learn_workload=True):
         for _ in range(2):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
         summary = hf_ropekv.last_summary(model)
@@ -221,7 +232,7 @@ def test_enable_passes_the_option_and_the_summary_reports_the_prior() -> None:
 def test_a_static_cache_learns_the_same_statistics() -> None:
     model = tiny_model("llama")
     ids = _prompt(14)
-    out = _generate(model, RopeKVCache(model, budget=64, compress_every=8, static=True), ids)
+    out = _generate(model, RopeKVCache(model, budget=64, compress_every=8, static=True, learn_workload=True), ids)
     expected = _calibrated(model, _forwarded(out))
     workload = workload_statistics(model)
     assert workload.tokens == PROMPT + NEW - 1
@@ -232,7 +243,7 @@ def test_a_copied_cache_feeds_the_same_workload() -> None:
     import copy
 
     model = tiny_model("llama")
-    cache = RopeKVCache(model, budget=16, compress_every=8)
+    cache = RopeKVCache(model, budget=16, compress_every=8, learn_workload=True)
     twin = copy.deepcopy(cache)
     assert twin._online.learn is workload_statistics(model)
 
@@ -260,7 +271,7 @@ def test_learned_statistics_do_not_cost_perplexity_on_smollm2(smollm2) -> None:
 
     def decode(document: list[int]) -> tuple[float, RopeKVCache]:
         """Perplexity of ``document`` fed one token per forward after the prompt (the cache: the default one)."""
-        cache = RopeKVCache(model, budget=64, compress_every=32)
+        cache = RopeKVCache(model, budget=64, compress_every=32, learn_workload=True)
         kw = cache_kw(model, cache)
         nll = []
         with torch.no_grad():

@@ -67,8 +67,8 @@ class RopeKVCache(Cache):
             ``None`` weighs all queries alike.
         learn_workload: with online statistics, feed every finished forward's real queries into the model's
             workload statistics (``hf_ropekv.workload_statistics(model)``) and start each row's statistics from
-            what earlier caches of the model taught them (README, "Workload statistics"). ``False``: neither.
-            Caches with ``stats=`` or another scorer never take part.
+            what earlier caches of the model taught them (README, "Workload statistics"). ``False`` (for now the
+            default): neither. Caches with ``stats=`` or another scorer never take part.
         prior_tokens: the weight of the workload prior, in queries (a pseudo-count that never decays); taken
             when the cache is built. 0 ignores it (the cache still feeds the workload).
 
@@ -106,7 +106,7 @@ class RopeKVCache(Cache):
         seed: int = 0,
         stats_half_life: float | None = 128,
         static: bool = False,
-        learn_workload: bool = True,
+        learn_workload: bool = False,
         prior_tokens: float = 512,
     ) -> None:
         options = CacheOptions(budget, compress_every, page_size, window, sink, protect_prompt, selection, seed,

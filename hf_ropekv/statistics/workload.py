@@ -1,8 +1,8 @@
 """Query statistics of a model's workload, learned across calls: ``hf_ropekv.workload_statistics(model)``.
 
 A cache gathering online statistics (the default, ``stats=None``) knows only its own prompt and decoding steps
-when it first compacts (~100 tokens). Real use is many calls of one workload (an eval loop, a server), so every
-finished forward of every default ``RopeKVCache`` on a model also adds its real queries, summed over batch rows
+when it first compacts (~100 tokens). Real use is many calls of one workload (an eval loop, a server), so with
+``learn_workload=True`` every finished forward of a ``RopeKVCache`` with online statistics also adds its real queries, summed over batch rows
 and never decayed, into one :class:`WorkloadStatistics` per model. A cache built later starts each row's
 statistics from them as a prior worth ``prior_tokens`` queries (README, "Workload statistics")::
 
@@ -15,7 +15,8 @@ Learning is bounded, for reproducibility: the statistics freeze once they hold `
 ``freeze()``); from then on the same input gives the same output. A model serving two domains mixes them until
 it freezes: keep one frozen file per domain (``save``) and pass it as ``stats=``, or ``reset()`` in between.
 
-Caches with ``learn_workload=False``, an explicit ``stats=`` or another scorer neither read nor feed them (a
+Caches with ``learn_workload=False`` (for now the default), an explicit ``stats=`` or another scorer neither
+read nor feed them (a
 cache with explicit statistics gathers no queries at all, so feeding would cost it hooks it otherwise skips).
 """
 
