@@ -258,12 +258,17 @@ def test_learned_statistics_do_not_cost_perplexity_on_smollm2(smollm2) -> None:
     import offline_assets
 
     model, tokenizer = smollm2
-    try:
-        texts = offline_assets.linux_doc_texts(min_chars=6000, limit=4)
-    except offline_assets.OfflineAssetMissing as err:
-        pytest.skip(str(err))
+    texts = []
+    for source in (offline_assets.linux_doc_texts, offline_assets.python_doc_texts):  # whichever is installed
+        try:
+            texts = source(min_chars=6000, limit=4)
+            break
+        except offline_assets.OfflineAssetMissing as err:
+            missing = str(err)
+    if not texts:
+        pytest.skip(missing)
     if len(texts) < 4:
-        pytest.skip("fewer than 4 long Linux documentation texts here")
+        pytest.skip("fewer than 4 long documentation texts here")
     pieces = [tokenizer(text, add_special_tokens=False)["input_ids"][:300] for _, text in texts]
     held_out, earlier = pieces[0], pieces[1:]
     prompt = tokenizer("User: write a short poem about the sea.\nAssistant:", add_special_tokens=False)["input_ids"]
