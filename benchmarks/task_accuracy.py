@@ -26,6 +26,13 @@ point and the library's default before 2026-12-01).
 0-299, when reporting; question and reference solution in the chat template), computed once per run and saved
 (``--stats`` reuses a file). Calibration problems never overlap the evaluated ones.
 
+Workload statistics: a default cache learns the model's queries across calls (``hf_ropekv.workload_statistics``).
+Every row above is *cold*: the workload is reset before each batch, so each batch scores as the first call on a
+fresh model. ``--warm`` adds *warm* rows (label ``POLICY+warm``) for every policy with online statistics: first
+the tune problems ``--warm-problems`` (default 0-299) run through the model with the default cache at the first
+gap, until the workload freezes (or the range ends: then it is frozen by hand); then those policies run again on
+the evaluated problems with the frozen prior. ``results.json``'s ``warm`` says what was learned.
+
 Writes ``results.json`` (every problem's outcome, metadata, settings) and ``results.md`` into ``--out`` (default
 ``benchmarks/results/task_accuracy_<date>_<device>/``) after each (policy, budget), so a run cut short keeps what
 it measured, and ``README.md`` at the end. Example (H200)::
@@ -300,12 +307,15 @@ class CalibratedStats:
 
 
 def make_cache(model, policy: Policy, budget: int, compress_every: int, protect_prompt: bool,
-               stats: CalibratedStats | None):
-    """The cache of one batch (``None`` for ``full``: generate builds its DynamicCache)."""
+               stats: CalibratedStats | None, warm: bool = False):
+    """The cache of one batch (``None`` for ``full``: generate builds its DynamicCache); ``warm``: one that scores
+    with the model's (frozen) workload statistics."""
     if policy.is_full:
         return None
     hf_ropekv = _import_hf_ropekv()
     kwargs = {"compress_every": compress_every, "protect_prompt": protect_prompt, **policy.cache_kwargs}
+    if warm:
+        kwargs["learn_workload"] = True
     if kwargs.get("stats") == CALIBRATED:
         if stats is None:
             raise ValueError(f"{policy.label}: calibrated statistics are not available")
@@ -367,8 +377,9 @@ def _sync(device: torch.device) -> None:
 
 def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_of: Callable[[list[Unit]], int | None],
                args: argparse.Namespace, stats: CalibratedStats | None, pad_id: int, stop_ids: list[int],
-               log: Callable[[str], None], tag: str) -> dict[str, Any]:
-    """Generate every unit under one (policy, budget) and score it: the row of the results."""
+               log: Callable[[str], None], tag: str, warm: bool = False) -> dict[str, Any]:
+    """Generate every unit under one (policy, budget) and score it: the row of the results. ``warm``: keep the
+    model's workload statistics (frozen by ``learn_workload``); otherwise they are reset before each batch."""
     device = next(model.parameters()).device
     outcomes: dict[int, dict[str, Any]] = {}
     skipped: list[int] = []
@@ -383,7 +394,10 @@ def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_o
             continue
         budgets_used.append(budget)
         pinned = args.protect_prompt == "on"
-        cache = None if budget is None else make_cache(model, policy, budget, args.compress_every, pinned, stats)
+        if not warm:  # cold: every batch as the first call on a fresh model
+            _import_hf_ropekv().workload_statistics(model).reset()
+        cache = None if budget is None else make_cache(model, policy, budget, args.compress_every, pinned, stats,
+                                                        warm)
         _sync(device)
         start = time.perf_counter()
         rows, positions = generate_batch(model, [u.prompt for u in fits], pad_id, stop_ids, args.max_new_tokens, cache)
@@ -408,6 +422,39 @@ def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_o
         "mean_seen": statistics.fmean(seen) if seen else None,
         "wall_s": wall,
     }
+
+
+def learns_workload(policy: Policy) -> bool:
+    """Whether the policy's caches use online statistics, hence the workload prior."""
+    kwargs = policy.cache_kwargs
+    return (not policy.is_full and policy.scorer is None and kwargs.get("stats") is None
+            and kwargs.get("learn_workload", True) is not False)
+
+
+def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argparse.Namespace, pad_id: int,
+                   stop_ids: list[int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Run ``units`` through ``model`` with the default cache (budget: a batch's longest prompt + ``gap``) until
+    its workload statistics freeze, and freeze them if the units end first: what the warm rows score with."""
+    hf_ropekv = _import_hf_ropekv()
+    workload = hf_ropekv.workload_statistics(model)
+    workload.reset()
+    batches = make_batches(units, args.batch_size, args.sort_by_length)
+    used = 0
+    start = time.perf_counter()
+    for batch in batches:
+        if workload.frozen:
+            break
+        budget = max(len(u.prompt) for u in batch) + gap
+        cache = hf_ropekv.RopeKVCache(model, budget=budget, compress_every=args.compress_every,
+                                      protect_prompt=args.protect_prompt == "on", learn_workload=True)
+        generate_batch(model, [u.prompt for u in batch], pad_id, stop_ids, args.max_new_tokens, cache)
+        used += len(batch)
+    by_limit = workload.frozen
+    workload.freeze()
+    log(f"warm-up: {workload.tokens} tokens learned from {used} prompts "
+        f"({'frozen at its limit' if by_limit else 'range ended, frozen by hand'}, {time.perf_counter() - start:.1f} s)")
+    return {"prompts": used, "tokens": workload.tokens, "frozen_at_limit": by_limit, "gap": gap,
+            "freeze_at": workload.freeze_at}
 
 
 def _too_long(unit: Unit, budget: int, policy: Policy, args: argparse.Namespace) -> bool:
@@ -488,6 +535,14 @@ def markdown(meta: dict[str, Any], summaries: list[dict[str, Any]]) -> str:
             f"| {r['policy']} | {budget} | {_pct(r['accuracy'])} ({r['correct']}/{r['n']}) | "
             f"{_pct(lo)} – {_pct(hi)} | {ratio} | {paired} | {new} | {kept} | {r['wall_s']:.1f} | {r['skipped']} |"
         )
+    warm = meta.get("warm")
+    lines += ["", "Rows without `+warm` are cold: the workload statistics are reset before every batch."]
+    if warm:
+        lines.append(
+            f"`+warm` rows: the workload statistics learned {warm['tokens']:,} tokens from {warm['prompts']} prompts of "
+            f"problems {warm['problems']} (default cache, G = {warm['gap']}; "
+            f"{'frozen at its limit' if warm['frozen_at_limit'] else 'frozen when the range ended'}) first."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -537,6 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-problems", default=None,
                    help="calibration problems FIRST-LAST, disjoint from the evaluated ones (default: the tune split "
                    "0-299 when evaluating the report split)")
+    p.add_argument("--warm", action="store_true",
+                   help="also report warm rows: the workload statistics learned on --warm-problems first")
+    p.add_argument("--warm-problems", default=None,
+                   help="tune problems FIRST-LAST the warm-up runs (default 0-299; inside 0-299)")
     p.add_argument("--long-size", type=int, default=8, help="long task: problems per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 400 (gsm8k), 2600 (long)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -609,6 +668,19 @@ def problem_ranges(args: argparse.Namespace, policies: Sequence[Any]) -> tuple[r
     return evaluated, calibration
 
 
+def warm_range(args: argparse.Namespace, evaluated: range) -> range | None:
+    """The problems the warm-up learns on (``None`` without ``--warm``): inside the tune split, disjoint from the
+    evaluated ones."""
+    if not args.warm:
+        return None
+    warm = tasks.parse_range(args.warm_problems) if args.warm_problems else tasks.TUNE_RANGE
+    if warm.start < tasks.TUNE_RANGE.start or warm.stop > tasks.TUNE_RANGE.stop:
+        raise ValueError(f"--warm-problems {args.warm_problems} must lie inside the tune split "
+                         f"({tasks.TUNE_RANGE.start}-{tasks.TUNE_RANGE.stop - 1}).")
+    tasks.check_disjoint(evaluated, warm)
+    return warm
+
+
 # ---------------------------------------------------------------------------------------------- dry run
 class CharTokenizer:
     """A stand-in chat tokenizer for 128-token tiny models: one token per character, digits decode as digits.
@@ -664,6 +736,9 @@ def apply_dry_run(args: argparse.Namespace) -> None:
     args.policies, args.gaps, args.compress_every = "full,rope-calibrated-per-layer:window=2,recency", "4", 4
     args.max_new_tokens, args.batch_size, args.device, args.dtype = 12, 2, "cpu", "float32"
     args.model = "tiny"
+    if args.warm:  # the default cache, cold and warm, learning on four tune problems
+        args.policies += ",default:window=2"
+        args.warm_problems = args.warm_problems or "0-3"
 
 
 def _ints(text: str) -> list[int]:
@@ -695,6 +770,7 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
         raise ValueError(f"--problems {args.problems} holds {len(evaluated)} problems, not a multiple of "
                          f"--long-size {args.long_size}")
     gaps, budgets = _ints(args.gaps), _ints(args.budgets)
+    warm_problems = warm_range(args, evaluated)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
@@ -708,11 +784,13 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
     all_problems = problems if problems is not None else tasks.load_gsm8k(args.gsm8k)
     eval_problems = tasks.select(all_problems, evaluated)
 
-    if args.task == "gsm8k":
-        units = [Unit([p], chat_ids(tokenizer, tasks.gsm8k_messages(p))) for p in eval_problems]
-    else:
-        groups = [eval_problems[i : i + args.long_size] for i in range(0, len(eval_problems), args.long_size)]
-        units = [Unit(g, chat_ids(tokenizer, tasks.long_messages(g))) for g in groups]
+    def make_units(problems: list[Problem]) -> list[Unit]:
+        if args.task == "gsm8k":
+            return [Unit([p], chat_ids(tokenizer, tasks.gsm8k_messages(p))) for p in problems]
+        groups = [problems[i : i + args.long_size] for i in range(0, len(problems), args.long_size)]
+        return [Unit(g, chat_ids(tokenizer, tasks.long_messages(g))) for g in groups]
+
+    units = make_units(eval_problems)
     lengths = [len(u.prompt) for u in units]
     log(f"{args.task}: {len(units)} prompts of {min(lengths)}-{max(lengths)} tokens "
         f"(mean {statistics.fmean(lengths):.0f}); policies {[p.label for p in policies]}")
@@ -734,11 +812,18 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
                 stop_token_ids=stop_ids, pad_token_id=pad_id, long_min_free=LONG_MIN_FREE)
     rows: list[dict[str, Any]] = []
     last_wall = 0.0
-    plan = [(policy, setting) for policy in policies
+    plan = [(policy, setting, False) for policy in policies
             for setting in ([None] if policy.is_full else (gaps if args.task == "gsm8k" else budgets))]
-    for n_done, (policy, setting) in enumerate(plan):
+    if warm_problems is not None:
+        plan += [(policy, setting, True) for policy, setting, _ in plan if learns_workload(policy)]
+    for n_done, (policy, setting, warm) in enumerate(plan):
+        if warm and "warm" not in meta:
+            warm_units = make_units(tasks.select(all_problems, warm_problems))
+            first = gaps[0] if args.task == "gsm8k" else budgets[0] - max(len(u.prompt) for u in warm_units)
+            meta["warm"] = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}",
+                            **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
         if args.max_minutes is not None and time.perf_counter() - t0 + last_wall > 60 * args.max_minutes:
-            left = ", ".join(f"{p.label}@{g}" for p, g in plan[n_done:])
+            left = ", ".join(f"{p.label}{'+warm' if w else ''}@{g}" for p, g, w in plan[n_done:])
             log(f"stopped by --max-minutes {args.max_minutes}: not run: {left}")
             meta["not_run"] = left
             write_results(out, meta, rows)
@@ -749,9 +834,12 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
             budget_of = lambda batch, g=setting: max(len(u.prompt) for u in batch) + g
         else:
             budget_of = lambda batch, b=setting: b
-        tag = f"{policy.label} {'G' if args.task == 'gsm8k' else 'budget'}={setting}"
-        row = run_policy(model, tokenizer, units, policy, budget_of, args, stats, pad_id, stop_ids, log, tag)
+        tag = f"{policy.label}{'+warm' if warm else ''} {'G' if args.task == 'gsm8k' else 'budget'}={setting}"
+        row = run_policy(model, tokenizer, units, policy, budget_of, args, stats, pad_id, stop_ids, log, tag, warm)
         row["budget"] = setting
+        if warm:
+            row["policy"] += "+warm"
+        row["warm"] = warm
         rows.append(row)
         last_wall = row["wall_s"]
         if stats is not None and stats.source:

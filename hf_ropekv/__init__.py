@@ -23,6 +23,7 @@ from .scorers import (
 from .scorers.rope_scoring import score_keys
 from .storage.buffers import release_static_buffers
 from .statistics.frequency_stats import FrequencyStats
+from .statistics.workload import WorkloadStatistics, workload_statistics
 from .cache.summary import CacheSummary
 from .warnings import HfRopeKVWarning
 
@@ -54,4 +55,6 @@ __all__ = [
     "SnapKVScorer",
     "__version__",
     "score_keys",
+    "workload_statistics",
+    "WorkloadStatistics",
 ]

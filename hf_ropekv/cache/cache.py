@@ -65,6 +65,12 @@ class RopeKVCache(Cache):
             turns and every decoding step; needs the model). A forward's queries count once it has finished.
         stats_half_life: with online statistics, the number of tokens after which a query's weight halves;
             ``None`` weighs all queries alike.
+        learn_workload: with online statistics, feed every finished forward's real queries into the model's
+            workload statistics (``hf_ropekv.workload_statistics(model)``) and start each row's statistics from
+            what earlier caches of the model taught them (README, "Workload statistics"). ``False`` (for now the
+            default): neither. Caches with ``stats=`` or another scorer never take part.
+        prior_tokens: the weight of the workload prior, in queries (a pseudo-count that never decays); taken
+            when the cache is built. 0 ignores it (the cache still feeds the workload).
 
         selection: ``"per_layer"`` lets every layer rank its own keys; ``"global"`` ranks once per (row, KV
             head) with scores averaged over layers (the paper's operating point).
@@ -100,9 +106,11 @@ class RopeKVCache(Cache):
         seed: int = 0,
         stats_half_life: float | None = 128,
         static: bool = False,
+        learn_workload: bool = False,
+        prior_tokens: float = 512,
     ) -> None:
         options = CacheOptions(budget, compress_every, page_size, window, sink, protect_prompt, selection, seed,
-                               stats_half_life, static)  # validated before anything uses an option
+                               stats_half_life, static, learn_workload, prior_tokens)  # validated before any is used
         self.options = options
         self.geometry: ModelGeometry = describe(model_or_config)
         if isinstance(model_or_config, nn.Module):
@@ -147,6 +155,21 @@ class RopeKVCache(Cache):
     seed = property(lambda self: self.options.seed)
     stats_half_life = property(lambda self: self.options.stats_half_life)
     static = property(lambda self: self.options.static)
+    learn_workload = property(lambda self: self.options.learn_workload)
+    prior_tokens = property(lambda self: self.options.prior_tokens)
+
+    @property
+    def workload_prior_tokens(self) -> int:
+        """Tokens the model's workload statistics held when this cache was built and took them as its prior (0:
+        no prior: a fresh model, ``learn_workload=False``, ``prior_tokens=0``, or not online statistics)."""
+        prior = None if self._online is None else self._online.prior
+        return 0 if prior is None else prior.tokens
+
+    @property
+    def workload_prior_frozen(self) -> bool:
+        """Whether the workload statistics had stopped learning when this cache took its prior from them."""
+        prior = None if self._online is None else self._online.prior
+        return prior is not None and prior.frozen
 
     # ------------------------------------------------------------------ public introspection
     @property
@@ -219,8 +242,14 @@ class RopeKVCache(Cache):
             f"compress_every={self.compress_every}, scorer={type(self.scorer).__name__}, "
             f"selection={self.selection!r}, seen={self.tokens_seen}, kept={self.tokens_kept}, "
             f"pages={self.pages_in_use}/{self.pages_allocated}, bytes={self.bytes_held}, "
-            f"compactions={self.num_compactions})"
+            f"compactions={self.num_compactions}{self._workload_repr()})"
         )
+
+    def _workload_repr(self) -> str:
+        if not self.workload_prior_tokens:
+            return ""
+        state = "frozen" if self.workload_prior_frozen else "learning"
+        return f", workload_prior={self.workload_prior_tokens} tokens ({state})"
 
     # ------------------------------------------------------------------ transformers hooks
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> Any:

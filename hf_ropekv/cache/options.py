@@ -10,6 +10,11 @@ from typing import Any
 SELECTIONS = ("global", "per_layer")
 #: The default recent window: what measured best on GSM8K (README, "Quality"), capped for small budgets.
 DEFAULT_WINDOW = 32
+#: The workload prior's default weight: as many queries as a few prompts (provisional until measured).
+DEFAULT_PRIOR_TOKENS = 512
+#: Off until the test suite stops assuming that two calls on one model are independent (calls that learn are
+#: not: the second scores with the first one's queries).
+LEARN_WORKLOAD_BY_DEFAULT = False
 
 
 def _is_int(value: Any) -> bool:
@@ -34,6 +39,8 @@ class CacheOptions:
     seed: int = 0
     stats_half_life: float | None = 128
     static: bool = False
+    learn_workload: bool = LEARN_WORKLOAD_BY_DEFAULT  # feed and read the model's workload statistics
+    prior_tokens: float = DEFAULT_PRIOR_TOKENS  # the workload prior's weight, in queries
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -54,7 +61,7 @@ class CacheOptions:
             )
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}; got {self.selection!r}.")
-        for name in ("protect_prompt", "static"):
+        for name in ("protect_prompt", "static", "learn_workload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}.")
         if not _is_int(self.seed):
@@ -63,6 +70,12 @@ class CacheOptions:
         if half_life is not None and (isinstance(half_life, bool) or not isinstance(half_life, (int, float))
                                       or not half_life > 0):
             raise ValueError(f"stats_half_life must be a positive number of tokens or None; got {half_life!r}.")
+        prior = self.prior_tokens
+        if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 <= prior < float("inf"):
+            raise ValueError(
+                f"prior_tokens must be a number >= 0 (the workload prior's weight in queries; 0 ignores it); "
+                f"got {prior!r}."
+            )
 
     @property
     def recent_window(self) -> int:

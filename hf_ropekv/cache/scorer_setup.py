@@ -13,7 +13,12 @@ from .options import CacheOptions
 
 def resolve_scorer(scorer: Scorer | None, stats: Any, options: CacheOptions, geometry: ModelGeometry,
                    model: nn.Module | None) -> tuple[Scorer, Any]:
-    """The scorer a cache uses and the online statistics it gathers for it (None when it gathers none)."""
+    """The scorer a cache uses and the online statistics it gathers for it (None when it gathers none).
+
+    Only online statistics (the default: no scorer, no ``stats``, a budget and the model) take part in the
+    model's workload statistics: unless ``learn_workload=False`` they start from the workload's means (when it
+    has learned any) and feed it. A cache with explicit ``stats`` or another scorer neither reads nor feeds it.
+    """
     if scorer is not None:
         if not callable(getattr(scorer, "score", None)):
             raise TypeError(
@@ -38,7 +43,15 @@ def resolve_scorer(scorer: Scorer | None, stats: Any, options: CacheOptions, geo
         )
     from ..statistics.online import OnlineStatistics
 
-    return FrequencyScorer(None), OnlineStatistics(geometry, half_life=options.stats_half_life)
+    if not options.learn_workload:
+        return FrequencyScorer(None), OnlineStatistics(geometry, half_life=options.stats_half_life)
+    from ..statistics.workload import _for_model
+
+    workload = _for_model(model, geometry)
+    prior = workload.prior() if options.prior_tokens > 0 else None  # taken now: fixed while this cache runs
+    online = OnlineStatistics(geometry, half_life=options.stats_half_life, learn=workload, prior=prior,
+                              prior_tokens=options.prior_tokens)
+    return FrequencyScorer(None), online
 
 
 def query_window(scorer: Scorer, options: CacheOptions, geometry: ModelGeometry, model: nn.Module | None) -> Any:

@@ -28,6 +28,9 @@ class CacheSummary:
         full_cache_bytes: bytes a ``DynamicCache`` would hold for the same tokens (``cache.full_cache_bytes``).
         budget: the cache's budget (``None``: nothing is evicted).
         compress_every: tokens allowed beyond the budget before a compaction.
+        workload_prior_tokens: tokens the model's workload statistics held when the cache took them as its prior
+            (0: no prior; see ``hf_ropekv.workload_statistics``).
+        workload_prior_frozen: whether they had stopped learning by then.
     """
 
     tokens_seen: int
@@ -37,6 +40,8 @@ class CacheSummary:
     full_cache_bytes: int
     budget: int | None
     compress_every: int
+    workload_prior_tokens: int = 0
+    workload_prior_frozen: bool = False
 
     @classmethod
     def from_cache(cls, cache: Any) -> "CacheSummary":
@@ -56,6 +61,8 @@ class CacheSummary:
             full_cache_bytes=cache.full_cache_bytes,
             budget=cache.budget,
             compress_every=cache.compress_every,
+            workload_prior_tokens=cache.workload_prior_tokens,
+            workload_prior_frozen=cache.workload_prior_frozen,
         )
 
     @property
@@ -75,10 +82,14 @@ class CacheSummary:
             bound = f"bound: budget {self.budget} + compress_every {self.compress_every} = {self.bound}"
         compactions = f"{self.num_compactions} compaction{'' if self.num_compactions == 1 else 's'}"
         share = "" if self.bytes_fraction is None else f" ({self.bytes_fraction:.0%})"
+        prior = ""
+        if self.workload_prior_tokens:
+            state = "frozen" if self.workload_prior_frozen else "still learning"
+            prior = f"; scored with a workload prior of {self.workload_prior_tokens:,} tokens ({state})"
         return (
             f"RopeKVCache: kept {self.tokens_kept:,} of {self.tokens_seen:,} tokens ({bound}), {compactions}; "
             f"KV {format_bytes(self.bytes_held)} held vs {format_bytes(self.full_cache_bytes)} for a "
-            f"DynamicCache{share}"
+            f"DynamicCache{share}{prior}"
         )
 
 

@@ -9,6 +9,11 @@ or from the command line::
 
 The model runs forward without a cache over up to ``max_tokens`` tokens; :class:`QueryCapture` hands every
 layer's pre-RoPE queries to a :class:`FrequencyAccumulator`.
+
+On the user's own prompts, in one call (the model answers each greedily, in its chat template when the
+tokenizer has one, and the statistics cover prompt and answer: the queries a cache meets when it serves them)::
+
+    stats = hf_ropekv.calibrate(model, tokenizer, prompts=["Solve: ...", ...], max_new_tokens=256)
 """
 
 from __future__ import annotations
@@ -41,11 +46,14 @@ DEFAULT_CHUNK_TOKENS = 4096
 def calibrate(
     model: nn.Module,
     tokenizer: Any,
-    texts: Texts,
+    texts: Texts | None = None,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     source: str | None = None,
     progress: bool = True,
+    *,
+    prompts: Sequence[str] | None = None,
+    max_new_tokens: int = 256,
 ) -> "FrequencyStats":
     """Average the pre-RoPE queries of ``model`` over ``texts`` (README "How it works": the score).
 
@@ -60,13 +68,23 @@ def calibrate(
             are cut into consecutive pieces, short ones share a right-padded batch.
         source: description of the text stored in the statistics (default: a summary of ``texts``).
         progress: show a tqdm progress bar.
+        prompts: instead of ``texts``, prompts of the workload: the model answers each (greedy, up to
+            ``max_new_tokens`` tokens, with a ``DynamicCache``; in the chat template when
+            ``tokenizer.chat_template`` is set) and the statistics cover each prompt with its answer.
+        max_new_tokens: the longest answer generated per prompt.
 
     Returns:
         float32 :class:`FrequencyStats` covering every decoder layer.
     """
     if max_tokens < 1 or chunk_tokens < 1:
         raise ValueError(f"max_tokens and chunk_tokens must be positive, got {max_tokens} and {chunk_tokens}.")
+    if (texts is None) == (prompts is None):
+        raise ValueError("calibrate() takes either texts (ordinary text or token ids) or prompts= (the model "
+                         "answers them), not both and not neither.")
     geometry = describe(model)
+    if prompts is not None:
+        texts = answered_prompts(model, tokenizer, prompts, max_new_tokens, max_tokens, progress)
+        source = source or f"{len(texts)} prompt(s) with the model's greedy answers"
     sequences, kind = _token_sequences(tokenizer, texts, max_tokens)
     pieces = [seq[i : i + chunk_tokens] for seq in sequences for i in range(0, len(seq), chunk_tokens)]
     total = sum(len(p) for p in pieces)
@@ -104,6 +122,51 @@ def calibrate(
     stats.metadata.update(calibration_metadata(model))  # which weights: checked when the statistics are loaded
     logger.info("hf_ropekv: calibrated %s on %d tokens (%s).", geometry.model_type, stats.tokens, source)
     return stats
+
+
+def answered_prompts(model: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int,
+                     max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = False) -> list[list[int]]:
+    """Token ids of each prompt followed by the model's greedy answer (at most ``max_new_tokens``), prompt by
+    prompt (no padding), stopping once ``max_tokens`` tokens are there."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts \
+            or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompts must be a non-empty list of strings (one user message each).")
+    if tokenizer is None:
+        raise ValueError("calibrate(prompts=...) needs the tokenizer, to tokenize the prompts.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}.")
+    from transformers import DynamicCache
+
+    from .._compat import cache_kwarg
+
+    chat = getattr(tokenizer, "chat_template", None) is not None
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "eos_token_id", None)
+    device = _input_device(model)
+    sequences, seen = [], 0
+    was_training = model.training
+    model.eval()
+    try:
+        for prompt in logging.tqdm(prompts, unit="prompt", desc="hf_ropekv answers", disable=not progress):
+            if seen >= max_tokens:
+                break
+            if chat:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                    add_generation_prompt=True, return_dict=True)["input_ids"]
+            else:
+                ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            ids = torch.as_tensor(ids, dtype=torch.long).view(1, -1).to(device)
+            # An explicit DynamicCache: an hf_ropekv-enabled model must not answer with an evicting cache.
+            cache = {cache_kwarg(model): DynamicCache(config=model.config)}
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max_new_tokens, pad_token_id=pad_id, **cache)
+            sequences.append(out[0].tolist())
+            seen += len(sequences[-1])
+    finally:
+        model.train(was_training)
+    return sequences
 
 
 def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[list[list[int]], str]:

@@ -11,10 +11,15 @@ compaction (which runs at the first layer of a forward) always scores every laye
 
 With ``half_life`` set, older queries weigh less: before a forward's queries are added, the sums decay by
 ``0.5 ** (new_tokens / half_life)`` (the tokens of one multi-token forward weigh alike).
+
+Workload statistics (``hf_ropekv.statistics.workload``): with ``learn`` set, the same folds also add their
+undecayed, batch-summed parts into the model's workload sums (one more reduction per fold, no host sync); with
+``prior`` set, a row's means start from the workload's, worth ``prior_tokens`` queries.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
@@ -23,6 +28,7 @@ import torch
 from ..model.layouts import split_pairs
 from ..model.geometry import ModelGeometry
 from ..storage.buffers import mark_static  # the running sums: a static cache's compiled step updates them in place
+from .workload import WorkloadPrior, WorkloadStatistics
 
 
 def decay_then_add(total: torch.Tensor, factor: float | None, addend: torch.Tensor | float) -> None:
@@ -56,18 +62,37 @@ class OnlineStatistics:
     Args:
         geometry: the model's attention geometry.
         half_life: tokens after which a query's weight halves; ``None`` weighs every query alike.
+        learn: the model's workload statistics to feed with every finished forward's real queries (until they
+            freeze), or ``None``.
+        prior: the workload's means when the cache was built, which every row's means start from, or ``None``.
+        prior_tokens: the weight of ``prior``, in queries (it never decays).
     """
 
-    def __init__(self, geometry: ModelGeometry, half_life: float | None = None) -> None:
+    def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
+                 learn: WorkloadStatistics | None = None, prior: WorkloadPrior | None = None,
+                 prior_tokens: float = 0) -> None:
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
         self.half_life = half_life
+        self.learn = learn
+        self._deferred_layers: list[tuple[int, ...]] = [()]  # the layers of the deferred steps (one device)
+        if learn is not None:
+            learn.register(self)
+        self.prior = prior if prior_tokens > 0 else None
+        self.prior_tokens = float(prior_tokens)
+        self._prior_on: dict[tuple[int, torch.device], torch.Tensor] = {}  # layer's prior means on its device
         self._layout = geometry.require_rotary_layout()  # how the model pairs dims (rotate_half / interleaved)
         self._pairs = geometry.rotary_dim // 2
         self.reset()
+        if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
+            ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
+                                      self._pairs)
+            ending.atexit = False
 
     def reset(self) -> None:
+        if getattr(self, "_deferred", None):
+            self.flush()  # finished forwards: the workload keeps them even though this object forgets them
         # Per device: float64 [L_device, B, 3, H_q, F] sums (real, imaginary, modulus) and [B] counts.
         self._sums: dict[torch.device, torch.Tensor] = {}
         self._counts: dict[torch.device, torch.Tensor] = {}
@@ -80,7 +105,9 @@ class OnlineStatistics:
         self._on_buffers = False
         self._fold_indices: dict[tuple, tuple[torch.Tensor | None, int]] = {}  # see _fold_index
         self._step: tuple[tuple[int, ...], torch.Tensor] | None = None  # this forward's add_step: [B, L, H, D]
-        self._deferred: list[torch.Tensor] = []  # finished decoding steps not folded yet, [B, L_device, H, D] each
+        # Finished decoding steps not folded yet, [B, L_device, H, D] each. One list for the object's life: a cache
+        # dropped with steps still here hands them to the workload statistics (see __init__).
+        self._deferred: list[torch.Tensor] = getattr(self, "_deferred", [])
         self._weights: dict[tuple, torch.Tensor] = {}  # the deferred steps' decay weights, by (device, steps)
 
     # ------------------------------------------------------------------ one forward
@@ -93,6 +120,9 @@ class OnlineStatistics:
             # (_fold_now, inside the compiled step, so no query outlives it); the counts move here, before it.
             self._decay_counts_and_add()
             self._snapshot = None
+            learner = self._learner()
+            if learner is not None:  # this step's _fold_now calls add its queries (counted here, as the counts)
+                learner.count(self._real_tokens(next(iter(self._counts.values())).shape[0]))
 
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Take one layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
@@ -134,9 +164,12 @@ class OnlineStatistics:
             return
         self.flush()
         self._decay(self._new)
+        learner = self._learner()
         for layer_idx, sums in self._pending.items():
             device, index = self._place(layer_idx, sums)
             self._sums[device][index] += sums
+            if learner is not None:
+                learner.add_layers((layer_idx,), sums.sum(dim=0, keepdim=True))
         stash_devices = {q.device for _, q in self._stash}
         if len(stash_devices) == 1:  # the usual case: no grouping to do
             by_device = {device: self._stash for device in stash_devices}
@@ -152,7 +185,10 @@ class OnlineStatistics:
             mask = self._mask_on(device, (stacked.shape[0], 1))
             if mask is not None:
                 parts = torch.where(mask[:, :, None, None, None], parts, 0.0)
-            index = self._fold_index(device, tuple(layer_idx for layer_idx, _ in items), parts)
+            layers = tuple(layer_idx for layer_idx, _ in items)
+            index = self._fold_index(device, layers, parts)
+            if learner is not None:
+                learner.add_layers(layers, parts.sum(dim=0, dtype=torch.float64))
             sums = self._sums[device]
             parts = parts.transpose(0, 1)  # [L, B, 3, H, F], as the sums
             if index is None:  # the usual case: every layer of the device, in order
@@ -164,6 +200,10 @@ class OnlineStatistics:
                 self._counts[device].add_(float(self._new))  # the same float64 sum as adding a tensor of them
             else:
                 self._counts[device] += self._count_on(device)
+        if learner is not None:
+            any_sums = next(iter(self._pending.values()), None)
+            batch = any_sums.shape[0] if any_sums is not None else self._stash[0][1].shape[0]
+            learner.count(self._real_tokens(batch))
         self._pending, self._stash = {}, []
         self._snapshot = None
 
@@ -183,6 +223,7 @@ class OnlineStatistics:
         if self._mask is not None or self._new != 1 or len(self._sums) != 1 or not every_layer_in_order:
             return False
         self._deferred.append(stacked)
+        self._deferred_layers[0] = layers
         self._snapshot = None
         if len(self._deferred) >= self.DEFER_STEPS or len(self._deferred) * stacked.nbytes > self.DEFER_BYTES:
             self.flush()
@@ -193,11 +234,16 @@ class OnlineStatistics:
         which is ``sums * f**n + sum_j f**(n-1-j) * parts_j`` (float64; the same up to its rounding)."""
         if not self._deferred:
             return
-        steps, self._deferred = self._deferred, []
+        steps = list(self._deferred)
+        self._deferred.clear()
         device, n = steps[0].device, len(steps)
         parts = self._parts(torch.stack(steps))  # [n, B, L, 3, H, F]
         parts = parts.transpose(1, 2)  # [n, L, B, 3, H, F], as the sums
         sums, counts = self._sums[device], self._counts[device]
+        learner = self._learner()
+        if learner is not None:  # the one extra reduction: every step and row, undecayed
+            learner.add_layers(self._layers_on(device), parts.sum(dim=(0, 2), dtype=torch.float64))
+            learner.count(n * parts.shape[2])  # deferred steps have no mask: every row's token is real
         if self.half_life is None:
             decay_then_add(sums, None, parts.sum(dim=0, dtype=torch.float64))
             decay_then_add(counts, None, float(n))
@@ -243,7 +289,12 @@ class OnlineStatistics:
                     q_abs.append(None)
                     continue
                 device, index = self._slot[layer_idx]
-                means = self._sums[device][index] / self._counts[device].clamp_min(1e-12).view(-1, 1, 1, 1)
+                if self.prior is None:
+                    means = self._sums[device][index] / self._counts[device].clamp_min(1e-12).view(-1, 1, 1, 1)
+                else:  # blend by count: the prior weighs prior_tokens queries and never decays
+                    w = self.prior_tokens
+                    prior = self._prior_for(layer_idx, device)
+                    means = (self._sums[device][index] + w * prior) / (self._counts[device] + w).view(-1, 1, 1, 1)
                 q_mean.append(torch.complex(means[:, 0].float(), means[:, 1].float()))
                 q_abs.append(means[:, 2].float())
             first = next(iter(self._counts.values()))
@@ -251,7 +302,9 @@ class OnlineStatistics:
                 q_mean=tuple(q_mean),
                 q_abs_mean=tuple(q_abs),
                 metadata={"inv_freq": self.geometry.inv_freq.tolist(), "rotary_layout": self._layout,
-                          "source": "online: the cache's own queries"},
+                          "source": "online: the cache's own queries" + (
+                              "" if self.prior is None else
+                              f", from a workload prior of {self.prior.tokens} tokens worth {self.prior_tokens:g}")},
                 tokens=first.clone(),
             )
         return self._snapshot
@@ -282,6 +335,9 @@ class OnlineStatistics:
         if mask is not None:
             parts = torch.where(mask[:, :, None, None], parts, 0.0)
         decay_then_add(self._sums[device][index], self._decay_factor(1), parts)
+        learner = self._learner()
+        if learner is not None:  # counted in begin_forward
+            learner.add_layers((layer_idx,), parts.sum(dim=0, keepdim=True, dtype=torch.float64))
 
     def _decay_counts_and_add(self) -> None:
         for device, counts in self._counts.items():
@@ -302,6 +358,31 @@ class OnlineStatistics:
                 mark_static(table[device])
         self._snapshot = None
 
+
+    # ------------------------------------------------------------------ workload statistics
+    def _learner(self) -> WorkloadStatistics | None:
+        """The workload statistics to feed now (``None``: not learning, or they froze)."""
+        learn = self.learn
+        return None if learn is None or learn.frozen else learn
+
+    def _real_tokens(self, batch: int) -> int:
+        """Real tokens of this forward over all rows (a host sync only when it has a padding mask)."""
+        if self._mask is None:
+            return batch * self._new
+        return int(self._mask.sum())
+
+    def _layers_on(self, device: torch.device) -> tuple[int, ...]:
+        """The layers of ``device``'s sums, in row order."""
+        placed = sorted((index, layer_idx) for layer_idx, (d, index) in self._slot.items() if d == device)
+        return tuple(layer_idx for _, layer_idx in placed)
+
+    def _prior_for(self, layer_idx: int, device: torch.device) -> torch.Tensor:
+        """The prior's float64 ``[3, H, F]`` means of a layer on ``device`` (copied there once)."""
+        key = (layer_idx, device)
+        means = self._prior_on.get(key)
+        if means is None:
+            means = self._prior_on[key] = self.prior.means[layer_idx].to(device)
+        return means
 
     # ------------------------------------------------------------------ internals
     def _check_queries(self, queries: torch.Tensor) -> None:
