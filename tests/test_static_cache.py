@@ -206,14 +206,14 @@ def test_compiled_forward_in_a_hand_written_loop(pattern: str) -> None:
     def loop(cache, forward) -> torch.Tensor:
         attention = mask.clone()
         positions = (attention.cumsum(-1) - 1).clamp_min(0)
-        logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache).logits
+        logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, **{cache_kwarg(model): cache}).logits
         tokens = []
         for _ in range(30):
             token = logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
             attention = torch.cat([attention, torch.ones_like(token)], dim=1)
             positions = positions[:, -1:] + 1
-            logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, past_key_values=cache).logits
+            logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, **{cache_kwarg(model): cache}).logits
         return torch.cat(tokens, dim=1)
 
     with torch.no_grad():
