@@ -534,15 +534,15 @@ def _dynamo_compiling() -> bool:
     return TracingContext.try_get() is not None
 
 
-class _ModelMethod:
-    """A method of one model instance that this module wraps, stored as an instance attribute.
+class ModelMethodWrapper:
+    """A method of one model instance replaced by hf_ropekv, stored as an instance attribute (here, and by
+    :func:`hf_ropekv.enable`).
 
     It holds the model weakly (a wrapper on the model that held it would keep it alive until the garbage
     collector ran), and a copy of the model (``copy.deepcopy``, ``pickle``) gets a wrapper of the copy.
     """
 
     name = ""
-    _hf_ropekv_continuation_check = True  # _WRAPPED_MARK
 
     def __init__(self, model: nn.Module, previous: Any = None) -> None:
         self._model_ref = weakref.ref(model)
@@ -551,13 +551,20 @@ class _ModelMethod:
     def __reduce__(self) -> tuple:
         return type(self), (self._model_ref(), self.previous)
 
-    def _original(self) -> tuple[nn.Module, Any]:
+    def _model_and_original(self) -> tuple[nn.Module, Any]:
+        """The model and the method this wrapper replaced, bound to it."""
         model = self._model_ref()
         if model is None:
-            raise ReferenceError(f"The model of this {self.name} wrapper no longer exists.")
+            raise ReferenceError(f"The model of this hf_ropekv {self.name} wrapper no longer exists.")
         if self.previous is not None:
             return model, self.previous
         return model, getattr(type(model), self.name).__get__(model)
+
+
+class _ModelMethod(ModelMethodWrapper):
+    """A method of one model instance that this module wraps: marked, and installed once per model."""
+
+    _hf_ropekv_continuation_check = True  # _WRAPPED_MARK
 
     @classmethod
     def install(cls, model: nn.Module) -> None:
@@ -574,7 +581,7 @@ class _PrepareInputsForGeneration(_ModelMethod):
     name = "prepare_inputs_for_generation"
 
     def __call__(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        _, original = self._original()
+        _, original = self._model_and_original()
         cache = _compat.cache_from_forward_kwargs(kwargs)
         attachment = getattr(cache, "_attachment", None)
         if isinstance(attachment, ModelAttachment) and input_ids is not None:
@@ -598,7 +605,7 @@ class _GetCompiledCall(_ModelMethod):
     name = "get_compiled_call"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model, original = self._original()
+        model, original = self._model_and_original()
         compiled = original(*args, **kwargs)
 
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
