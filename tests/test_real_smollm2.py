@@ -27,8 +27,8 @@ def test_same_greedy_text_as_dynamic_cache(smollm2) -> None:
     model, tokenizer = smollm2
     ids = chat_ids(tokenizer)
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=80, do_sample=False)
-    ref = model.generate(**cache_kw(model, DynamicCache)(config=model.config), **kw)
-    out = model.generate(**cache_kw(model, RopeKVCache)(model, budget=4096), **kw)
+    ref = model.generate(**cache_kw(model, DynamicCache(config=model.config)), **kw)
+    out = model.generate(**cache_kw(model, RopeKVCache(model, budget=4096)), **kw)
     assert tokenizer.decode(out[0]) == tokenizer.decode(ref[0])
 
 
