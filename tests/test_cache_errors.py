@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache, GPT2Config, LlamaConfig, T5Config
 
-from conftest import padded_batch, tiny_model
+from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import RecencyScorer, RopeKVCache
-from hf_ropekv._compat import cache_kwarg
 
 
 @pytest.mark.parametrize("budget", [0, -5, 2.5, True])
@@ -61,10 +60,10 @@ def test_pinned_prompt_must_fit_budget() -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(30, 20))
     cache = RopeKVCache(model, budget=16, compress_every=4)
     with pytest.raises(ValueError, match="prompt has 30 tokens but budget=16.*protect_prompt=False"):
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, pad_token_id=0)
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=4, pad_token_id=0)
     # Unpinned, the same prompt is compressed like any other tokens.
     cache = RopeKVCache(model, budget=16, compress_every=4, protect_prompt=False)
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, pad_token_id=0)
+    model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=4, pad_token_id=0)
     assert cache.tokens_kept <= 20
 
 
@@ -74,7 +73,7 @@ def test_protected_tokens_beyond_budget_are_refused() -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(10, 10))
     cache = RopeKVCache(model, budget=16, compress_every=8, window=7)
     with pytest.raises(ValueError, match="protected .* only 16 can be kept"):
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30, pad_token_id=0)
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=30, pad_token_id=0)
 
 
 def test_reused_cache_for_another_batch_is_refused() -> None:
@@ -82,13 +81,13 @@ def test_reused_cache_for_another_batch_is_refused() -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(8, 8), seed=1)
     other, other_mask = padded_batch(model.config.vocab_size, lengths=(20, 20), seed=2)
     cache = RopeKVCache(model, budget=64)
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, pad_token_id=0)
+    model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=4, pad_token_id=0)
     with pytest.raises(ValueError, match="another sequence.*fresh RopeKVCache"):
-        model.generate(input_ids=other, attention_mask=other_mask, past_key_values=cache, max_new_tokens=4,
+        model.generate(input_ids=other, attention_mask=other_mask, **cache_kw(model, cache), max_new_tokens=4,
                        pad_token_id=0)
     three, three_mask = padded_batch(model.config.vocab_size, lengths=(20, 20, 20), seed=3)
     with pytest.raises(ValueError, match="fresh RopeKVCache"):
-        model.generate(input_ids=three, attention_mask=three_mask, past_key_values=cache, max_new_tokens=4,
+        model.generate(input_ids=three, attention_mask=three_mask, **cache_kw(model, cache), max_new_tokens=4,
                        pad_token_id=0)
 
 
@@ -97,8 +96,8 @@ def test_crop_after_eviction_is_refused_but_allowed_before() -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(6, 6))
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0, do_sample=False)
     cache, reference = RopeKVCache(model, budget=64), DynamicCache(config=model.config)
-    out = model.generate(past_key_values=cache, **kw)
-    model.generate(past_key_values=reference, **kw)
+    out = model.generate(**cache_kw(model, cache), **kw)
+    model.generate(**cache_kw(model, reference), **kw)
     cache.crop(-3)
     reference.crop(-3)
     assert cache.tokens_seen == reference.get_seq_length() == 7
@@ -106,12 +105,12 @@ def test_crop_after_eviction_is_refused_but_allowed_before() -> None:
     step = dict(input_ids=out[:, 7:8], attention_mask=torch.ones(2, 8, dtype=mask.dtype),
                 position_ids=torch.full((2, 1), 7))
     with torch.no_grad():
-        got = model(past_key_values=cache, **step).logits
-        want = model(past_key_values=reference, **step).logits
+        got = model(**cache_kw(model, cache), **step).logits
+        want = model(**cache_kw(model, reference), **step).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
     cache = RopeKVCache(model, budget=12, compress_every=4)
-    model.generate(past_key_values=cache, **{**kw, "max_new_tokens": 20})
+    model.generate(**cache_kw(model, cache), **{**kw, "max_new_tokens": 20})
     assert cache.evicted
     with pytest.raises(ValueError, match="cannot crop.*already evicted"):
         cache.crop(-2)
@@ -121,11 +120,11 @@ def test_reset_empties_and_reuses() -> None:
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(8, 5))
     cache = RopeKVCache(model, budget=10, compress_every=4)
-    first = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+    first = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=12,
                            pad_token_id=0, do_sample=False)
     cache.reset()
     assert cache.tokens_seen == 0 and cache.bytes_held == 0
-    again = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+    again = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=12,
                            pad_token_id=0, do_sample=False)
     assert torch.equal(first, again)
 
@@ -148,7 +147,7 @@ def test_cache_is_freed_without_the_cyclic_collector() -> None:
     gc.disable()
     try:
         cache = RopeKVCache(model, budget=12, compress_every=4)
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20, pad_token_id=0)
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=20, pad_token_id=0)
         assert len(model._forward_pre_hooks) == hooks_before + 1
         ref = weakref.ref(cache)
         del cache
@@ -171,7 +170,7 @@ def test_a_cache_freed_during_a_compile_leaves_its_hooks_until_the_next_forward(
     attention = model.model.layers[0].self_attn
     plain_forward = attention.forward
     cache = RopeKVCache(model, budget=12, compress_every=4)
-    model(input_ids=ids, **{cache_kwarg(model): cache})
+    model(input_ids=ids, **cache_kw(model, cache))
     assert attention.forward != plain_forward  # the query capture wraps the attention forwards
     monkeypatch.setattr(attach, "_dynamo_compiling", lambda: True)
     del cache
@@ -188,13 +187,13 @@ def test_generate_continues_after_a_crop() -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(8, 8))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     cache, reference = RopeKVCache(model, budget=None), DynamicCache(config=model.config)
-    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=reference, **kw)
+    out = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), **kw)
+    model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, reference), **kw)
     cache.crop(-3)
     reference.crop(-3)
     again = dict(input_ids=out[:, :-3], attention_mask=torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1))
-    got = model.generate(past_key_values=cache, **again, **kw)
-    want = model.generate(past_key_values=reference, **again, **kw)
+    got = model.generate(**cache_kw(model, cache), **again, **kw)
+    want = model.generate(**cache_kw(model, reference), **again, **kw)
     assert torch.equal(got, want)
 
 
@@ -205,8 +204,8 @@ def test_default_window_yields_to_a_long_pinned_prompt_but_an_explicit_one_is_ke
     ids, mask = padded_batch(model.config.vocab_size, lengths=(14, 9))
     cache = RopeKVCache(model, budget=16, compress_every=4)
     assert cache.window == 4
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, pad_token_id=0)
+    model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=12, pad_token_id=0)
     assert cache.evicted and max(cache.tokens_kept_per_row) <= 16 + 4
     explicit = RopeKVCache(model, budget=16, compress_every=4, window=4)
     with pytest.raises(ValueError, match="protected .* only 16 can be kept"):
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=explicit, max_new_tokens=12, pad_token_id=0)
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, explicit), max_new_tokens=12, pad_token_id=0)

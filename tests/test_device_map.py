@@ -9,7 +9,7 @@ Checked here:
 - tokens identical to ``DynamicCache`` with ``budget=None``, and identical to the undispatched model with eviction;
 - ``hf_ropekv.enable`` on a dispatched model.
 
-The two-GPU run (``benchmarks/device_map_check.py``) checks identical tokens against one GPU and the memory of
+The two-GPU run (``tests/test_check_device_map.py``) checks identical tokens against one GPU and the memory of
 each GPU.
 """
 
@@ -19,19 +19,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from conftest import padded_batch, tiny_model
+from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
-from hf_ropekv._compat import TRANSFORMERS_VERSION
 from hf_ropekv.hooks.enable import disable, enable
 
 accelerate = pytest.importorskip("accelerate")
 
-CACHE_KWARG = "cache" if TRANSFORMERS_VERSION.release >= (5, 24) else "past_key_values"
 EVICTING = dict(budget=16, compress_every=4)
 
 
 def gen(model, cache, ids, mask, **kwargs) -> torch.Tensor:
-    extra = {CACHE_KWARG: cache} if cache is not None else {}
+    extra = cache_kw(model, cache) if cache is not None else {}
     return model.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, **extra, **kwargs
     )

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import padded_batch, tiny_model
+from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
-from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.statistics.calibration import calibrate
 from hf_ropekv.model.geometry import describe
 from hf_ropekv.statistics.online import RowStatistics
@@ -149,7 +148,7 @@ def test_generate_with_calibrated_and_online_statistics(arch: str) -> None:
     runs = {}
     for name, options in {"calibrated": {"stats": stats}, "online": {}}.items():
         cache = RopeKVCache(model, budget=20, compress_every=8, **options)
-        runs[name] = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+        runs[name] = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache),
                                     max_new_tokens=40, do_sample=False, pad_token_id=0)
         assert cache.num_compactions >= 3 and cache.tokens_kept <= 28
     assert runs["online"].shape == runs["calibrated"].shape == (3, ids.shape[1] + 40)
@@ -161,7 +160,7 @@ def test_online_statistics_of_the_prompt_are_each_rows_own() -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 7))
     cache = RopeKVCache(model, budget=14, compress_every=4)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): cache})
+        model(input_ids=ids, attention_mask=mask, **cache_kw(model, cache))
     online = cache._online.snapshot()
     assert online.tokens.tolist() == [12.0, 7.0]
     for row, real in enumerate([ids[0, :], ids[1, 5:]]):
@@ -212,18 +211,18 @@ def test_every_compaction_scores_with_the_statistics_of_the_finished_forwards(ca
     scorer.score = recording_score
     scorer.score_layers = recording_score_layers
     gen = torch.Generator().manual_seed(3)
-    cache_kw = {cache_kwarg(model): cache}
+    pass_cache = cache_kw(model, cache)
     in_turn = False
     with torch.no_grad():
         for turn in range(8):
             ids = torch.randint(3, 128, (1, 6 + turn), generator=gen)
             seen, in_turn = cache.get_seq_length(), True
-            model(input_ids=ids, position_ids=torch.arange(seen, seen + ids.shape[1])[None], **cache_kw)
+            model(input_ids=ids, position_ids=torch.arange(seen, seen + ids.shape[1])[None], **pass_cache)
             finished_tokens, in_turn = finished_tokens + ids.shape[1], False
             for _ in range(5):  # a short answer, token by token
                 seen = cache.get_seq_length()
                 step = torch.randint(3, 128, (1, 1), generator=gen)
-                model(input_ids=step, position_ids=torch.tensor([[seen]]), **cache_kw)
+                model(input_ids=step, position_ids=torch.tensor([[seen]]), **pass_cache)
                 finished_tokens += 1
     assert len({float(stats.tokens[0]) for _, _, stats, _, _ in calls}) >= 6
     assert compactions_inside_a_turn >= 3

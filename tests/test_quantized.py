@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import padded_batch, tiny_model
+from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 
 ARCHS = ["llama", "qwen3"]
@@ -63,7 +63,7 @@ def generate(model, cache, ids, mask, max_new_tokens: int = 20):
     return model.generate(
         input_ids=ids,
         attention_mask=mask,
-        past_key_values=cache,
+        **cache_kw(model, cache),
         pad_token_id=0,
         do_sample=False,
         max_new_tokens=max_new_tokens,

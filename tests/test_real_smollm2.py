@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from conftest import cache_kw
 from hf_ropekv import RopeKVCache
 from hf_ropekv.statistics.calibration import calibrate
 
@@ -26,8 +27,8 @@ def test_same_greedy_text_as_dynamic_cache(smollm2) -> None:
     model, tokenizer = smollm2
     ids = chat_ids(tokenizer)
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=80, do_sample=False)
-    ref = model.generate(past_key_values=DynamicCache(config=model.config), **kw)
-    out = model.generate(past_key_values=RopeKVCache(model, budget=4096), **kw)
+    ref = model.generate(**cache_kw(model, DynamicCache(config=model.config)), **kw)
+    out = model.generate(**cache_kw(model, RopeKVCache(model, budget=4096)), **kw)
     assert tokenizer.decode(out[0]) == tokenizer.decode(ref[0])
 
 
@@ -35,7 +36,7 @@ def test_thousand_tokens_in_a_256_budget(smollm2) -> None:
     model, tokenizer = smollm2
     ids = chat_ids(tokenizer)
     cache = RopeKVCache(model, budget=256)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kw(model, cache),
                          max_new_tokens=1000, min_new_tokens=1000, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 1000
     assert cache.tokens_seen == ids.shape[1] + 999
@@ -54,7 +55,7 @@ def test_calibrated_statistics_generate(smollm2) -> None:
     assert stats.q_mean.shape == (30, 9, 32) and stats.tokens > 300
     ids = chat_ids(tokenizer)
     cache = RopeKVCache(model, budget=96, compress_every=32, stats=stats)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kw(model, cache),
                          max_new_tokens=200, min_new_tokens=200, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 200 and cache.num_compactions >= 3
     assert cache.scorer.stats is stats

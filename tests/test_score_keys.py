@@ -1,4 +1,5 @@
-"""score_keys against a direct float64 evaluation of DESIGN.md §2 (explicit loop over offsets)."""
+"""score_keys against a direct float64 evaluation of its formula (README, "How it works": the score), with an
+explicit loop over offsets."""
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ def _inv_freq(F: int, theta: float = 10000.0, rotary_dim: int | None = None) -> 
 
 
 def key_pairs(keys: torch.Tensor, F: int, layout: str) -> torch.Tensor:
-    """Complex k_f [..., F] built by hand from each layout's definition (DESIGN.md §2, hf_ropekv.model.layouts)."""
+    """Complex k_f [..., F] built by hand from each layout's definition (hf_ropekv.model.layouts: which two dims form pair f)."""
     k = keys.double()
     if layout == "rotate_half":  # pair f = (f, f + F)
         return torch.complex(k[..., :F], k[..., F:2 * F])

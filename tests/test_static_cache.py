@@ -206,14 +206,14 @@ def test_compiled_forward_in_a_hand_written_loop(pattern: str) -> None:
     def loop(cache, forward) -> torch.Tensor:
         attention = mask.clone()
         positions = (attention.cumsum(-1) - 1).clamp_min(0)
-        logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache).logits
+        logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, **{cache_kwarg(model): cache}).logits
         tokens = []
         for _ in range(30):
             token = logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token)
             attention = torch.cat([attention, torch.ones_like(token)], dim=1)
             positions = positions[:, -1:] + 1
-            logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, past_key_values=cache).logits
+            logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, **{cache_kwarg(model): cache}).logits
         return torch.cat(tokens, dim=1)
 
     with torch.no_grad():
@@ -298,6 +298,30 @@ def test_clear_refusals() -> None:
         RopeKVCache(model, budget=16, scorer=SnapKVScorer(window=4), static=True)
     with pytest.raises(ValueError, match="sliding-window layers"):
         RopeKVCache(tiny_model("gemma3_text"), budget=16, static=True)
+
+
+@pytest.mark.parametrize("other_arch", ["qwen3", "llama"])
+def test_a_static_cache_is_bound_to_its_model(other_arch: str) -> None:
+    """Like a growing cache, a static one refuses another model's forward, naming both classes, before it stores
+    anything: a fresh cache in another model's generate(), and a cache whose compiled decode steps ran on its
+    own model (no eager check consumed their announce) continued by another model's eager forward."""
+    model, other = tiny_model("llama"), tiny_model(other_arch)
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+    fresh = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+    with pytest.raises(ValueError, match=f"built for a LlamaForCausalLM.*{type(other).__name__} runs a forward"):
+        generate(other, fresh, ids, mask, new=4)
+    assert fresh.tokens_seen == 0
+    used = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+    generate(model, used, ids, mask, new=12, compile_config=compiled())
+    assert counters["stats"]["unique_graphs"] == 1 and used.num_compactions > 0  # the steps ran compiled
+    seen, keys = used.tokens_seen, used._full_layers[0].storage.keys.clone()
+    grown = torch.cat([mask, torch.ones(2, seen + 1 - mask.shape[1], dtype=mask.dtype)], dim=1)
+    step = dict(input_ids=ids[:, :1], attention_mask=grown, **{cache_kwarg(other): used})
+    with pytest.raises(ValueError, match="bound to it"), torch.no_grad():
+        other(**step)
+    assert used.tokens_seen == seen and torch.equal(used._full_layers[0].storage.keys, keys)
+    with torch.no_grad():
+        model(**step)  # its own model continues it
 
 
 @pytest.mark.gpu

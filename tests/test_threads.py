@@ -74,3 +74,27 @@ def test_two_threads_with_their_own_caches_get_their_serial_tokens(static: bool)
         got = _in_two_threads(lambda i: _generate(model, prompts[i], cache()))
         for mine, want in zip(got, serial):
             assert torch.equal(mine, want)
+
+
+def test_a_prepared_static_step_that_never_runs_does_not_block_another_thread() -> None:
+    """A static cache's step is prepared (generate's ``prepare_inputs_for_generation``) before its forward runs; if
+    that forward never comes (generate raised in between, or the caller dropped the inputs), another thread's
+    generate() must still run, and give its serial tokens. The thread gets a timeout: a held lock would hang it."""
+    model = tiny_model("llama")
+    prompts = _prompts()
+    serial = _generate(model, prompts[1], RopeKVCache(model, **OPTIONS, static=True))
+    dropped = RopeKVCache(model, **OPTIONS, static=True)
+    inputs = model.prepare_inputs_for_generation(prompts[0], attention_mask=torch.ones_like(prompts[0]),
+                                                 **{_compat.cache_kwarg(model): dropped})
+    assert dropped.tokens_seen == 12  # the step was prepared: the cache counts the prompt as arriving
+    del inputs
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(_generate(model, prompts[1], RopeKVCache(model, **OPTIONS, static=True))),
+        daemon=True,  # if it hangs, it must not keep the test process alive
+    )
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "another thread's generate() waited for a step that never ran"
+    assert torch.equal(result[0], serial)
+    assert torch.equal(_generate(model, prompts[1], RopeKVCache(model, **OPTIONS, static=True)), serial)

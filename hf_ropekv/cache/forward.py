@@ -85,15 +85,20 @@ class ForwardCoordinator:
             if key_states.shape[0] != rows.batch_size:
                 rows.check_batch(key_states.shape[0])
             return
+        self.check_announced()
+        seen, new = layer.tokens_seen, key_states.shape[-2]
+        rows.check_batch(key_states.shape[0])
+        rows.observe_update(seen + new, new, key_states.device, args, kwargs, from_model=self.model_class is not None)
+        self.prologue(seen, new)
+
+    def check_announced(self) -> None:
+        """Called at the first full-attention layer of every eager forward: refuse a model's forward that reached
+        the cache without that model's pre-hook announcing it (another model runs it), then consume the announce."""
         if self.model_class is not None and not self.announced:
             running = _running_model_class()  # None: update() called directly (no model forward), which is fine
             if running is not None:
                 raise ValueError(self._other_model_error(running))
         self.announced = False
-        seen, new = layer.tokens_seen, key_states.shape[-2]
-        rows.check_batch(key_states.shape[0])
-        rows.observe_update(seen + new, new, key_states.device, args, kwargs, from_model=self.model_class is not None)
-        self.prologue(seen, new)
 
     def prologue(self, seen: int, new: int) -> Plan:
         """The start of every forward of ``new`` tokens once its padding is known: refuse what cannot be done, fix

@@ -26,6 +26,11 @@ class Coordinator(Protocol):
     def planned_slots(self, new: int) -> int:
         """Slots every full-attention layer holds once this forward's compaction (if any) is done."""
 
+    full_layers: list["BudgetedLayer"]
+
+    def check_announced(self) -> None:
+        """Refuse a forward that the cache's own model did not announce (a static layer's eager check)."""
+
 
 class CoordinatedCache(Protocol):
     """The cache a layer belongs to (``RopeKVCache``; no import of it here): it holds the coordinator."""
@@ -149,6 +154,11 @@ class StaticBudgetedLayer(BudgetedLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # A forward the cache's model did not announce (another model runs it) is refused here, eagerly: a compiled
+        # step skips the check (is_compiling() folds to a constant, so it adds no guard on the flag), and the
+        # model's pre-hook, which runs eagerly before every compiled step, announced that one.
+        if not torch.compiler.is_compiling() and self._cache.coordinator.full_layers[0] is self:
+            self._cache.coordinator.check_announced()
         if not self.is_initialized:  # the cache could not allocate before the forward: the arena's shape is known now
             self.initialize(key_states, value_states, self.kv_length)
         keys, values = self.storage.write(key_states, value_states)

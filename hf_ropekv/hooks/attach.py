@@ -22,18 +22,19 @@ alone, and :func:`hf_ropekv.detach` takes everything off at once. A copy of the 
 ``pickle``, ``torch.save``) starts without the original's hooks: what was put on its modules only passes calls
 through (and takes itself out), and the next ``RopeKVCache`` of the copy installs fresh hooks.
 
-Threads: one forward at a time per model. While a model carries these hooks, its forwards (and a static cache's
-step preparation) take a per-model lock, so two threads calling ``generate()`` on one model (a web server's
+Threads: one forward at a time per model. While a model carries these hooks, its forwards (and, separately, a
+static cache's step preparation) take a per-model lock, so two threads calling ``generate()`` on one model (a web server's
 handler threads) each get exactly their serial result, taking turns forward by forward. For parallel
 generation, use one model copy per thread (``copy.deepcopy(model)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -49,10 +50,17 @@ from ..model.geometry import ModelGeometry
 UNCHANGED = object()
 
 
+class Announcements(Protocol):
+    """Where a cache notes that its model's pre-hook announced the running forward (``ForwardCoordinator``)."""
+
+    announced: bool
+
+
 class AttachedCache(Protocol):
     """What the hooks need from the cache that installed them (``RopeKVCache``; no import of it here)."""
 
     geometry: ModelGeometry
+    coordinator: Announcements
 
     def get_seq_length(self) -> int: ...
 
@@ -138,7 +146,11 @@ class ModelAttachment:
         embeds = kwargs.get("inputs_embeds")
         source = input_ids if input_ids is not None else embeds
         if self._prepared is not None and source is self._prepared:
-            self._prepared = None  # prepared with generate's inputs; the model already has the mask it needs
+            # Prepared with generate's inputs; the model already has the mask it needs. Another thread's forward
+            # may have run since (the gate is not held between the two): set the shared capture back for this one.
+            self._prepared = None
+            if self._hooks.capture is not None:
+                self._hooks.capture.begin_forward(False)
             return None
         replaced = self._start_forward(cache, input_ids, embeds, kwargs.get("attention_mask"))
         if replaced is not UNCHANGED:
@@ -156,8 +168,9 @@ class ModelAttachment:
         """
         cache = self._cache_ref()
         self.check_attached()
-        self._hooks.gate.enter()  # held until this forward ends (SharedHooks._release)
-        try:
+        # A short critical section of its own, not held until the forward: a prepared forward that never runs
+        # (generate raised in between, or a caller dropped the inputs) must not keep other threads waiting.
+        with self._hooks.gate.held():
             embeds = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
             source = embeds if embeds is not None else input_ids
             # generate names the new tokens' count when it passes the whole sequence; otherwise all are new.
@@ -168,9 +181,6 @@ class ModelAttachment:
             if replaced is not UNCHANGED:
                 kwargs = {**kwargs, "attention_mask": replaced}
             model_inputs = _with_canonical_strides(prepare(input_ids, *args, **kwargs))
-        except BaseException:
-            self._hooks.gate.leave()  # no forward follows
-            raise
         source = model_inputs.get("input_ids")
         self._prepared = source if source is not None else model_inputs.get("inputs_embeds")
         return model_inputs
@@ -212,6 +222,13 @@ class ModelAttachment:
             for consumer in self._query_consumers:
                 consumer.end_forward()
         self._collecting = False
+
+    def _forward_ends(self) -> None:
+        """This cache's forward ended (raised or not): the next forward must be announced again. A compiled step
+        skips the layers' eager check that consumes the announce, so it is consumed here too."""
+        cache = self._cache_ref()
+        if cache is not None:
+            cache.coordinator.announced = False
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         if self._collecting:
@@ -434,7 +451,11 @@ class SharedHooks:
             self.active._post_forward(module, args, kwargs, output)
 
     def _release(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.gate.leave()
+        try:
+            if self.active is not None:
+                self.active._forward_ends()
+        finally:
+            self.gate.leave()
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         if self.active is not None:
@@ -448,24 +469,37 @@ class SharedHooks:
 
 class ForwardGate:
     """One forward at a time per model, across threads: a forward enters before anything reads shared hook state
-    and leaves when it ends. Entering again on the thread that holds it is a no-op (a static cache's step is
-    prepared before its forward starts)."""
+    and leaves when it ends (its always-called forward hook). Entering again on the thread that holds it is a
+    no-op. A static cache's step preparation holds it on its own, as a block (``with gate.held():``), which
+    leaves only if it entered: the gate is never held between a preparation and its forward."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owner: int | None = None
 
-    def enter(self) -> None:
+    def enter(self) -> bool:
+        """Hold the gate on this thread; returns whether this call acquired it (False: the thread held it)."""
         me = threading.get_ident()
         if self._owner == me:
-            return
+            return False
         self._lock.acquire()
         self._owner = me
+        return True
 
     def leave(self) -> None:
         if self._owner == threading.get_ident():
             self._owner = None
             self._lock.release()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the gate for a block; leave at its end only if this block entered it."""
+        entered = self.enter()
+        try:
+            yield
+        finally:
+            if entered:
+                self.leave()
 
 
 def _copied_hooks() -> SharedHooks:
@@ -500,15 +534,15 @@ def _dynamo_compiling() -> bool:
     return TracingContext.try_get() is not None
 
 
-class _ModelMethod:
-    """A method of one model instance that this module wraps, stored as an instance attribute.
+class ModelMethodWrapper:
+    """A method of one model instance replaced by hf_ropekv, stored as an instance attribute (here, and by
+    :func:`hf_ropekv.enable`).
 
     It holds the model weakly (a wrapper on the model that held it would keep it alive until the garbage
     collector ran), and a copy of the model (``copy.deepcopy``, ``pickle``) gets a wrapper of the copy.
     """
 
     name = ""
-    _hf_ropekv_continuation_check = True  # _WRAPPED_MARK
 
     def __init__(self, model: nn.Module, previous: Any = None) -> None:
         self._model_ref = weakref.ref(model)
@@ -517,13 +551,20 @@ class _ModelMethod:
     def __reduce__(self) -> tuple:
         return type(self), (self._model_ref(), self.previous)
 
-    def _original(self) -> tuple[nn.Module, Any]:
+    def _model_and_original(self) -> tuple[nn.Module, Any]:
+        """The model and the method this wrapper replaced, bound to it."""
         model = self._model_ref()
         if model is None:
-            raise ReferenceError(f"The model of this {self.name} wrapper no longer exists.")
+            raise ReferenceError(f"The model of this hf_ropekv {self.name} wrapper no longer exists.")
         if self.previous is not None:
             return model, self.previous
         return model, getattr(type(model), self.name).__get__(model)
+
+
+class _ModelMethod(ModelMethodWrapper):
+    """A method of one model instance that this module wraps: marked, and installed once per model."""
+
+    _hf_ropekv_continuation_check = True  # _WRAPPED_MARK
 
     @classmethod
     def install(cls, model: nn.Module) -> None:
@@ -540,7 +581,7 @@ class _PrepareInputsForGeneration(_ModelMethod):
     name = "prepare_inputs_for_generation"
 
     def __call__(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        _, original = self._original()
+        _, original = self._model_and_original()
         cache = _compat.cache_from_forward_kwargs(kwargs)
         attachment = getattr(cache, "_attachment", None)
         if isinstance(attachment, ModelAttachment) and input_ids is not None:
@@ -564,7 +605,7 @@ class _GetCompiledCall(_ModelMethod):
     name = "get_compiled_call"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model, original = self._original()
+        model, original = self._model_and_original()
         compiled = original(*args, **kwargs)
 
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only

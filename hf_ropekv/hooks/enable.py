@@ -57,7 +57,7 @@ from transformers.utils import logging
 
 from .. import _compat
 from ..warnings import warn
-from .attach import _WRAPPED_MARK, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
+from .attach import _WRAPPED_MARK, ModelMethodWrapper, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
 from ..cache.cache import RopeKVCache
 from ..cache.options import OPTION_NAMES, CacheOptions
 from ..model.geometry import ModelGeometry, describe
@@ -374,30 +374,13 @@ def _install(model: nn.Module, config: _Config) -> None:
     logger.info("hf_ropekv enabled on %s: %s", type(model).__name__, _describe_options(config.options))
 
 
-class _EnableWrapper:
+class _EnableWrapper(ModelMethodWrapper):
     """A method of one model instance replaced by :func:`enable` (an instance attribute).
 
     It holds the model weakly: a wrapper stored on the model that held it would keep the model alive until the
     garbage collector ran. A copy of the model (``copy.deepcopy``, ``pickle``, ``torch.save``) gets wrappers of
     the copy, and the enable state is copied with it: **a copy stays enabled with the same options**.
     """
-
-    name = ""
-
-    def __init__(self, model: nn.Module, previous: Any = None) -> None:
-        self._model_ref = weakref.ref(model)
-        self.previous = previous  # an instance attribute it replaced, or None: the class's method
-
-    def __reduce__(self) -> tuple:
-        return type(self), (self._model_ref(), self.previous)
-
-    def _model_and_original(self) -> tuple[nn.Module, Callable[..., Any]]:
-        model = self._model_ref()
-        if model is None:
-            raise ReferenceError(f"The model of this hf_ropekv {self.name} wrapper no longer exists.")
-        if self.previous is not None:
-            return model, self.previous
-        return model, getattr(type(model), self.name).__get__(model)
 
 
 class _PrepareCacheHook(_EnableWrapper):
