@@ -29,7 +29,7 @@ def test_unknown_selection() -> None:
 @pytest.mark.parametrize(
     "config, message",
     [
-        (GPT2Config(n_layer=2, n_embd=32, n_head=2), "no rotary position embedding"),
+        (GPT2Config(n_layer=2, n_embd=32, n_head=2), "no rotary position embedding.*whatever the scorer.*DynamicCache"),
         (T5Config(num_layers=2, d_model=32, num_heads=2), "encoder-decoder"),
         (LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, add_cross_attention=True),
          "cross-attention"),

@@ -288,8 +288,9 @@ def _rotary_module(
     if legacy is not None:
         return legacy
     raise ValueError(
-        f"'{name}' has no rotary position embedding (RoPE); hf_ropekv scores keys from RoPE geometry and "
-        "needs a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
+        f"'{name}' has no rotary position embedding (RoPE); hf_ropekv reads a model's attention geometry from its "
+        "rotary embedding, so it refuses this model whatever the scorer. Keep transformers' DynamicCache for it, "
+        "or use a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
     )
 
 
