@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..eviction.schedule import Plan
-from .rows import BatchRows
+from .rows import BatchRows, padding_holes
 
 
 def mask_for_forward(attention_mask: torch.Tensor, new: int, plan: Plan, rows: BatchRows,
@@ -28,8 +28,7 @@ def mask_for_forward(attention_mask: torch.Tensor, new: int, plan: Plan, rows: B
         return attention_mask
     # Left padding hides the first max(0, pad - (seen - slots)) columns of the region: when that is each row's
     # holes (no padding and rows kept alike, e.g. batch 1), generate's mask is already the one to use.
-    evicted = plan.seen - plan.slots_after
-    if plan.holes_after == tuple(max(0, pad - evicted) for pad in rows.pads_host):
+    if plan.holes_after == padding_holes(rows.pads_host, plan.seen - plan.slots_after):
         return attention_mask
     holes = rows.on_device(plan.holes_after, attention_mask.device)
     region = torch.arange(plan.slots_after + new, device=attention_mask.device)[None, :] >= holes[:, None]
@@ -53,4 +52,4 @@ def window_positions(layer: Any, pads_host: tuple[int, ...] | None, rows: int) -
     seen = layer.get_seq_length()
     positions = torch.arange(seen - kept, seen, device=layer.keys.device).expand(batch, heads, kept).clone()
     pads = pads_host or (0,) * batch
-    return with_holes(positions, tuple(max(0, pad - (seen - kept)) for pad in pads))
+    return with_holes(positions, padding_holes(pads, seen - kept))

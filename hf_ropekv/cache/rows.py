@@ -8,6 +8,12 @@ from .. import _compat
 from ..eviction.schedule import Plan
 
 
+def padding_holes(pads: tuple[int, ...], dropped: int) -> tuple[int, ...]:
+    """Each row's left padding that is still among a layer's slots once its first ``dropped`` token indices are
+    gone: the holes an unmodified 2-D attention mask already hides."""
+    return tuple(max(0, pad - dropped) for pad in pads)
+
+
 class BatchRows:
     """Per-row bookkeeping of one cache: the batch size, each row's left padding (on the device and on the host),
     the slots in front of its real tokens (holes) and whether it evicted a real token.
@@ -126,8 +132,8 @@ class BatchRows:
     def record_compaction(self, plan: Plan, from_model: bool) -> None:
         """A compaction moved each row's real tokens behind ``plan.holes_after`` holes (host only)."""
         if not from_model and any(self.pads_host or ()):
-            natural = tuple(max(0, pad - (plan.seen - plan.slots_after)) for pad in self.pads_host)
-            if plan.holes_after != natural:  # the unmodified mask could not hide these holes
+            if plan.holes_after != padding_holes(self.pads_host, plan.seen - plan.slots_after):
+                # the unmodified mask could not hide these holes
                 raise ValueError(
                     "RopeKVCache was built from a config, so it cannot hide the rows' evicted slots in the "
                     "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...)."
