@@ -100,9 +100,9 @@ class ModelAttachment:
         self._hooks.add(self, cache.geometry, collect_queries, keep=self.static)
         self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
-        _wrap_prepare_inputs(model)
+        _PrepareInputsForGeneration.install(model)
         if self.static:
-            _wrap_compiled_call(model)
+            _GetCompiledCall.install(model)
 
     @property
     def attention_modules(self) -> list[nn.Module]:
@@ -619,14 +619,6 @@ class _GetCompiledCall(_ModelMethod):
 def _is_class_method(method: Any, model: nn.Module, name: str) -> bool:
     """The class's own method bound to ``model`` (what an unpickled model may hold): nothing to chain to."""
     return getattr(method, "__self__", None) is model and getattr(method, "__func__", None) is getattr(type(model), name, None)
-
-
-def _wrap_prepare_inputs(model: nn.Module) -> None:
-    _PrepareInputsForGeneration.install(model)
-
-
-def _wrap_compiled_call(model: nn.Module) -> None:
-    _GetCompiledCall.install(model)
 
 
 def _with_canonical_strides(model_inputs: dict[str, Any]) -> dict[str, Any]:
