@@ -1031,17 +1031,20 @@ def _run_plan(args, model, tokenizer, all_problems, units, policies, gaps, budge
         plan += [(policy, setting, True) for policy, setting, _ in plan if learns_workload(policy)]
     warm_tag = "+warm" if warm_domain == args.domain else f"+warm({warm_domain})"
     for n_done, (policy, setting, warm) in enumerate(plan):
-        if warm and "warm" not in meta:
-            warm_units = make_units(tasks.select(all_problems, warm_problems), warm_domain)
-            first = gaps[0] if args.task == "gsm8k" else budgets[0] - max(len(u.prompt) for u in warm_units)
-            meta["warm"] = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain,
-                            **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
-        if args.max_minutes is not None and time.perf_counter() - t0 + last_wall > 60 * args.max_minutes:
+        learning = warm and "warm" not in meta
+        # The warm-up is reckoned at one more row's wall time: no warm-up is run that leaves no time for its rows.
+        ahead = last_wall * (2 if learning else 1)
+        if args.max_minutes is not None and time.perf_counter() - t0 + ahead > 60 * args.max_minutes:
             left = ", ".join(f"{p.label}{warm_tag if w else ''}@{g}" for p, g, w in plan[n_done:])
             log(f"stopped by --max-minutes {args.max_minutes}: not run: {left}")
             meta["not_run"] = left
             write_results(out, meta, rows)
             break
+        if learning:
+            warm_units = make_units(tasks.select(all_problems, warm_problems), warm_domain)
+            first = gaps[0] if args.task == "gsm8k" else budgets[0] - max(len(u.prompt) for u in warm_units)
+            meta["warm"] = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain,
+                            **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
         if setting is None:
             budget_of: Callable[[list[Unit]], int | None] = lambda batch: None
         elif args.task == "gsm8k":

@@ -448,3 +448,20 @@ def test_pot_is_refused_for_the_long_task() -> None:
     with pytest.raises(ValueError, match="not for --task long"):
         task_accuracy.main(["--task", "long", "--domain", "pot", "--problems", "0-7"],
                            model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+
+
+def test_max_minutes_skips_a_warm_up_that_leaves_no_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each cold row "takes" 10 s of wall time; the clock says 45 s have passed when the warm row comes: a row
+    # (10 s) would fit in 60 s, a warm-up and a row (20 s) would not, so the warm-up never starts.
+    learned = []
+    monkeypatch.setattr(task_accuracy, "learn_workload", lambda *a, **k: learned.append(1) or {})
+    monkeypatch.setattr(task_accuracy, "run_policy", lambda *a, **k: {
+        "policy": a[3].label, "outcomes": {}, "skipped": [], "mean_new_tokens": None, "mean_kept": None,
+        "mean_seen": None, "wall_s": 10.0, "budget_of_batches": []})
+    calls = []
+    monkeypatch.setattr(task_accuracy.time, "perf_counter", lambda: 45.0 if calls.append(1) or len(calls) > 1 else 0.0)
+    task_accuracy.main(["--out", str(tmp_path), "--problems", "0-2", "--policies", "default", "--gaps", "4",
+                        "--warm", "--warm-problems", "298-299", "--max-minutes", "1"],
+                       model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert learned == [] and result["not_run"] == "default+warm@4" and "warm" not in result
