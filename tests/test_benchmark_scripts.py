@@ -82,13 +82,25 @@ def test_perplexity_dry_run_teacher_forced_and_decode_proxy(tmp_path: Path) -> N
 def test_task_accuracy_dry_run_reports_the_report_split(tmp_path: Path) -> None:
     run_script("task_accuracy.py", "--out", str(tmp_path))
     result = json.loads((tmp_path / "results.json").read_text())
-    assert [r["policy"] for r in result["summary"]] == ["full", "rope-calibrated-per-layer:window=2", "recency"]
+    assert [r["policy"] for r in result["summary"]] == ["full", "rope-calibrated-per-layer:window=2",
+                                                        "recency:window=auto"]
     for row in result["rows"]:
         assert sorted(int(i) for i in row["outcomes"]) == [300, 301, 302]  # the report split, made-up problems
     full, calibrated, recency = result["summary"]
     assert calibrated["mean_kept"] < calibrated["mean_seen"] == full["mean_seen"]
+    assert calibrated["mean_generated_kept"] < full["mean_generated_kept"]
     assert (tmp_path / "calibration_stats.safetensors").is_file()
     assert_run_readme(tmp_path, "task_accuracy.py")
+
+
+def test_task_accuracy_dry_run_program_aided_with_chain_of_thought_warm_up(tmp_path: Path) -> None:
+    run_script("task_accuracy.py", "--domain", "pot", "--warm", "--warm-domain", "cot", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["settings"]["domain"] == "pot" and result["warm"]["domain"] == "cot"
+    assert [r["policy"] for r in result["summary"]][-1] == "default:window=2+warm(cot)"
+    for summary in result["summary"]:  # a random tiny model writes no program that runs
+        assert summary["n"] == 3 and summary["program_errors"]["total"] == 3
+    assert "program-aided" in (tmp_path / "README.md").read_text()
 
 
 def test_speed_dry_run_alternates_variants_and_finds_capacity(tmp_path: Path) -> None:

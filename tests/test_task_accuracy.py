@@ -1,11 +1,13 @@
-"""The task-accuracy benchmark (benchmarks/task_accuracy.py, benchmarks/gsm8k_tasks.py): answer extraction,
-Wilson intervals, paired counts, policy parsing, and a dry run of the entry point on a tiny random model."""
+"""The task-accuracy benchmark (benchmarks/task_accuracy.py, benchmarks/gsm8k_tasks.py, benchmarks/program_runner.py):
+answer extraction, Wilson intervals, paired counts, policy parsing and peer windows, the isolated program runner,
+program-aided scoring, cross-domain warm statistics, and dry runs of the entry point on a tiny random model."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gsm8k_tasks as tasks  # noqa: E402
+import program_runner as runner  # noqa: E402
 import task_accuracy  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 
@@ -170,11 +173,17 @@ def test_dry_run_writes_results(tmp_path: Path) -> None:
     assert full["ratio_to_full"] in (1.0, None) and full["lost_vs_full"] == 0
     # The budget was 4 tokens past the longest prompt of each batch; with 12 new tokens the cache evicted.
     assert evicting["mean_kept"] < evicting["mean_seen"] == full["mean_seen"]
+    # The full cache holds the 11 generated positions processed (the 12th token is never fed back); the evicting
+    # one keeps fewer of them (its pinned prompts stay), but some.
+    assert full["mean_generated_kept"] == 11
+    assert 0 < evicting["mean_generated_kept"] < 11
+    assert (full["window"], evicting["window"]) == ("—", "2")
     assert evicting["paired_n"] == 3
     assert rows[1]["budget_of_batches"] == [max(r["prompt_tokens"] for r in list(rows[1]["outcomes"].values())[:2]) + 4,
                                             rows[1]["outcomes"]["2"]["prompt_tokens"] + 4]
     md = (tmp_path / "results.md").read_text()
-    assert "| full |" in md and "| rope-calibrated-per-layer:window=2 | +4 |" in md
+    assert "| full | — | — |" in md and "| rope-calibrated-per-layer:window=2 | +4 | 2 |" in md
+    assert "mean generated tokens kept" in md and "program errors" not in md  # a chain-of-thought run
 
 
 def test_long_task_skips_prompts_that_do_not_fit(tmp_path: Path) -> None:
@@ -247,7 +256,7 @@ def test_max_minutes_stops_cleanly_and_merge_combines_runs(tmp_path: Path) -> No
     task_accuracy.main(["--out", str(tmp_path / "a"), "--policies", "full,recency", "--max-minutes", "0", *common],
                        model=model, tokenizer=tok, problems=probs)
     stopped = json.loads((tmp_path / "a" / "results.json").read_text())
-    assert stopped["rows"] == [] and stopped["not_run"] == "full@None, recency@4, recency@8"
+    assert stopped["rows"] == [] and stopped["not_run"] == "full@None, recency:window=auto@4, recency:window=auto@8"
     task_accuracy.main(["--out", str(tmp_path / "a"), "--policies", "full", *common],
                        model=model, tokenizer=tok, problems=probs)
     task_accuracy.main(["--out", str(tmp_path / "b"), "--policies", "recency", *common, "--gaps", "4"],
@@ -257,7 +266,7 @@ def test_max_minutes_stops_cleanly_and_merge_combines_runs(tmp_path: Path) -> No
     task_accuracy.main(["--out", str(tmp_path / "m"), "--merge", str(tmp_path / "a" / "results.json"),
                         str(tmp_path / "b" / "results.json")])
     merged = json.loads((tmp_path / "m" / "results.json").read_text())
-    assert [(r["policy"], r["budget"]) for r in merged["summary"]] == [("full", None), ("recency", 4)]
+    assert [(r["policy"], r["budget"]) for r in merged["summary"]] == [("full", None), ("recency:window=auto", 4)]
     assert merged["summary"][1]["paired_n"] == 3 and len(merged["merged_from"]) == 2
 
 
@@ -267,3 +276,192 @@ def test_make_batches_in_order_or_by_length() -> None:
     assert [[len(u.prompt) for u in b] for b in by_order] == [[5, 2], [9, 3], [7]]
     by_length = task_accuracy.make_batches(units, 2, sort_by_length=True)
     assert [[len(u.prompt) for u in b] for b in by_length] == [[2, 3], [5, 7], [9]]
+
+
+# ---------------------------------------------------------------------------------------------- peer windows
+def test_peers_get_the_default_window_and_the_label_says_so() -> None:
+    def parsed(text: str, peer_window: str) -> list[task_accuracy.Policy]:
+        return [task_accuracy.with_peer_window(task_accuracy.parse_policy(label), peer_window)
+                for label in task_accuracy.split_policies(text)]
+
+    # One command, every peer at window 32.
+    peers = parsed("full,default,recency,random,snapkv,h2o,rkv", "32")
+    assert [p.label for p in peers] == ["full", "default", "recency:window=32", "random:window=32",
+                                        "snapkv:window=32", "h2o:window=32", "rkv:window=32"]
+    assert [p.cache_kwargs.get("window") for p in peers] == [None, None, 32, 32, 32, 32, 32]
+    assert [task_accuracy.window_setting(p) for p in peers] == ["—", "auto", "32", "32", "32", "32", "32"]
+    # auto: RopeKVCache(window=None), the default cache's own rule; scorer overrides are kept.
+    (rkv,) = parsed("rkv:scorer.window=8", "auto")
+    assert rkv.label == "rkv:scorer.window=8,window=auto"
+    assert rkv.cache_kwargs == {"window": None} and rkv.scorer_kwargs == {"window": 8}
+    assert task_accuracy.parse_policy(rkv.label).cache_kwargs == {"window": None}  # the label reruns as is
+    # A label's own window wins; pinned leaves the policies' own (0); the RoPE policies are never touched.
+    assert [p.label for p in parsed("random:window=4,paper", "auto")] == ["random:window=4", "paper"]
+    assert parsed("random:window=4", "auto")[0].cache_kwargs["window"] == 4
+    assert [p.cache_kwargs for p in parsed("snapkv", "pinned")] == [{"window": 0}]
+    with pytest.raises(ValueError, match="--peer-window"):
+        parsed("h2o", "wide")
+
+
+def test_peer_cache_protects_the_same_window_as_the_default() -> None:
+    model = tiny_model("llama")
+    default = task_accuracy.make_cache(model, task_accuracy.parse_policy("default"), 200, 16, True, None)
+    for name in ("recency", "random", "snapkv", "h2o", "rkv"):
+        auto = task_accuracy.with_peer_window(task_accuracy.parse_policy(name), "auto")
+        cache = task_accuracy.make_cache(model, auto, 200, 16, True, None)
+        assert cache.window == default.window == 32 and cache.options.auto_window == default.options.auto_window
+        pinned = task_accuracy.make_cache(model, task_accuracy.parse_policy(name), 200, 16, True, None)
+        assert pinned.window == 0
+
+
+# ---------------------------------------------------------------------------------------------- program-aided
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Here:\n```python\nx = 3\nprint(x + 4)\n```\nDone.", "x = 3\nprint(x + 4)\n"),
+        ("```py\nprint(1)\n```", "print(1)\n"),
+        ("```text\nnot this\n```\n```python\nprint(2)\n```\n```python\nprint(3)\n```", "print(2)\n"),  # first python
+        ("```\nprint(5)\n```", "print(5)\n"),  # no python tag: the first fenced block
+        ("```python\nprint(6)\nwhile", "print(6)\nwhile"),  # never closed: to the end
+        ("print(7)", "print(7)"),  # no fence: the whole text
+    ],
+)
+def test_extract_program(text: str, expected: str) -> None:
+    assert runner.extract_program(text) == expected
+
+
+def test_last_number_of_the_output() -> None:
+    assert runner.last_number("0.30000000000000004\n") == "0.3"  # float noise rounded away
+    assert runner.last_number("step 1\n1,234.50\n") == "1234.5"
+    assert runner.last_number("-18.0") == "-18"
+    assert runner.last_number("12.345678") == "12.345678"
+    assert runner.last_number("done") is None
+
+
+def test_run_program_outcomes() -> None:
+    ok = runner.run_program("import math\nprint(math.comb(5, 2) * 3)\n")
+    assert (ok.status, ok.answer, ok.ok) == ("ok", "30", True)
+    start = time.perf_counter()
+    slow = runner.run_program("while True:\n    pass\n", timeout=1.0)
+    assert slow.status == "timeout" and slow.answer is None and time.perf_counter() - start < 4
+    failed = runner.run_program("print(7)\nraise ValueError('boom')\n")
+    assert failed.status == "error" and failed.answer is None and "ValueError: boom" in failed.stderr
+    assert runner.run_program("x = 1\n").status == "no_output"
+    assert runner.run_program("print('done')\n").status == "no_number"
+    # No network: the socket module imports, but opening a socket (or resolving a name) fails.
+    assert runner.run_program("import socket\nprint(7)\n").answer == "7"
+    for code in ("import socket\ns = socket.socket()\nprint(7)\n",
+                 "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\nprint(7)\n",
+                 "import socket\nprint(socket.getaddrinfo('localhost', 80))\n"):
+        net = runner.run_program(code)
+        assert net.status == "error" and "network access is disabled" in net.stderr, code
+    # Isolated: an empty temporary working folder, no site-packages.
+    iso = runner.run_program("import os, sys\nprint(len(os.listdir('.')), 'site' in sys.modules)\n")
+    assert iso.stdout.split() == ["3", "False"]  # program.py, stdout.txt, stderr.txt
+
+
+def test_program_pool_runs_in_parallel() -> None:
+    code = "import time\ntime.sleep(1)\nprint(1)\n"
+    start = time.perf_counter()
+    with runner.ProgramPool(workers=4) as pool:
+        futures = [pool.submit(code) for _ in range(4)]
+        assert not all(f.done() for f in futures)  # submit returns at once
+        results = [f.result() for f in futures]
+    assert [r.answer for r in results] == ["1"] * 4
+    assert time.perf_counter() - start < 3  # one after another would take 4 s or more
+
+
+class ProgramTokenizer(CharTokenizer):
+    """Decodes the replies of a program-aided run, one per row in problem order: a right program, one that
+    raises, one that prints no number."""
+
+    replies = ["Sure.\n```python\napples = 3\nprint(apples + 4)\n```", "```python\nraise ValueError\n```",
+               "```python\nprint('done')\n```"]
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.calls += 1
+        return self.replies[(self.calls - 1) % len(self.replies)]
+
+
+def test_pot_run_scores_programs_counts_errors_and_labels_cross_domain_warm(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    rows = task_accuracy.main(
+        ["--out", str(tmp_path), "--domain", "pot", "--warm", "--warm-domain", "cot", "--warm-problems", "298-299",
+         "--problems", "0-2", "--policies", "full,recency,default:window=2", "--gaps", "4", "--compress-every", "4",
+         "--max-new-tokens", "8", "--batch-size", "2", "--program-workers", "2", "--commit", "test"],
+        model=model, tokenizer=ProgramTokenizer(), problems=fake_problems(),
+    )
+    result = json.loads((tmp_path / "results.json").read_text())
+    labels = [r["policy"] for r in result["summary"]]
+    assert labels == ["full", "recency:window=auto", "default:window=2", "default:window=2+warm(cot)"]
+    for summary, row in zip(result["summary"], rows):
+        # Problem 0 (answer 7) gets the right program; 1 the failing one; 2 the one that prints no number.
+        assert [row["outcomes"][k]["program"] for k in ("0", "1", "2")] == ["ok", "error", "no_number"]
+        assert [row["outcomes"][k]["correct"] for k in ("0", "1", "2")] == [True, False, False]
+        assert summary["correct"] == 1 and summary["program_errors"] == {"total": 2, "error": 1, "no_number": 1}
+    assert result["settings"]["domain"] == "pot" and result["warm"]["domain"] == "cot"
+    assert rows[-1]["warm_domain"] == "cot" and "warm_domain" not in rows[0]
+    md = (tmp_path / "results.md").read_text()
+    assert "# Task accuracy: gsm8k, program-aided" in md and "| program errors |" in md
+    assert "| 2 (error 1, no number 1) |" in md
+    assert "| recency:window=auto | +4 | auto (≤" in md
+    assert "in the **chain of thought** domain" in md and "then were evaluated on program-aided" in md
+    assert "GSM8K has no reference programs" not in md  # no calibrated policy ran
+
+    # A pot run is not merged with a chain-of-thought one.
+    cot = json.loads((tmp_path / "results.json").read_text())
+    cot["settings"]["domain"] = "cot"
+    (tmp_path / "cot.json").write_text(json.dumps(cot))
+    with pytest.raises(ValueError, match="one domain at a time"):
+        task_accuracy.main(["--merge", str(tmp_path / "results.json"), str(tmp_path / "cot.json"),
+                            "--out", str(tmp_path / "m")])
+
+
+def test_warm_domain_picks_the_warm_up_prompts(tmp_path: Path) -> None:
+    model, probs = tiny_model("llama"), fake_problems()
+    learned = {}
+    for domain in ("cot", "pot"):
+        out = tmp_path / domain
+        task_accuracy.main(
+            ["--out", str(out), "--warm", "--warm-domain", domain, "--warm-problems", "298-299", "--problems", "0-1",
+             "--policies", "default:window=2", "--gaps", "4", "--compress-every", "4", "--max-new-tokens", "4"],
+            model=model, tokenizer=CharTokenizer(), problems=probs,
+        )
+        result = json.loads((out / "results.json").read_text())
+        learned[domain] = result["warm"]
+        assert [r["policy"] for r in result["summary"]] == (
+            ["default:window=2", "default:window=2+warm"] if domain == "cot"
+            else ["default:window=2", "default:window=2+warm(pot)"])
+        assert f"in the **{tasks.DOMAINS[domain]}** domain" in (out / "results.md").read_text()
+    # The same two problems and generation length: the longer program-aided instruction is what the pot
+    # warm-up learned more tokens from.
+    pot_extra = sum(len(task_accuracy.chat_ids(CharTokenizer(), tasks.pot_messages(p)))
+                    - len(task_accuracy.chat_ids(CharTokenizer(), tasks.gsm8k_messages(p))) for p in probs[-2:])
+    assert learned["pot"]["domain"] == "pot" and learned["cot"]["domain"] == "cot"
+    assert learned["pot"]["tokens"] > learned["cot"]["tokens"] and pot_extra > 0
+
+
+def test_pot_is_refused_for_the_long_task() -> None:
+    with pytest.raises(ValueError, match="not for --task long"):
+        task_accuracy.main(["--task", "long", "--domain", "pot", "--problems", "0-7"],
+                           model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+
+
+def test_max_minutes_skips_a_warm_up_that_leaves_no_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each cold row "takes" 10 s of wall time; the clock says 45 s have passed when the warm row comes: a row
+    # (10 s) would fit in 60 s, a warm-up and a row (20 s) would not, so the warm-up never starts.
+    learned = []
+    monkeypatch.setattr(task_accuracy, "learn_workload", lambda *a, **k: learned.append(1) or {})
+    monkeypatch.setattr(task_accuracy, "run_policy", lambda *a, **k: {
+        "policy": a[3].label, "outcomes": {}, "skipped": [], "mean_new_tokens": None, "mean_kept": None,
+        "mean_seen": None, "wall_s": 10.0, "budget_of_batches": []})
+    calls = []
+    monkeypatch.setattr(task_accuracy.time, "perf_counter", lambda: 45.0 if calls.append(1) or len(calls) > 1 else 0.0)
+    task_accuracy.main(["--out", str(tmp_path), "--problems", "0-2", "--policies", "default", "--gaps", "4",
+                        "--warm", "--warm-problems", "298-299", "--max-minutes", "1"],
+                       model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert learned == [] and result["not_run"] == "default+warm@4" and "warm" not in result
