@@ -247,3 +247,16 @@ def test_attention_scorers_are_refused_with_the_fix(name: str) -> None:
     disable(model)
     RopeKVCache(model, budget=BUDGET, scorer=ATTENTION_SCORERS[name](), static=False)
 
+
+def test_one_token_prompt_with_online_statistics() -> None:
+    """A prompt of one token is a single-token forward before any has finished: the online statistics have no sums
+    yet to move into the static buffers (it raised KeyError: 0 in OnlineStatistics._fold_now)."""
+    model = tiny_model("llama")
+    prompt = torch.tensor([[5]])
+    outs = []
+    for static in (False, True):
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=static)
+        outs.append(model.generate(input_ids=prompt, max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                                   pad_token_id=0, **{cache_kwarg(model): cache}))
+        assert cache.num_compactions >= 3
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)

@@ -134,8 +134,10 @@ class StaticForwardDriver:
             first_slot, seen_before = self.clock[device]
             first_slot.fill_(slots)
             seen_before.fill_(seen)
-        if new == 1 and online is not None and not online.on_buffers:
-            online.move_to_buffers(self.lease.take)  # decoding starts: the sums a compiled step updates
+        if new == 1 and seen > 0 and online is not None and not online.on_buffers:
+            # Decoding starts: the sums a compiled step updates. Not at a one-token prompt (seen == 0): no forward
+            # has finished, so no layer's sums exist yet to move, and that token's queries are folded after it.
+            online.move_to_buffers(self.lease.take)
         if new > 1:
             return {device: torch.arange(slots, slots + new, device=device) for device in devices}
         return {device: self.clock[device][0] for device in devices}
