@@ -94,7 +94,6 @@ def test_eviction_keeps_what_the_growing_cache_keeps(arch: str) -> None:
             assert layer.keys.shape[2] == WINDOW
 
 
-@pytest.mark.filterwarnings("ignore:budget=16 evicts nothing")
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_unpinned_prompt_longer_than_the_arena(chunk: int | None) -> None:
     """A prompt of about 4x the arena, not pinned, in one forward (a temporary arena: the window part of the mask then
@@ -112,6 +111,7 @@ def test_unpinned_prompt_longer_than_the_arena(chunk: int | None) -> None:
         assert cache.num_compactions >= 3
 
 
+@pytest.mark.filterwarnings("ignore:budget=16 evicts nothing")
 @pytest.mark.parametrize("arch", ["gemma2", "mistral_sliding"])
 def test_compiled_step_is_one_graph(arch: str) -> None:
     """Prompts shorter than the window (5 and 3 tokens): the windows fill, then roll, across compactions and a second
