@@ -8,6 +8,10 @@
   deprecated through 5.19 (``DynamicLayer`` returns early when ``n >= length``); from 5.20 it raises.
 - ``model._get_static_cache_init_shape()`` (5.17+, private): the per-rank key shape generate uses to initialise a
   ``StaticCache`` before a compiled prefill; an int pair on 5.17, per-layer lists on newer versions.
+- ``StaticSlidingWindowLayer(max_cache_len, sliding_window)`` (5.17+): same constructor and Python counter
+  (``cumulative_length_int``) on 5.17 and 5.24; 5.24 adds ``crop`` and an ``is_croppable`` property over
+  ``_is_croppable``, 5.17 has neither (and its ``lazy_initialization`` sets ``dtype``). ``init_static_sliding_layer``
+  runs the constructor; ``hf_ropekv.cache.window`` overrides every method whose behaviour differs.
 - Attention functions: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` on every version;
   5.24 folds grouped query heads for a masked decoding token in eager mode only (``pack_gqa``).
 """
@@ -85,6 +89,16 @@ def static_init_shape(model: Any, num_layers: int) -> tuple[list[int], list[int]
     heads = list(heads) if isinstance(heads, (list, tuple)) else [heads] * num_layers
     head_dim = list(head_dim) if isinstance(head_dim, (list, tuple)) else [head_dim] * num_layers
     return heads, head_dim
+
+
+def init_static_sliding_layer(layer: Any, sliding_window: int) -> None:
+    """Run transformers' ``StaticSlidingWindowLayer.__init__`` on ``layer`` for a window of ``sliding_window`` tokens
+    (its storage is then exactly the window: ``max_cache_len == sliding_window``), on every 5.x that has it."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    StaticSlidingWindowLayer.__init__(layer, max_cache_len=sliding_window, sliding_window=sliding_window)
+    layer.cumulative_length_int = 0  # the Python counter both versions keep; the static driver advances it
+    layer.dtype = None  # 5.17 sets it at allocation only; read before it by nothing here, defined on every version
 
 
 def crop_target(length: int, n: int) -> int:

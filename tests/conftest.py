@@ -13,6 +13,9 @@ arch                shape
 ``mistral``         2 layers, head_dim 16, ``sliding_window=None``: all full attention
 ``mistral_sliding`` as ``mistral`` with ``sliding_window=8`` on every layer
 ``gemma3_text``     3 layers: sliding (window 8), sliding, full; two RoPE bases
+``gemma2``          3 layers: sliding (window 8), full, sliding (Gemma 2 alternates), head_dim 16, soft-capping
+``qwen2_sliding``   ``qwen2`` with ``use_sliding_window=True``, ``sliding_window=8``, ``max_window_layers=1``:
+                    layer 0 full, layer 1 sliding (Qwen2 slides the layers from ``max_window_layers`` on)
 ==================  ==================================================================
 
 The configs have no BOS/EOS token, so ``generate`` always runs ``max_new_tokens`` steps; pass
@@ -81,6 +84,11 @@ _ARCHS: dict[str, tuple[str, dict]] = {
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         ),
     ),
+    "gemma2": (
+        "Gemma2Config",
+        dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=8),
+    ),
+    "qwen2_sliding": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
 }
 
 ARCHS = tuple(_ARCHS)
@@ -97,8 +105,14 @@ def tiny_config(arch: str, **overrides):
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+# Architectures whose transformers model refuses sdpa: their default attention implementation here.
+_DEFAULT_ATTENTION = {"gemma2": "eager"}
+
+
+def tiny_model(arch: str, attn_implementation: str | None = None, seed: int = 0, **overrides):
     """A fresh random-weight causal LM of ``arch`` (see the module docstring), float32, in eval mode.
+
+    ``attn_implementation``: None gives ``"sdpa"``, or ``"eager"`` for Gemma 2 (transformers has no sdpa for it).
 
     Same ``arch``, ``seed`` and ``overrides`` give the same weights. ``overrides`` replace config
     fields, e.g. ``tiny_model("llama", num_hidden_layers=3, rope_parameters={...})``.
@@ -106,6 +120,8 @@ def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, **ov
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, **overrides)
+    if attn_implementation is None:
+        attn_implementation = _DEFAULT_ATTENTION.get(arch, "sdpa")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)

@@ -30,6 +30,7 @@ from .options import CacheOptions
 from .rows import BatchRows
 from .scorer_setup import query_window, resolve_scorer
 from .static import StaticForwardDriver
+from .window import StaticWindowLayer
 
 if TYPE_CHECKING:  # importing it at run time loads transformers' model-loading code
     from transformers import PreTrainedModel
@@ -80,9 +81,9 @@ class RopeKVCache(Cache):
             has static shapes and reads no host counter: ``is_compileable`` is then True, ``generate()``
             compiles the decode step on CUDA by itself (CUDA graphs), and
             ``model.forward = torch.compile(model.forward, mode="reduce-overhead")`` works too. Compaction runs
-            eagerly between two compiled steps. Same tokens kept as ``static=False`` (tested). Needs a budget and
-            the model; not for models with sliding-window layers or for scorers that recompute attention
-            (SnapKV, H2O, R-KV).
+            eagerly between two compiled steps. Same tokens kept as ``static=False`` (tested). Sliding-window
+            layers become transformers' static sliding-window layers (``hf_ropekv.cache.window``). Needs a budget
+            and the model; not for scorers that recompute attention (SnapKV, H2O, R-KV: refused).
 
     The defaults (per-layer selection, a recent window of 32, online statistics with a half-life of 128) are
     the best of the variants measured on free-running GSM8K reasoning (README, "Quality"); the paper's
@@ -118,7 +119,7 @@ class RopeKVCache(Cache):
         check_sliding_windows(self.geometry, budget)
         self._lease: BufferLease | None = None
         if static:
-            check_static(self.geometry, budget, model_or_config)
+            check_static(self.geometry, budget, model_or_config, scorer)
             self._lease = BufferLease(self, BufferPool.of(model_or_config))
 
         super().__init__(layers=make_layers(self, self.geometry, options, self._lease))
@@ -134,7 +135,9 @@ class RopeKVCache(Cache):
         self.coordinator = ForwardCoordinator(options, self._full_layers, self.rows, compactor,
                                               None if model is None else type(model).__name__)
         self._static_driver = (
-            StaticForwardDriver(self.coordinator, self._lease, page_size, len(self.layers)) if static else None
+            StaticForwardDriver(self.coordinator, self._lease, page_size, len(self.layers),
+                                [layer for layer in self.layers if isinstance(layer, StaticWindowLayer)])
+            if static else None
         )
         self._attachment = None
         if model is not None:
@@ -389,6 +392,9 @@ class RopeKVCache(Cache):
         driver = self._static_driver
         if driver is None:
             return self.get_seq_length(layer_idx)
+        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+        if isinstance(layer, StaticWindowLayer):
+            return layer.query_offset()  # its part of the mask: a constant from one decoding step to the next
         if torch.compiler.is_compiling():
             return driver.clock_on_first_device()[0]
         return driver.query_offset

@@ -1,7 +1,8 @@
 """Cache layers: one small class per storage behaviour (see transformers' ``cache_utils`` layers).
 
 Full-attention layers get a :class:`BudgetedLayer` (paged, compacted in place); sliding-window layers are
-already bounded and stay transformers' own ``DynamicSlidingWindowLayer``.
+already bounded and stay transformers' own ``DynamicSlidingWindowLayer``, or, in a static cache, its
+``StaticSlidingWindowLayer`` (:class:`~hf_ropekv.cache.window.StaticWindowLayer`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .. import _compat
 from ..model.geometry import FULL, ModelGeometry
 from ..storage.paged import PagedKV
 from ..storage.static import StaticKV
+from .window import StaticWindowLayer
 
 class Coordinator(Protocol):
     """What a :class:`BudgetedLayer` asks before storing a forward's tokens (``ForwardCoordinator``)."""
@@ -185,8 +187,8 @@ class StaticBudgetedLayer(BudgetedLayer):
 
 
 def make_layers(cache: CoordinatedCache, geometry: ModelGeometry, options: Any, lease: Any) -> list[CacheLayerMixin]:
-    """One layer per model layer: budgeted (static or growing) for full attention, transformers' own window for
-    sliding-window layers. ``options``: the cache's ``CacheOptions``; ``lease``: a static cache's buffers."""
+    """One layer per model layer: budgeted (static or growing) for full attention, transformers' own window (static
+    or growing) for sliding-window layers. ``options``: the cache's ``CacheOptions``; ``lease``: a static cache's buffers."""
     hint, page_size = options.steady_slots, options.page_size
     layers: list[CacheLayerMixin] = []
     for idx, (kind, sliding_window) in enumerate(zip(geometry.layer_types, geometry.sliding_windows)):
@@ -194,6 +196,8 @@ def make_layers(cache: CoordinatedCache, geometry: ModelGeometry, options: Any, 
             layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, page_size, idx, lease)))
         elif kind == FULL:
             layers.append(BudgetedLayer(cache, idx, PagedKV(page_size, capacity_hint=hint)))
+        elif options.static:
+            layers.append(StaticWindowLayer(sliding_window, idx, lease))
         else:
             layers.append(DynamicSlidingWindowLayer(sliding_window=sliding_window))
     return layers

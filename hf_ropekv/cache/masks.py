@@ -53,3 +53,17 @@ def window_positions(layer: Any, pads_host: tuple[int, ...] | None, rows: int) -
     positions = torch.arange(seen - kept, seen, device=layer.keys.device).expand(batch, heads, kept).clone()
     pads = pads_host or (0,) * batch
     return with_holes(positions, padding_holes(pads, seen - kept))
+
+
+def window_mask_part(attention_mask: torch.Tensor | None, seen: int, new: int, window: int, batch: int,
+                     device: torch.device) -> torch.Tensor:
+    """A static cache's sliding-window layers' part of the 2-D mask of a forward of ``new`` tokens: ``[B, window - 1
+    + new]`` bool, column ``j`` for token index ``seen - (window - 1) + j`` (``hf_ropekv.cache.window``). A column is
+    live where its token exists (index >= 0) and generate's mask (``[B, seen + new]``, None: no padding) keeps it:
+    the columns a ``DynamicCache``'s sliding layer reads of that mask."""
+    first = seen - (window - 1)
+    index = torch.arange(first, seen + new, device=device)
+    exists = index >= 0
+    if attention_mask is None:
+        return exists[None, :].expand(batch, -1)
+    return attention_mask.to(device)[:, index.clamp_min(0)].bool() & exists[None, :]

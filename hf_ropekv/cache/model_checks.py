@@ -29,9 +29,24 @@ def check_sliding_windows(geometry: ModelGeometry, budget: int | None) -> None:
         )
 
 
-def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: Any) -> None:
-    """What ``static=True`` needs: a budget (the arena's size), the model (its hooks prepare each forward) and
-    full-attention layers only."""
+def static_scorer_error(scorer: Any) -> str | None:
+    """Why ``static=True`` cannot run ``scorer`` (a scorer that ranks keys by attention weights), else None."""
+    if getattr(scorer, "query_window", None) is None:
+        return None
+    name = type(scorer).__name__
+    return (
+        f"static=True cannot run {name}: it ranks keys by attention weights, recomputed from a window of the "
+        "model's recent queries that the cache gathers and keeps growing on the eager path; a static cache's "
+        "compiled decode step (fixed shapes, every decision taken before the forward) cannot hold or hand over "
+        f"those queries. Use static=False with {name}, or keep static=True with a RoPE or query-free scorer (the "
+        "default RoPE FrequencyScorer, RecencyScorer, KeyNormScorer, RandomScorer)."
+    )
+
+
+def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: Any, scorer: Any = None) -> None:
+    """What ``static=True`` needs: a budget (the arena's size), the model (its hooks prepare each forward), no
+    scorer that recomputes attention, and one window for every sliding-window layer (transformers builds one
+    sliding-window mask for them all)."""
     if budget is None:
         raise ValueError("static=True needs a budget: the fixed arena holds budget + compress_every slots per layer.")
     if not isinstance(model_or_config, nn.Module):
@@ -39,8 +54,12 @@ def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: A
             "static=True needs the model, not its config: RopeKVCache(model, budget=..., static=True). The cache "
             "prepares every forward (compaction, slots, mask) from the model's hooks before the compiled step runs."
         )
-    if SLIDING in geometry.layer_types:
+    error = static_scorer_error(scorer)
+    if error is not None:
+        raise ValueError(error)
+    windows = {w for kind, w in zip(geometry.layer_types, geometry.sliding_windows) if kind == SLIDING}
+    if None in windows or len(windows) > 1:
         raise ValueError(
-            f"static=True does not support '{geometry.model_type}': it has sliding-window layers, which the static "
-            "cache does not hold yet. Use static=False (the default) for this model."
+            f"static=True does not support '{geometry.model_type}': its sliding-window layers have windows "
+            f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False."
         )

@@ -65,11 +65,9 @@ def query_window(scorer: Scorer, options: CacheOptions, geometry: ModelGeometry,
             "the model (RopeKVCache(model, ...)), not from its config."
         )
     if options.static:
-        raise ValueError(
-            f"{type(scorer).__name__} recomputes attention from a growing window of recent queries, which a "
-            "static (compiled) cache cannot hold. Use static=False with it, or a scorer that needs no queries "
-            "(the default RoPE scorer, RecencyScorer, KeyNormScorer, RandomScorer)."
-        )
+        from .model_checks import static_scorer_error
+
+        raise ValueError(static_scorer_error(scorer))
     from ..scorers.query_window import QueryWindow
 
     return QueryWindow(geometry, window)

@@ -10,6 +10,8 @@ from torch import nn
 from .. import _compat
 from ..storage.buffers import BufferLease
 from .forward import ForwardCoordinator
+from .masks import window_mask_part
+from .window import StaticWindowLayer
 
 
 class StaticForwardDriver:
@@ -19,10 +21,15 @@ class StaticForwardDriver:
     eagerly, between two compiled steps), then makes room in the arenas, tells each layer where its tokens go and
     how many slots attention reads, and fills the clock (two device scalars per device that a compiled step
     captured by address: the first new token's slot and the tokens seen before it).
+
+    Sliding-window layers (``window_layers``, :class:`~hf_ropekv.cache.window.StaticWindowLayer`) are advanced here
+    too, and the slot mask it returns gets their part after the full-attention layers' (``window_mask_part``).
     """
 
-    def __init__(self, coordinator: ForwardCoordinator, lease: BufferLease, page_size: int, layer_count: int) -> None:
+    def __init__(self, coordinator: ForwardCoordinator, lease: BufferLease, page_size: int, layer_count: int,
+                 window_layers: list[StaticWindowLayer] | None = None) -> None:
         self.coordinator = coordinator
+        self.window_layers = list(window_layers or ())
         self.layer_count = layer_count  # all layers of the model (transformers' shape helper counts them)
         self.lease = lease
         self.page_size = page_size
@@ -39,12 +46,14 @@ class StaticForwardDriver:
         coordinator, rows = self.coordinator, self.coordinator.rows
         layers = coordinator.full_layers
         rows.check_batch(batch)
-        first = layers[0]
-        seen = first.tokens_seen
         if attention_mask is not None:
             rows.observe_mask(attention_mask, new)
         elif rows.pads is None or rows.pads.shape[0] != batch:
             rows.assume_no_padding(batch, device)
+        if not layers:  # sliding-window layers only: nothing to plan or compact
+            return self._prepare_windows_only(attention_mask, new, batch, device, model, online)
+        first = layers[0]
+        seen = first.tokens_seen
         plan = coordinator.prologue(seen, new)
         needed = plan.slots_after + new
         for layer in layers:
@@ -64,6 +73,28 @@ class StaticForwardDriver:
         slot = torch.arange(kv_length, device=device)[None, :]
         holes = rows.on_device(plan.holes_after, device)[:, None]
         mask = (slot >= holes) & (slot < plan.slots_after + new)
+        if self.window_layers:
+            mask = torch.cat([mask, self._prepare_windows(attention_mask, seen, new, batch, device, kv_length)], dim=1)
+        return mask if attention_mask is None else mask.to(attention_mask.dtype)
+
+    def _prepare_windows(self, attention_mask: torch.Tensor | None, seen: int, new: int, batch: int,
+                         device: torch.device, mask_offset: int) -> torch.Tensor:
+        """Advance the sliding-window layers by this forward's ``new`` tokens (their part of the mask starts after
+        ``mask_offset`` columns); return that part, ``[B, window - 1 + new]``."""
+        for layer in self.window_layers:
+            layer.prepare_forward(seen, new, mask_offset)
+        window = self.window_layers[0].window  # one window for every sliding layer (check_static)
+        return window_mask_part(attention_mask, seen, new, window, batch, device)
+
+    def _prepare_windows_only(self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device,
+                              model: nn.Module | None, online: Any) -> torch.Tensor:
+        """A forward of a model whose layers are all sliding windows: the clock and the windows, nothing to plan."""
+        seen = self.window_layers[0].get_seq_length()
+        if not self.window_layers[0].is_initialized:
+            self._initialize_layers(model, batch, 0)
+        self.query_offset = seen
+        self._write_indices(seen, new, seen, device, online)
+        mask = self._prepare_windows(attention_mask, seen, new, batch, device, 0)
         return mask if attention_mask is None else mask.to(attention_mask.dtype)
 
     def _initialize_layers(self, model: nn.Module | None, batch: int, kv_length: int) -> None:
@@ -78,10 +109,14 @@ class StaticForwardDriver:
         heads, head_dims = shape
         embeddings = model.get_input_embeddings()
         dtype = embeddings.weight.dtype if embeddings is not None else model.dtype  # what the keys are computed in
+
+        def like(layer_idx: int) -> torch.Tensor:
+            return torch.empty(batch, heads[layer_idx], 0, head_dims[layer_idx], dtype=dtype, device=model.device)
+
         for layer in layers:
-            like = torch.empty(batch, heads[layer.layer_idx], 0, head_dims[layer.layer_idx], dtype=dtype,
-                               device=model.device)
-            layer.initialize(like, like, kv_length)
+            layer.initialize(like(layer.layer_idx), like(layer.layer_idx), kv_length)
+        for window in self.window_layers:
+            window.initialize(like(window.layer_idx), like(window.layer_idx))
 
     def _write_indices(self, slots: int, new: int, seen: int, input_device: torch.device,
                        online: Any) -> dict[torch.device, torch.Tensor]:
@@ -99,8 +134,10 @@ class StaticForwardDriver:
             first_slot, seen_before = self.clock[device]
             first_slot.fill_(slots)
             seen_before.fill_(seen)
-        if new == 1 and online is not None and not online.on_buffers:
-            online.move_to_buffers(self.lease.take)  # decoding starts: the sums a compiled step updates
+        if new == 1 and seen > 0 and online is not None and not online.on_buffers:
+            # Decoding starts: the sums a compiled step updates. Not at a one-token prompt (seen == 0): no forward
+            # has finished, so no layer's sums exist yet to move, and that token's queries are folded after it.
+            online.move_to_buffers(self.lease.take)
         if new > 1:
             return {device: torch.arange(slots, slots + new, device=device) for device in devices}
         return {device: self.clock[device][0] for device in devices}

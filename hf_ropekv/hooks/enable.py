@@ -284,6 +284,13 @@ def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[
             )
         if stats is not None:
             raise ValueError("Pass `stats` to the FrequencyScorer you build, or omit `scorer`; not both.")
+        if options.get("static"):
+            # Refused now, not at the first generate() call, where the cache would be built.
+            from ..cache.model_checks import static_scorer_error
+
+            error = static_scorer_error(probe)
+            if error is not None:
+                raise ValueError(error)
     if stats is not None:
         from ..statistics.frequency_stats import FrequencyStats
 

@@ -25,6 +25,13 @@ from torch import nn
 
 Make = Callable[[], torch.Tensor]
 
+# Purposes of the buffers a static sliding-window layer leases (``hf_ropekv.cache.window.StaticWindowLayer``), keyed
+# ``(purpose, layer_idx, device)``: its keys and values, ``[batch, kv_heads, window, head_dim]`` (batch: dimension 0).
+#: A static sliding-window layer's keys (``[batch, kv_heads, window, head_dim]``; batch is dimension 0).
+WINDOW_KEYS = "window_keys"
+#: A static sliding-window layer's values (``[batch, kv_heads, window, head_dim]``; batch is dimension 0).
+WINDOW_VALUES = "window_values"
+
 
 class BufferPool:
     """Free static buffers of one model, by purpose (what the buffer is for, and its device)."""
