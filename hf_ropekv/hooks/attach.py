@@ -686,14 +686,24 @@ def _mark_batch_dynamic(args: tuple, kwargs: dict[str, Any]) -> bool:
     inputs = dict(kwargs)
     if args and isinstance(args[0], torch.Tensor):
         inputs.setdefault("input_ids", args[0])
+    # The query length (1: multi-token forwards run eagerly) is marked static: a model compiled before with prompts
+    # of several lengths (another cache's chunked prefill) has it dynamic in dynamo's frame state, and under
+    # backed_size_oblivious a dynamic 1 does not broadcast (sdpa failed to trace: "size of tensor a (2*s70) must
+    # match ... s90: hint = 1").
     for name, dim in STEP_INPUT_BATCH_DIMS.items():
         tensor = inputs.get(name)
         if isinstance(tensor, torch.Tensor) and tensor.ndim >= -dim:
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.ndim + dim)
+            torch._dynamo.mark_static(tensor, tensor.ndim + dim + 1)
     masks = inputs.get("attention_mask")
     for mask in masks.values() if isinstance(masks, dict) else (masks,):  # a dict per layer type on some models
         if isinstance(mask, torch.Tensor) and mask.ndim >= 2:
             torch._dynamo.maybe_mark_dynamic(mask, 0)
+            if mask.ndim == 4:  # [B, 1, q, kv]
+                torch._dynamo.mark_static(mask, 2)
+    positions = inputs.get("cache_position")
+    if isinstance(positions, torch.Tensor) and positions.ndim == 1:
+        torch._dynamo.mark_static(positions, 0)
     return True
 
 
