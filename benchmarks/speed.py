@@ -11,7 +11,8 @@ between processes and the ratios only mean something within one:
 - ``static``: transformers' ``StaticCache(max_cache_len=prompt + new tokens)``, compiled by ``generate`` itself:
   on CUDA it compiles the decode forward of any compileable cache with ``CompileConfig()`` (inductor, mode
   "reduce-overhead": CUDA graphs); the prefill runs eagerly, or compiled chunk by chunk when it is chunked;
-- ``ropekv``: ``RopeKVCache(model, budget)`` eager (the library's default; not compileable);
+- ``ropekv``: ``RopeKVCache(model, budget, static=False)`` eager (not compileable; the library's default,
+  ``static="auto"``, would compile on CUDA for long generations);
 - ``ropekv_static``: ``RopeKVCache(model, budget, static=True)``, compiled by ``generate`` the same way.
 
 Every RopeKVCache is built with ``protect_prompt=False``: the prompts are longer than the budget, and nothing
@@ -122,8 +123,11 @@ class Variant:
 
 def _ropekv(static: bool) -> Callable[[Bench, int], Any]:
     def make(bench: Bench, prompt_len: int) -> Any:
-        # ``static`` is passed only when asked for: the keyword does not exist before static caches landed.
-        extra = {"static": True} if static else {}
+        # ``static`` is passed whenever the keyword exists: the eager variant says static=False explicitly, since the
+        # default became "auto" (compiled on CUDA for long generations); before static caches landed it did not exist.
+        extra = {"static": static} if "static" in inspect.signature(RopeKVCache).parameters else {}
+        if static and not extra:
+            extra = {"static": True}  # refused by such a version's RopeKVCache: reported as an unbuildable variant
         a = bench.args
         return RopeKVCache(bench.model, budget=a.budget, compress_every=a.compress_every, protect_prompt=False, **extra)
 

@@ -368,7 +368,12 @@ def make_cache(model, policy: Policy, budget: int, compress_every: int, protect_
     if policy.is_full:
         return None
     hf_ropekv = _import_hf_ropekv()
-    kwargs = {"compress_every": compress_every, "protect_prompt": protect_prompt, **policy.cache_kwargs}
+    # static=False: every policy decodes eagerly, as before static="auto" became the library's default (which would
+    # compile --task long's 2,600-token generations on CUDA for some policies and not for others, e.g. SnapKV). A
+    # static cache keeps the same tokens, so accuracy would not change, but the compile warm-ups would eat
+    # --max-minutes; speed is benchmarks/speed.py's subject. A policy may still pin static itself.
+    kwargs = {"compress_every": compress_every, "protect_prompt": protect_prompt, "static": False,
+              **policy.cache_kwargs}
     if warm:
         kwargs["learn_workload"] = True
     if kwargs.get("stats") == CALIBRATED:
@@ -552,7 +557,8 @@ def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argp
             break
         budget = max(len(u.prompt) for u in batch) + gap
         cache = hf_ropekv.RopeKVCache(model, budget=budget, compress_every=args.compress_every,
-                                      protect_prompt=args.protect_prompt == "on", learn_workload=True)
+                                      protect_prompt=args.protect_prompt == "on", learn_workload=True,
+                                      static=False)  # a budget per batch: compiled, each would compile anew
         generate_batch(model, [u.prompt for u in batch], pad_id, stop_ids, args.max_new_tokens, cache)
         used += len(batch)
     by_limit = workload.frozen

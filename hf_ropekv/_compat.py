@@ -12,13 +12,17 @@
   (``cumulative_length_int``) on 5.17 and 5.24; 5.24 adds ``crop`` and an ``is_croppable`` property over
   ``_is_croppable``, 5.17 has neither (and its ``lazy_initialization`` sets ``dtype``). ``init_static_sliding_layer``
   runs the constructor; ``hf_ropekv.cache.window`` overrides every method whose behaviour differs.
+- torch: ``torch.fx.experimental._config.backed_size_oblivious`` (torch 2.13 here, 2.11 on the GPU hosts) keeps
+  dynamo from specialising a dynamic dimension that is 1 (batch 1) when it is first seen; without it a compiled
+  step first called with batch 1 compiles again for batch 2 (:func:`batch_one_not_specialised`).
 - Attention functions: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` on every version;
   5.24 folds grouped query heads for a masked decoding token in eager mode only (``pack_gqa``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 import torch
 import transformers
@@ -154,3 +158,12 @@ def sinusoid_table_rotary(model_or_config: Any, config: Any) -> SinusoidTableRot
         return None
     dim = config.rotary_dim or config.hidden_size
     return SinusoidTableRotary(build(config.max_position_embeddings, dim), name)
+
+
+def batch_one_not_specialised() -> ContextManager[Any]:
+    """A context in which dynamo does not specialise a dimension marked dynamic that is 1 (a decode step of batch 1),
+    where this torch can (``backed_size_oblivious``); otherwise a no-op context (batch 1 then compiles once more)."""
+    config = getattr(getattr(torch.fx, "experimental", None), "_config", None)
+    if config is None or not hasattr(config, "backed_size_oblivious"):
+        return contextlib.nullcontext()
+    return config.patch(backed_size_oblivious=True)

@@ -84,6 +84,8 @@ def test_summary_equals_cache_properties_and_dynamic_cache_bytes(arch: str) -> N
         full_cache_bytes=cache.full_cache_bytes,
         budget=16,
         compress_every=4,
+        static=False,  # static="auto" on the CPU: eager
+        static_reason=cache.static_reason,
     )
     # Independent references: the DynamicCache holding the same tokens.
     assert summary.tokens_seen == full.get_seq_length() == ids.shape[1] + NEW - 1

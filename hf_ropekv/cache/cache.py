@@ -22,7 +22,7 @@ from ..model.geometry import ModelGeometry, describe, shared_geometry
 from ..scorers.base import Scorer
 from ..storage.buffers import BufferLease, BufferPool
 from .forward import ForwardCoordinator
-from . import footprint
+from . import auto_static, footprint
 from .layers import CANNOT_CROP, BudgetedLayer, make_layers
 from .masks import mask_for_forward, window_positions, with_holes
 from .model_checks import check_sliding_windows, check_static
@@ -83,7 +83,11 @@ class RopeKVCache(Cache):
             ``model.forward = torch.compile(model.forward, mode="reduce-overhead")`` works too. Compaction runs
             eagerly between two compiled steps. Same tokens kept as ``static=False`` (tested). Sliding-window
             layers become transformers' static sliding-window layers (``hf_ropekv.cache.window``). Needs a budget
-            and the model; not for scorers that recompute attention (SnapKV, H2O, R-KV: refused).
+            and the model; not for scorers that recompute attention (SnapKV, H2O, R-KV: refused). ``False``: a growing cache, always eager. ``"auto"`` (the default): eager,
+            unless ``generate()`` would compile on CUDA a generation of at least
+            ``auto_static.AUTO_STATIC_MIN_NEW_TOKENS`` new tokens with a cache that can be static; then static
+            (``hf_ropekv.cache.auto_static``). ``cache.static`` says which it is, ``cache.static_reason`` why; the
+            decision is logged once at INFO level.
 
     The defaults (per-layer selection, a recent window of 32, online statistics with a half-life of 128) are
     the best of the variants measured on free-running GSM8K reasoning (README, "Quality"); the paper's
@@ -106,7 +110,7 @@ class RopeKVCache(Cache):
         selection: str = "per_layer",
         seed: int = 0,
         stats_half_life: float | None = 128,
-        static: bool = False,
+        static: bool | str = "auto",
         learn_workload: bool = False,
         prior_tokens: float = 512,
     ) -> None:
@@ -117,14 +121,10 @@ class RopeKVCache(Cache):
         if isinstance(model_or_config, nn.Module):
             self.geometry = shared_geometry(model_or_config, self.geometry)
         check_sliding_windows(self.geometry, budget)
-        self._lease: BufferLease | None = None
-        if static:
+        if static is True:
             check_static(self.geometry, budget, model_or_config, scorer)
-            self._lease = BufferLease(self, BufferPool.of(model_or_config))
 
-        super().__init__(layers=make_layers(self, self.geometry, options, self._lease))
-        self._full_layers = [layer for layer in self.layers if isinstance(layer, BudgetedLayer)]
-
+        super().__init__(layers=[])  # the layers are assembled below (_assemble), once the coordinator exists
         model = model_or_config if isinstance(model_or_config, nn.Module) else None
         self.scorer, self._online = resolve_scorer(scorer, stats, options, self.geometry, model)
         self._queries = query_window(self.scorer, options, self.geometry, model)
@@ -132,20 +132,65 @@ class RopeKVCache(Cache):
         compactor = Compactor(self.scorer, per_layer=selection == "per_layer", sink=sink, window=self.window,
                               auto_window=options.auto_window, seed=seed, online=self._online, queries=self._queries)
         #: The plan and prologue of every forward: what the full-attention layers ask (their only link to the cache).
-        self.coordinator = ForwardCoordinator(options, self._full_layers, self.rows, compactor,
+        self.coordinator = ForwardCoordinator(options, [], self.rows, compactor,
                                               None if model is None else type(model).__name__)
+        self._model_ref = None if model is None else weakref.ref(model)
+        self._lease: BufferLease | None = None
+        self._static_driver: StaticForwardDriver | None = None
+        self._attachment = None
+        self._static_pending = False  # an "auto" cache that generate() has not asked about yet
+        self._static_reason = f"static={static}"
+        if static == "auto":
+            unsupported = auto_static.unsupported_reason(self, model)
+            self._static_pending = unsupported is None
+            self._static_reason = auto_static.PENDING if unsupported is None else "auto: " + unsupported
+        self._assemble(static is True)
+        if static == "auto" and not self._static_pending:
+            auto_static.log_decision(self)
+
+    def _assemble(self, static: bool) -> None:
+        """Build the layers, and what depends on whether they are static (the buffer lease, the static driver,
+        the model attachment), for a cache that holds nothing yet. ``static="auto"`` assembles growing layers
+        first and again, static, once ``generate()`` decided to compile (``auto_static.decide``)."""
+        options, model = self.options, None if self._model_ref is None else self._model_ref()
+        if static:
+            check_static(self.geometry, options.budget, model, self.scorer)
+        lease = self._lease
+        if static and lease is None:
+            lease = BufferLease(self, BufferPool.of(model))
+        self._lease = lease if static else None
+        self.layers = make_layers(self, self.geometry, options, self._lease, static)
+        self._full_layers = [layer for layer in self.layers if isinstance(layer, BudgetedLayer)]
+        self.coordinator.full_layers = self._full_layers
+        self._static_now = static
         self._static_driver = (
-            StaticForwardDriver(self.coordinator, self._lease, page_size, len(self.layers),
+            StaticForwardDriver(self.coordinator, self._lease, options.page_size, len(self.layers),
                                 [layer for layer in self.layers if isinstance(layer, StaticWindowLayer)])
             if static else None
         )
-        self._attachment = None
+        previous = self._attachment
         if model is not None:
             collect = self._online is not None or self._queries is not None
             self._attachment = ModelAttachment(model, self, collect_queries=collect)
             if self._queries is not None:
                 modules = self._attachment.attention_modules
                 self._queries.scales = [getattr(module, "scaling", None) for module in modules]
+        if previous is not None:  # after the new one is on: the model's shared hooks never go in between
+            previous.remove()
+
+    def _settle(self, static: bool, reason: str) -> None:
+        """An ``"auto"`` cache's decision (``auto_static``): taken once, logged once."""
+        self._static_pending = False
+        self._static_reason = reason
+        auto_static.log_decision(self)
+
+    def _auto_compile_criteria(self, criteria: Any, model_kwargs: dict, generation_config: Any) -> bool:
+        """generate() asks whether it may compile its forward (``hooks.attach`` wraps the question): an
+        ``"auto"`` cache not settled yet decides its mode here (``auto_static.decide``)."""
+        if not self._static_pending:
+            return criteria(model_kwargs, generation_config)
+        model = None if self._model_ref is None else self._model_ref()
+        return auto_static.decide(self, model, criteria, model_kwargs, generation_config)
 
     # ------------------------------------------------------------------ options (read-only)
     budget = property(lambda self: self.options.budget, doc="Tokens kept per row, KV head and layer; None: all.")
@@ -157,7 +202,17 @@ class RopeKVCache(Cache):
     selection = property(lambda self: self.options.selection)
     seed = property(lambda self: self.options.seed)
     stats_half_life = property(lambda self: self.options.stats_half_life)
-    static = property(lambda self: self.options.static)
+    @property
+    def static(self) -> bool:
+        """Whether the cache is static now (a fixed arena, compileable): ``static=True``, or ``"auto"`` once
+        ``generate()`` decided to compile (``options.static`` keeps what was asked)."""
+        return self._static_now
+
+    @property
+    def static_reason(self) -> str:
+        """Why the cache is static or not, in a few words (``"static=True"``, or an ``"auto"`` cache's decision)."""
+        return self._static_reason
+
     learn_workload = property(lambda self: self.options.learn_workload)
     prior_tokens = property(lambda self: self.options.prior_tokens)
 
@@ -358,6 +413,9 @@ class RopeKVCache(Cache):
         """Called by the model attachment before a forward with this cache: returns the mask the forward is to use
         (None: none), or ``attention_mask`` itself."""
         self.coordinator.announced = True
+        if self._static_pending:  # an "auto" cache's first forward, and generate() never offered to compile it
+            self._settle(False, "auto: the first forward came before generate() offered to compile it (a "
+                                "hand-written loop, or a decoding mode that is not compiled)")
         if attention_mask is None or self.rows.appends_real_token(attention_mask.shape[-1], new, batch):
             new_token_mask = None  # a decoding step's token is real (see BatchRows.appends_real_token)
         else:

@@ -186,17 +186,19 @@ class StaticBudgetedLayer(BudgetedLayer):
         return self.kv_length, 0
 
 
-def make_layers(cache: CoordinatedCache, geometry: ModelGeometry, options: Any, lease: Any) -> list[CacheLayerMixin]:
+def make_layers(cache: CoordinatedCache, geometry: ModelGeometry, options: Any, lease: Any,
+                static: bool) -> list[CacheLayerMixin]:
     """One layer per model layer: budgeted (static or growing) for full attention, transformers' own window (static
-    or growing) for sliding-window layers. ``options``: the cache's ``CacheOptions``; ``lease``: a static cache's buffers."""
+    or growing) for sliding-window layers. ``options``: the cache's ``CacheOptions``; ``lease``: a static cache's buffers;
+    ``static``: whether the full-attention layers are static (``options.static`` may be ``"auto"``)."""
     hint, page_size = options.steady_slots, options.page_size
     layers: list[CacheLayerMixin] = []
     for idx, (kind, sliding_window) in enumerate(zip(geometry.layer_types, geometry.sliding_windows)):
-        if kind == FULL and options.static:
+        if kind == FULL and static:
             layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, page_size, idx, lease)))
         elif kind == FULL:
             layers.append(BudgetedLayer(cache, idx, PagedKV(page_size, capacity_hint=hint)))
-        elif options.static:
+        elif static:
             layers.append(StaticWindowLayer(sliding_window, idx, lease))
         else:
             layers.append(DynamicSlidingWindowLayer(sliding_window=sliding_window))

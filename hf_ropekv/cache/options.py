@@ -15,6 +15,8 @@ DEFAULT_PRIOR_TOKENS = 512
 #: Off until the test suite stops assuming that two calls on one model are independent (calls that learn are
 #: not: the second scores with the first one's queries).
 LEARN_WORKLOAD_BY_DEFAULT = False
+#: The values ``static`` takes: ``"auto"`` (the default) lets ``generate()`` decide per cache (``cache.auto_static``).
+STATIC_MODES = (True, False, "auto")
 
 
 def _is_int(value: Any) -> bool:
@@ -38,7 +40,7 @@ class CacheOptions:
     selection: str = "per_layer"
     seed: int = 0
     stats_half_life: float | None = 128
-    static: bool = False
+    static: bool | str = "auto"  # True, False, or "auto": compiled where it pays (see cache.auto_static)
     learn_workload: bool = LEARN_WORKLOAD_BY_DEFAULT  # feed and read the model's workload statistics
     prior_tokens: float = DEFAULT_PRIOR_TOKENS  # the workload prior's weight, in queries
 
@@ -61,7 +63,12 @@ class CacheOptions:
             )
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}; got {self.selection!r}.")
-        for name in ("protect_prompt", "static", "learn_workload"):
+        if not (isinstance(self.static, bool) or self.static == "auto"):
+            raise ValueError(
+                f"static must be True (a fixed arena, compileable), False (a growing cache, eager) or \"auto\" (the "
+                f"default: compiled on CUDA for long generations, else eager); got {self.static!r}."
+            )
+        for name in ("protect_prompt", "learn_workload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}.")
         if not _is_int(self.seed):

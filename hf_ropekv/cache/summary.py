@@ -31,6 +31,9 @@ class CacheSummary:
         workload_prior_tokens: tokens the model's workload statistics held when the cache took them as its prior
             (0: no prior; see ``hf_ropekv.workload_statistics``).
         workload_prior_frozen: whether they had stopped learning by then.
+        static: whether the cache decoded static (compileable; ``cache.static``: ``static=True``, or ``"auto"``
+            that chose to compile).
+        static_reason: why, in a few words (``cache.static_reason``).
     """
 
     tokens_seen: int
@@ -42,6 +45,8 @@ class CacheSummary:
     compress_every: int
     workload_prior_tokens: int = 0
     workload_prior_frozen: bool = False
+    static: bool = False
+    static_reason: str = ""
 
     @classmethod
     def from_cache(cls, cache: Any) -> "CacheSummary":
@@ -63,6 +68,8 @@ class CacheSummary:
             compress_every=cache.compress_every,
             workload_prior_tokens=cache.workload_prior_tokens,
             workload_prior_frozen=cache.workload_prior_frozen,
+            static=cache.static,
+            static_reason=cache.static_reason,
         )
 
     @property

@@ -74,7 +74,7 @@ class AttachedCache(Protocol):
         and ``end_forward()`` (the forward finished without raising)."""
 
 _WRAPPED_MARK = "_hf_ropekv_continuation_check"  # on every generate() method this module wraps
-WRAPPED_METHODS = ("prepare_inputs_for_generation", "get_compiled_call")
+WRAPPED_METHODS = ("prepare_inputs_for_generation", "get_compiled_call", "_valid_auto_compile_criteria")
 
 
 class ModelAttachment:
@@ -103,6 +103,12 @@ class ModelAttachment:
         _PrepareInputsForGeneration.install(model)
         if self.static:
             _GetCompiledCall.install(model)
+        if getattr(getattr(cache, "options", None), "static", None) == "auto":
+            _ValidAutoCompileCriteria.install(model)
+
+    def remove(self) -> None:
+        """Take this attachment off its model's hooks (its cache was assembled again: ``RopeKVCache._assemble``)."""
+        self._hooks.remove(self)
 
     @property
     def attention_modules(self) -> list[nn.Module]:
@@ -600,6 +606,10 @@ class _GetCompiledCall(_ModelMethod):
     (Qwen3-8B shape, batch 16, a 32K prompt in chunks of 2,048) the compile warm-up took 133 s against 42-53 s
     for the decode step alone. A forward of many tokens is bound by the GPU, so running it eagerly costs little;
     the decode steps (one token) keep the compiled call.
+
+    The decode step's batch dimension is marked dynamic (the step's inputs and every buffer the cache leased,
+    ``storage.buffers.BATCH_DIMS``), with batch 1 not specialised (``_compat.batch_one_not_specialised``): one
+    compilation serves every batch size, so an eval loop whose last batch is smaller does not compile again.
     """
 
     name = "get_compiled_call"
@@ -611,9 +621,29 @@ class _GetCompiledCall(_ModelMethod):
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
             if _is_static_multi_token_forward(call_args, call_kwargs):
                 return model(*call_args, **call_kwargs)
+            if _mark_batch_dynamic(call_args, call_kwargs):
+                with _compat.batch_one_not_specialised():
+                    return compiled(*call_args, **call_kwargs)
             return compiled(*call_args, **call_kwargs)
 
         return forward
+
+
+class _ValidAutoCompileCriteria(_ModelMethod):
+    """generate's ``_valid_auto_compile_criteria`` (same signature on transformers 5.17 through 5.24), asked before
+    the first forward of a decoding loop: a ``static="auto"`` cache of this model settles its mode there
+    (``hf_ropekv.cache.auto_static``); any other cache gets transformers' answer unchanged."""
+
+    name = "_valid_auto_compile_criteria"
+
+    def __call__(self, model_kwargs: dict[str, Any], generation_config: Any, *args: Any, **kwargs: Any) -> Any:
+        model, original = self._model_and_original()
+        cache = _compat.cache_from_forward_kwargs(model_kwargs)
+        attachment = getattr(cache, "_attachment", None)
+        if isinstance(attachment, ModelAttachment) and attachment.owns(cache) and attachment._model_ref() is model:
+            ask = lambda kwargs_, config_: original(kwargs_, config_, *args, **kwargs)  # noqa: E731
+            return cache._auto_compile_criteria(ask, model_kwargs, generation_config)
+        return original(model_kwargs, generation_config, *args, **kwargs)
 
 
 def _is_class_method(method: Any, model: nn.Module, name: str) -> bool:
@@ -637,6 +667,44 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+#: Keyword inputs of a decode step and their batch dimension, counted from the end (``position_ids`` may carry a
+#: leading axis: [3, B, S] for multimodal RoPE); a 4-D mask is [B, 1, q, kv], a 2-D one [B, kv].
+STEP_INPUT_BATCH_DIMS = {"input_ids": -2, "inputs_embeds": -3, "position_ids": -2}
+
+
+def _mark_batch_dynamic(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Mark the batch dimension of a static cache's decode step dynamic: the step's inputs and the cache's leased
+    buffers (``BufferLease.batch_dims``). Returns False (nothing marked) for a forward without a static cache."""
+    cache = _compat.cache_from_forward_kwargs(kwargs)
+    lease = getattr(cache, "_lease", None)
+    if lease is None or not getattr(cache, "static", False):
+        return False
+    for tensor, dim in lease.batch_dims():
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    inputs = dict(kwargs)
+    if args and isinstance(args[0], torch.Tensor):
+        inputs.setdefault("input_ids", args[0])
+    # The query length (1: multi-token forwards run eagerly) is marked static: a model compiled before with prompts
+    # of several lengths (another cache's chunked prefill) has it dynamic in dynamo's frame state, and under
+    # backed_size_oblivious a dynamic 1 does not broadcast (sdpa failed to trace: "size of tensor a (2*s70) must
+    # match ... s90: hint = 1").
+    for name, dim in STEP_INPUT_BATCH_DIMS.items():
+        tensor = inputs.get(name)
+        if isinstance(tensor, torch.Tensor) and tensor.ndim >= -dim:
+            torch._dynamo.maybe_mark_dynamic(tensor, tensor.ndim + dim)
+            torch._dynamo.mark_static(tensor, tensor.ndim + dim + 1)
+    masks = inputs.get("attention_mask")
+    for mask in masks.values() if isinstance(masks, dict) else (masks,):  # a dict per layer type on some models
+        if isinstance(mask, torch.Tensor) and mask.ndim >= 2:
+            torch._dynamo.maybe_mark_dynamic(mask, 0)
+            if mask.ndim == 4:  # [B, 1, q, kv]
+                torch._dynamo.mark_static(mask, 2)
+    positions = inputs.get("cache_position")
+    if isinstance(positions, torch.Tensor) and positions.ndim == 1:
+        torch._dynamo.mark_static(positions, 0)
+    return True
 
 
 def _is_static_multi_token_forward(args: tuple, kwargs: dict[str, Any]) -> bool:

@@ -33,6 +33,31 @@ WINDOW_KEYS = "window_keys"
 WINDOW_VALUES = "window_values"
 
 
+#: Every purpose a static cache leases a buffer for (the first item of its purpose key), and the dimension of that
+#: buffer that runs over the batch rows (None: it has none). A compiled decode step marks these dimensions dynamic
+#: (``hooks.attach``), so one compilation serves every batch size: a purpose missing here cannot be leased.
+BATCH_DIMS: dict[str, int | None] = {
+    "keys": 0,  # an arena's keys of one layer, [B, kv_heads, slots, head_dim] (storage.static)
+    "values": 0,  # its values, [B, kv_heads, slots, head_dim]
+    "clock": None,  # the step clock: the first new slot [1] and the tokens seen before it [] (cache.static)
+    "online_sums": 1,  # the online statistics' running sums, [L_device, B, 3, H_q, F] (statistics.online)
+    "online_counts": 0,  # their per-row query counts, [B]
+    WINDOW_KEYS: 0,  # a static sliding-window layer's keys, [B, kv_heads, window, head_dim] (cache.window)
+    WINDOW_VALUES: 0,  # its values
+}
+
+
+def batch_dim(purpose: Hashable) -> int | None:
+    """The batch dimension of a leased buffer (``BATCH_DIMS``); a purpose not listed there is refused."""
+    kind = purpose[0] if isinstance(purpose, tuple) else purpose
+    if kind not in BATCH_DIMS:
+        raise KeyError(
+            f"Static buffer purpose {kind!r} has no entry in hf_ropekv.storage.buffers.BATCH_DIMS: add its batch "
+            "dimension (None if it has none), or compiled decode steps recompile for every batch size."
+        )
+    return BATCH_DIMS[kind]
+
+
 class BufferPool:
     """Free static buffers of one model, by purpose (what the buffer is for, and its device)."""
 
@@ -87,6 +112,11 @@ class BufferLease:
         mark_static(tensor)
         self._held.append((purpose, tensor))
         return tensor
+
+    def batch_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """Every buffer this lease holds that has a batch dimension, with that dimension (``BATCH_DIMS``)."""
+        dims = ((tensor, batch_dim(purpose)) for purpose, tensor in self._held)
+        return [(tensor, dim) for tensor, dim in dims if dim is not None]
 
     def give_back(self, tensor: torch.Tensor | None) -> None:
         """Return a buffer this lease holds (the cache was reset); other tensors are ignored."""

@@ -1,0 +1,111 @@
+"""``static="auto"`` (the default): decode compiled where it pays, eagerly everywhere else.
+
+A static cache's decode step compiled by ``generate()`` (CUDA graphs) is faster per step than the growing cache
+eager, but its first compilation costs a warm-up (77.7 s for an 8B model in a fresh process, DESIGN.md §7; less
+for later calls, which reuse the compiled step). It pays only on CUDA and for generations long enough to earn the
+warm-up back; a notebook on the CPU or a short answer must never be slower than eager.
+
+So an ``"auto"`` cache is built growing (eager) and decides once, when ``generate()`` asks whether it may compile
+its forward (``_valid_auto_compile_criteria``, wrapped per model by ``hooks.attach``; the same call on
+transformers 5.17 through 5.24, made before the first forward of ``_sample``). The cache goes static (its layers
+rebuilt by ``RopeKVCache._assemble``) when all of these hold, and stays eager otherwise:
+
+- it holds no tokens yet (a cache continued from an earlier call keeps the mode it has);
+- it can be static (a budget, the model, full-attention layers only, a scorer that needs no query window);
+- no rollback is expected (assisted decoding crops the cache) and compilation is not disabled;
+- the model is on CUDA (or the compile config asks to compile on every device: ``_compile_all_devices``);
+- the generation asks for at least :data:`AUTO_STATIC_MIN_NEW_TOKENS` new tokens;
+- transformers itself then agrees to compile (quantizers, offloading): its own criteria, asked with the static
+  layers in place.
+
+A cache whose first forward comes before any such decision (a hand-written loop, a decoding mode that never
+compiles) settles eager then. Each cache logs its decision once, at INFO level; ``cache.static_reason`` keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from transformers.utils import logging
+
+if TYPE_CHECKING:
+    from .cache import RopeKVCache
+
+logger = logging.get_logger(__name__)
+
+#: Fewest new tokens (``max_new_tokens``) for which an ``"auto"`` cache decodes compiled. A placeholder: to be set
+#: from GPU measurements (the compile warm-up against the per-step gain, DESIGN.md §7); the decision reads it at
+#: every call, so changing it here (or monkeypatching it) takes effect at once.
+AUTO_STATIC_MIN_NEW_TOKENS = 512
+
+#: ``static_reason`` of an ``"auto"`` cache before its decision.
+PENDING = "auto: undecided until generate() asks whether to compile (before its first forward)"
+
+
+def unsupported_reason(cache: "RopeKVCache", model: Any) -> str | None:
+    """Why ``cache`` can never be static (checked once, when it is built), or None: it can."""
+    from ..model.geometry import SLIDING
+
+    if cache.budget is None:
+        return "no budget: the fixed arena holds budget + compress_every slots"
+    if model is None:
+        return "built from a config: a static cache needs the model's hooks"
+    if SLIDING in cache.geometry.layer_types:
+        return f"'{cache.geometry.model_type}' has sliding-window layers, which a static cache does not hold yet"
+    if cache._queries is not None:
+        return f"{type(cache.scorer).__name__} needs a growing window of recent queries"
+    return None
+
+
+def new_tokens(model_kwargs: dict[str, Any], generation_config: Any) -> int | None:
+    """Tokens this generation asks for: ``max_new_tokens``, else ``max_length`` less the prompt (None: unknown)."""
+    wanted = getattr(generation_config, "max_new_tokens", None)
+    if wanted is not None:
+        return int(wanted)
+    max_length = getattr(generation_config, "max_length", None)
+    mask = model_kwargs.get("attention_mask")
+    if max_length is None or mask is None or getattr(mask, "ndim", 0) != 2:
+        return None
+    return int(max_length) - mask.shape[-1]
+
+
+def decide(cache: "RopeKVCache", model: Any, criteria: Callable[[dict, Any], bool], model_kwargs: dict[str, Any],
+           generation_config: Any) -> bool:
+    """Settle an ``"auto"`` cache's mode for this ``generate()`` call; returns what ``criteria`` (transformers'
+    ``_valid_auto_compile_criteria``) answers with the cache as settled."""
+    reason = _eager_reason(cache, model, model_kwargs, generation_config)
+    if reason is None:
+        cache._assemble(static=True)
+        if criteria(model_kwargs, generation_config):
+            device = getattr(getattr(model, "device", None), "type", None)
+            cache._settle(True, f"auto: on {device}, max_new_tokens={new_tokens(model_kwargs, generation_config)} >= "
+                                f"{AUTO_STATIC_MIN_NEW_TOKENS}, generate() compiles the decode step")
+            return True
+        cache._assemble(static=False)
+        reason = "transformers would not compile this model's forward (quantization or offloading)"
+    cache._settle(False, "auto: " + reason)
+    return criteria(model_kwargs, generation_config)
+
+
+def _eager_reason(cache: "RopeKVCache", model: Any, model_kwargs: dict[str, Any], generation_config: Any) -> str | None:
+    if cache.tokens_seen:
+        return "the cache already holds tokens from an earlier call"
+    if cache.coordinator.rollback_expected:
+        return "assisted decoding rolls the cache back"
+    if getattr(generation_config, "disable_compile", False):
+        return "disable_compile=True"
+    compile_config = getattr(generation_config, "compile_config", None)
+    device = getattr(getattr(model, "device", None), "type", None)
+    if device != "cuda" and not getattr(compile_config, "_compile_all_devices", False):
+        return f"the model is on {device}: generate() compiles the decode step on CUDA only"
+    wanted = new_tokens(model_kwargs, generation_config)
+    if wanted is None or wanted < AUTO_STATIC_MIN_NEW_TOKENS:
+        return (f"max_new_tokens={wanted} < {AUTO_STATIC_MIN_NEW_TOKENS} (AUTO_STATIC_MIN_NEW_TOKENS): too short to "
+                "pay back the compile warm-up")
+    return None
+
+
+def log_decision(cache: "RopeKVCache") -> None:
+    """The one INFO line a cache logs about its mode (static=True/False log none: the caller chose)."""
+    mode = "compiled (static)" if cache.static else "eager"
+    logger.info("RopeKVCache(static='auto') decodes %s: %s.", mode, cache.static_reason.removeprefix("auto: "))
