@@ -138,3 +138,32 @@ def test_speed_dry_run_alternates_variants_and_finds_capacity(tmp_path: Path) ->
     markdown = (tmp_path / "speed.md").read_text()
     assert "speed-up vs StaticCache compiled" in markdown and "## Capacity" in markdown
     assert_run_readme(tmp_path, "speed.py")
+
+
+def test_speed_variants_other_than_the_static_cache_run_on_stock_sdpa() -> None:
+    """A static RopeKVCache switches the model to hf_ropekv's grouped sdpa; the other variants must switch it back.
+
+    ``_stock_sdpa`` once looked the name up at ``hf_ropekv.attention.GROUPED_SDPA`` after the module had moved
+    to ``hf_ropekv.model.attention``: the lookup gave ``None``, nothing was switched back, and DynamicCache and
+    StaticCache were measured on the grouped sdpa (the dry run passes either way: both compute the same).
+    """
+    from types import SimpleNamespace
+
+    import hf_ropekv
+    from conftest import tiny_model
+    from hf_ropekv.model.attention import GROUPED_SDPA
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import speed
+
+    model = tiny_model("qwen3")
+    bench = SimpleNamespace(model=model, args=SimpleNamespace(budget=16, compress_every=4, new_tokens=4))
+    hf_ropekv.RopeKVCache(model, budget=16, compress_every=4, static=True)
+    grouped = model.config._attn_implementation
+    assert grouped == GROUPED_SDPA != "sdpa"
+    for key in ("dynamic", "static", "ropekv"):
+        speed.VARIANTS[key].make(bench, 8)
+        assert model.config._attn_implementation == "sdpa", key
+        speed.VARIANTS["ropekv_static"].make(bench, 8)
+        assert model.config._attn_implementation == grouped
