@@ -248,3 +248,11 @@ def test_host_timers_split_a_static_cache_step_and_leave_nothing_behind() -> Non
         assert split["cache_ms"] + split["transformers_prepare_ms"] + split["forward_call_ms"] <= split["wall_ms"]
         assert abs(sum(split[k] for k in ("cache_ms", "transformers_prepare_ms", "forward_call_ms",
                                           "generate_loop_ms")) - split["wall_ms"]) < 1e-6
+
+
+def test_warmup_starts_no_part_that_would_not_fit_in_max_minutes(tmp_path: Path) -> None:
+    run_script("warmup.py", "--out", str(tmp_path), "--parts", "profile,e2e", "--max-minutes", "0.1")
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["parts"] == {} and [s.split(" ")[0] for s in result["skipped"]] == ["profile", "e2e"]
+    assert "Not run: profile" in (tmp_path / "results.md").read_text()
+    assert_run_readme(tmp_path, "warmup.py")
