@@ -574,7 +574,8 @@ def render_profile(part: dict[str, Any]) -> list[str]:
     lines += ["Median over the timed runs' steps (first decode step left out); host split from timers "
               "(`benchmarks/instrument.py`); kernel and GPU-busy time from torch.profiler over "
               f"{part.get('contexts', [{}])[0].get('variants', {}).get('dynamic', {}).get('profiled', {}).get('profiled_steps', 'n/a')} "
-              "steps of another run.", "",
+              "steps of another run. Each host column is its own median over the last timed run's steps, so they "
+              "need not add up to the step; their means (in `results.json`) do.", "",
               "| context | variant | step p50 ms | GPU kernels ms/step | GPU busy ms/step | cache host ms (share) | "
               "transformers prepare ms | forward call host ms | generate loop rest ms | compaction steps: wall / "
               "cache ms | vs DynamicCache |",
