@@ -479,7 +479,8 @@ class Runner:
         command = [sys.executable, str(SCRIPT), *self.argv, "--child", part, "--child-out", str(out)]
         if mode is not None:
             command += ["--mode", mode]
-        self.log(f"{name}: starting (cache folder {cache_dir}, timeout {'none' if timeout is None else f'{timeout:.0f} s'})")
+        limit = "none" if timeout is None else f"{timeout:.0f} s"
+        self.log(f"{name}: starting (cache folder {cache_dir}, timeout {limit})")
         t0 = time.perf_counter()
         with open(self.out_dir / "logs" / f"{name}.log", "w") as log_file:
             try:
@@ -560,8 +561,9 @@ def render_warmup(part: dict[str, Any]) -> list[str]:
     cold = part.get("cold", {})
     if cold.get("saved"):
         saved = cold["saved"]
+        kinds = ", ".join(f"{k}: {v}" for k, v in saved["artifacts"].items())
         lines += ["", f"Artifacts saved by (a): {saved['artifact_bytes'] / 2**20:.1f} MiB "
-                      f"({', '.join(f'{k}: {v}' for k, v in saved['artifacts'].items())}) in {_f(cold.get('save_s'))} s; "
+                      f"({kinds}) in {_f(cold.get('save_s'))} s; "
                       f"loaded by (c) in {_f(part.get('load', {}).get('load_s'))} s. Inductor cache folder after (a): "
                       f"{_f((cold.get('cache_dir_bytes_after') or 0) / 2**20, '.1f')} MiB."]
     return lines + [""]
@@ -571,9 +573,11 @@ def render_profile(part: dict[str, Any]) -> list[str]:
     lines = ["## Profile: decode steps inside generate(), batch 1", ""]
     if part.get("error") and not part.get("contexts"):
         return lines + [f"Error: {part['error'][:500]}", ""]
+    profiled = [row.get("profiled", {}).get("profiled_steps") for entry in part.get("contexts", [])
+                for row in entry["variants"].values()]
     lines += ["Median over the timed runs' steps (first decode step left out); host split from timers "
               "(`benchmarks/instrument.py`); kernel and GPU-busy time from torch.profiler over "
-              f"{part.get('contexts', [{}])[0].get('variants', {}).get('dynamic', {}).get('profiled', {}).get('profiled_steps', 'n/a')} "
+              f"{max((n for n in profiled if n), default='n/a')} "
               "steps of another run. Each host column is its own median over the last timed run's steps, so they "
               "need not add up to the step; their means (in `results.json`) do.", "",
               "| context | variant | step p50 ms | GPU kernels ms/step | GPU busy ms/step | cache host ms (share) | "

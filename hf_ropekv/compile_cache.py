@@ -280,7 +280,9 @@ def _read(path: str | os.PathLike, with_payload: bool) -> tuple[CompileArtifacts
         try:
             header = json.loads(raw_header.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: the compile-artifacts header is not readable ({err}); the file is damaged.") from err
+            raise ValueError(
+                f"{path}: the compile-artifacts header is not readable ({err}); the file is damaged."
+            ) from err
         if not isinstance(header, dict):
             raise ValueError(f"{path}: the compile-artifacts header is not a JSON object; the file is damaged.")
         if header.get("format_version") != FORMAT_VERSION:
