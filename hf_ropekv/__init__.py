@@ -25,6 +25,13 @@ from .storage.buffers import release_static_buffers
 from .statistics.frequency_stats import FrequencyStats
 from .statistics.workload import WorkloadStatistics, workload_statistics
 from .cache.summary import CacheSummary
+from .compile_cache import (
+    CompileArtifactsInfo,
+    CompileArtifactsMismatchError,
+    load_compile_artifacts,
+    read_compile_artifacts,
+    save_compile_artifacts,
+)
 from .warnings import HfRopeKVWarning
 
 #: The one place the version is written: setup.cfg reads it (``version = attr: hf_ropekv.__version__``).
@@ -39,8 +46,13 @@ __all__ = [
     "is_enabled",
     "last_cache",
     "last_summary",
+    "load_compile_artifacts",
+    "read_compile_artifacts",
     "release_static_buffers",
+    "save_compile_artifacts",
     "CacheSummary",
+    "CompileArtifactsInfo",
+    "CompileArtifactsMismatchError",
     "FrequencyScorer",
     "FrequencyStats",
     "H2OScorer",

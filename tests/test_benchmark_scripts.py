@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -138,3 +140,119 @@ def test_speed_dry_run_alternates_variants_and_finds_capacity(tmp_path: Path) ->
     markdown = (tmp_path / "speed.md").read_text()
     assert "speed-up vs StaticCache compiled" in markdown and "## Capacity" in markdown
     assert_run_readme(tmp_path, "speed.py")
+
+
+def test_speed_variants_other_than_the_static_cache_run_on_stock_sdpa() -> None:
+    """A static RopeKVCache switches the model to hf_ropekv's grouped sdpa; the other variants must switch it back.
+
+    ``_stock_sdpa`` once looked the name up at ``hf_ropekv.attention.GROUPED_SDPA`` after the module had moved
+    to ``hf_ropekv.model.attention``: the lookup gave ``None``, nothing was switched back, and DynamicCache and
+    StaticCache were measured on the grouped sdpa (the dry run passes either way: both compute the same).
+    """
+    from types import SimpleNamespace
+
+    import hf_ropekv
+    from conftest import tiny_model
+    from hf_ropekv.model.attention import GROUPED_SDPA
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import speed
+
+    model = tiny_model("qwen3")
+    bench = SimpleNamespace(model=model, args=SimpleNamespace(budget=16, compress_every=4, new_tokens=4))
+    hf_ropekv.RopeKVCache(model, budget=16, compress_every=4, static=True)
+    grouped = model.config._attn_implementation
+    assert grouped == GROUPED_SDPA != "sdpa"
+    for key in ("dynamic", "static", "ropekv"):
+        speed.VARIANTS[key].make(bench, 8)
+        assert model.config._attn_implementation == "sdpa", key
+        speed.VARIANTS["ropekv_static"].make(bench, 8)
+        assert model.config._attn_implementation == grouped
+
+
+@pytest.mark.slow  # about 2.5 minutes on 2 CPU cores: the warm-up part compiles with inductor three times
+def test_warmup_dry_run_runs_every_part_in_fresh_processes(tmp_path: Path) -> None:
+    run_script("warmup.py", "--out", str(tmp_path), timeout=900)
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(result["parts"]) == ["e2e", "overhead", "profile", "warmup"] and not result["skipped"]
+    warm = result["parts"]["warmup"]
+    for key in ("cold", "warm", "load"):
+        assert "error" not in warm[key], warm[key].get("error")
+    counts = {key: warm[key]["runs"][0]["counters"] for key in ("cold", "warm", "load")}
+    assert counts["cold"]["inductor.fxgraph_cache_miss"] >= 1 and counts["cold"]["inductor.fxgraph_cache_hit"] == 0
+    for key in ("warm", "load"):  # (b) reuses (a)'s folders; (c) starts empty but loads (a)'s artifacts
+        assert counts[key]["inductor.fxgraph_cache_hit"] >= 1 and counts[key]["inductor.fxgraph_cache_miss"] == 0
+    assert warm["load"]["loaded"]["artifacts"]["inductor"] >= 1 and warm["cold"]["saved"]["model"]["budget"] == 32
+    for entry in result["parts"]["profile"]["contexts"]:
+        for key, row in entry["variants"].items():
+            assert "error" not in row, (key, row.get("error"))
+            timed = row["timed"][0]
+            assert timed["p50_ms"] > 0 and row["profiled"]["profiled_steps"] == 6
+            split = timed["median"]
+            assert 0 <= split["cache_share"] < 1 and split["forward_call_ms"] > 0
+        rope = entry["variants"]["ropekv_static"]["timed"][0]
+        assert rope["compaction_steps"] >= 1 and rope["median"]["cache_ms"] > 0 and rope["kept"] <= 40
+    summary = result["parts"]["overhead"]["summary"]
+    assert set(summary) == {"off", "on", "frozen", "off_after_frozen"} and summary["off"]["vs_off_pct"] == 0
+    runs = result["parts"]["overhead"]["runs"]
+    assert all(r["prior_tokens"] == 0 for r in runs if r["variant"] == "off")
+    assert all(r["prior_frozen"] for r in runs if r["variant"] == "frozen")
+    e2e = result["parts"]["e2e"]["variants"]
+    assert sorted(e2e) == ["dynamic", "ropekv_default", "ropekv_static"]
+    for row in e2e.values():
+        assert "error" not in row and row["new_tokens"] == 40 and row["total_s"] > 0
+    assert e2e["ropekv_static"]["static"] is True and e2e["ropekv_static"]["is_compileable"]
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Warm-up" in markdown and "## End to end" in markdown and "- command: `python benchmarks/warmup.py" in markdown
+    assert_run_readme(tmp_path, "warmup.py")
+
+
+def test_host_timers_split_a_static_cache_step_and_leave_nothing_behind() -> None:
+    """``instrument.py`` in-process on a tiny model: the cache's host work is found inside generate's calls, and
+    restoring the timers leaves the model and cache as they were."""
+    import torch
+    from transformers import CompileConfig
+
+    import hf_ropekv
+    from conftest import cache_kw, tiny_model
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import instrument
+
+    model = tiny_model("qwen3")
+    cache = hf_ropekv.RopeKVCache(model, budget=16, compress_every=4, static=True, protect_prompt=False)
+    wrapped = ("prepare_inputs_for_generation", "get_compiled_call")
+    before = {name: vars(model).get(name) for name in wrapped}  # hf_ropekv's own wrappers, set by the cache
+    timers = instrument.HostTimers()
+    instrument.instrument_cache(timers, cache, eager_update=False)
+    instrument.instrument_generate(timers, model, compiled=True)
+    clock = instrument.TimedClock(timers)
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    from transformers import LogitsProcessorList
+
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                   logits_processor=LogitsProcessorList([clock]), compile_config=config, **cache_kw(model, cache))
+    timers.restore()
+    assert {name: vars(model).get(name) for name in wrapped} == before
+    assert "_forward_starts" not in vars(cache) and "compact" not in vars(cache.coordinator.compactor)
+    assert not {"_pre_forward", "_post_forward", "_forward_ends"} & set(vars(cache._attachment))
+    steps = clock.steps()
+    assert len(steps) == 11 and timers.calls["cache.compact"] >= 1 and timers.calls["generate.forward_call"] >= 11
+    for step in steps:
+        split = instrument.host_split(step)
+        assert split["cache_ms"] > 0 and split["forward_call_ms"] > 0
+        assert split["cache_ms"] + split["transformers_prepare_ms"] + split["forward_call_ms"] <= split["wall_ms"]
+        assert abs(sum(split[k] for k in ("cache_ms", "transformers_prepare_ms", "forward_call_ms",
+                                          "generate_loop_ms")) - split["wall_ms"]) < 1e-6
+
+
+def test_warmup_starts_no_part_that_would_not_fit_in_max_minutes(tmp_path: Path) -> None:
+    run_script("warmup.py", "--out", str(tmp_path), "--parts", "profile,e2e", "--max-minutes", "0.1")
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["parts"] == {} and [s.split(" ")[0] for s in result["skipped"]] == ["profile", "e2e"]
+    assert "Not run: profile" in (tmp_path / "results.md").read_text()
+    assert_run_readme(tmp_path, "warmup.py")
