@@ -88,10 +88,11 @@ def test_every_leased_purpose_has_a_batch_dim(monkeypatch) -> None:
         return take(self, purpose, shape, dtype, make)
 
     monkeypatch.setattr(BufferLease, "take", recording_take)
-    model = tiny_model("llama")
     size = 3
     ids, mask = _batch(size)
-    generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask, new=NEW)
+    for arch in ("llama", "qwen2_sliding"):  # the hybrid model leases its static windows too
+        model = tiny_model(arch)
+        generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask, new=NEW)
     kinds = {purpose[0] for purpose, _ in taken}
     assert kinds == set(BATCH_DIMS), "a purpose leased but not listed, or listed but never leased"
     for purpose, shape in taken:
