@@ -32,12 +32,14 @@ one test, so ``pytest -m gpu tests/`` runs in one process on a GPU host with com
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 if not torch.cuda.is_available():  # see the module docstring
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -217,3 +219,18 @@ def deterministic_sdpa():
     torch.backends.cuda.enable_cudnn_sdp(False)
     yield
     torch.backends.cuda.enable_cudnn_sdp(previous)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compile tests start and end with dynamo reset and its counters cleared. Models and caches of earlier tests
+    may still wait for the cyclic collector with a capture attached: were they collected during a compilation, the
+    rotary global dynamo guards on would change under it. A static cache's hooks stay on its model for the model's
+    lifetime (SharedHooks), so the test's models are let go afterwards, restoring the rotary functions they patched."""
+    gc.collect()
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
+    gc.collect()

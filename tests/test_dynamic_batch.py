@@ -27,14 +27,7 @@ from hf_ropekv.storage.buffers import BATCH_DIMS, BufferLease, batch_dim
 BUDGET, EVERY, NEW = 16, 4, 32
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    gc.collect()
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    gc.collect()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,6 @@ stands in for CUDA, and the length threshold is lowered so that the generations 
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
@@ -24,14 +23,8 @@ LOGGER = "hf_ropekv.cache.auto_static"
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo(monkeypatch):
+def short_auto_threshold(monkeypatch, fresh_dynamo):
     monkeypatch.setattr(auto_static, "AUTO_STATIC_MIN_NEW_TOKENS", 20)
-    gc.collect()
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    gc.collect()
 
 
 def _auto_lines(caplog) -> list[str]:

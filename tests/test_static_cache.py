@@ -56,18 +56,7 @@ OPTIONS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    # Models and caches of earlier test files may still wait for the cyclic collector with a capture attached: were
-    # they collected during a compilation, the rotary global dynamo is guarding on would change under it.
-    gc.collect()
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    # A static cache's hooks stay on its model for the model's lifetime (SharedHooks); let the test's models go,
-    # so that the rotary functions they patched are restored for the tests that come after.
-    gc.collect()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))

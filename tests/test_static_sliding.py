@@ -31,15 +31,7 @@ BUDGET, EVERY, WINDOW = 16, 4, 8
 HYBRID = ("gemma2", "qwen2_sliding", "gemma3_text")
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    gc.collect()
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.config.error_on_recompile = False
-    torch._dynamo.reset()
-    gc.collect()  # a static cache's hooks stay on its model for the model's life: let the test's models go
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def window_layers(cache: RopeKVCache) -> list[StaticWindowLayer]:
