@@ -39,7 +39,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 if not torch.cuda.is_available():  # see the module docstring
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -227,6 +226,8 @@ def fresh_dynamo():
     may still wait for the cyclic collector with a capture attached: were they collected during a compilation, the
     rotary global dynamo guards on would change under it. A static cache's hooks stay on its model for the model's
     lifetime (SharedHooks), so the test's models are let go afterwards, restoring the rotary functions they patched."""
+    from torch._dynamo.utils import counters  # not at module import: dynamo imports triton before TRITON_INTERPRET
+
     gc.collect()
     torch._dynamo.reset()
     counters.clear()
