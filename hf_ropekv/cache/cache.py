@@ -83,8 +83,8 @@ class RopeKVCache(Cache):
             ``model.forward = torch.compile(model.forward, mode="reduce-overhead")`` works too. Compaction runs
             eagerly between two compiled steps. Same tokens kept as ``static=False`` (tested). Sliding-window
             layers become transformers' static sliding-window layers (``hf_ropekv.cache.window``). Needs a budget
-            and the model; not for scorers that recompute attention (SnapKV, H2O, R-KV: refused). ``False``: a growing cache, always eager. ``"auto"`` (the default): eager,
-            unless ``generate()`` would compile on CUDA a generation of at least
+            and the model; not for scorers that recompute attention (SnapKV, H2O, R-KV: refused). ``False``: a
+            growing cache, always eager. ``"auto"`` (the default): eager, unless ``generate()`` would compile on CUDA a generation of at least
             ``auto_static.AUTO_STATIC_MIN_NEW_TOKENS`` new tokens with a cache that can be static; then static
             (``hf_ropekv.cache.auto_static``). ``cache.static`` says which it is, ``cache.static_reason`` why; the
             decision is logged once at INFO level.
