@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
+import hf_ropekv
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg
 from test_check_exactness import QWEN3_1_7B, TINY_QWEN3, left_padded, random_qwen3
@@ -83,3 +84,91 @@ def test_compiled_static_cache_matches_eager_on_cuda_at_qwen3_1_7b(deterministic
     assert torch.equal(again, compiled)
     margins = divergence_margins(eager, scores, compiled)
     assert all(m <= BF16_NEAR_TIE for m in margins), f"compiled parted from eager at clear margins {margins}"
+
+
+# ---------------------------------------------------------------------------------------------- CUDA, tiny models
+# The CPU tests compile with dynamo's "eager" backend; these run what a CUDA user gets (inductor, CUDA graphs) on
+# the tiny configs of conftest, float32: the sliding-window and hybrid models, the query-free scorers, and batches
+# of several sizes against one compiled step. Inductor's fused float32 kernels round differently from eager ones,
+# so where compiled and eager part, the eager run's top-2 margin there must be a float32 near-tie.
+F32_NEAR_TIE = 1e-3
+SLIDING_ARCHS = ["gemma2", "gemma3_text", "qwen2_sliding", "mistral_sliding"]
+CUDA_SCORERS = {
+    "default": lambda: {},
+    "recency": lambda: {"scorer": hf_ropekv.RecencyScorer(), "sink": 2},
+    "keynorm": lambda: {"scorer": hf_ropekv.KeyNormScorer()},
+    "random": lambda: {"scorer": hf_ropekv.RandomScorer(seed=1), "window": 3},
+    "global": lambda: {"selection": "global", "window": 2},
+}
+
+
+def _tiny_cuda(arch: str):
+    from conftest import tiny_model
+
+    return tiny_model(arch).cuda()
+
+
+def _batch_on_cuda(vocab: int, lengths: tuple[int, ...], seed: int = 0):
+    from conftest import padded_batch
+
+    ids, mask = padded_batch(vocab, lengths=lengths, seed=seed)
+    return ids.cuda(), mask.cuda()
+
+
+def _compiled_matches_eager(model, ids, mask, options: dict, steps: int = 40, compactions: int = 3) -> int:
+    """Eager growing cache against generate's own compilation of the static cache (twice, fresh caches); returns
+    the number of graphs dynamo built."""
+    eager_cache = RopeKVCache(model, **options)
+    eager, scores = generate(model, eager_cache, ids, mask, steps, None)
+    assert eager_cache.num_compactions >= compactions, "the check needs eviction inside the generation"
+    outs = []
+    for _ in range(2):
+        cache = RopeKVCache(model, **options, static=True)
+        outs.append(generate(model, cache, ids, mask, steps, CompileConfig(fullgraph=True))[0])
+        assert cache.static and cache.num_compactions == eager_cache.num_compactions
+    assert torch.equal(outs[1], outs[0]), "a second compiled call gave other tokens"
+    margins = divergence_margins(eager, scores, outs[0])
+    assert all(m <= F32_NEAR_TIE for m in margins), f"compiled parted from eager at clear margins {margins}"
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("ignore:budget=16 evicts nothing")
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_sliding_window_models_compiled_on_cuda(arch: str, deterministic_sdpa, fresh_dynamo) -> None:
+    model = _tiny_cuda(arch)
+    ids, mask = _batch_on_cuda(model.config.vocab_size, (11, 6, 3))
+    # every layer of mistral_sliding is a window: nothing to compact, the windows roll
+    graphs = _compiled_matches_eager(model, ids, mask, dict(budget=16, compress_every=4),
+                                     compactions=0 if arch == "mistral_sliding" else 3)
+    assert graphs == 1, f"{graphs} graphs for one decode step"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(CUDA_SCORERS))
+def test_query_free_scorers_compiled_on_cuda(name: str, deterministic_sdpa, fresh_dynamo) -> None:
+    model = _tiny_cuda("llama")
+    ids, mask = _batch_on_cuda(model.config.vocab_size, (12, 9, 6))
+    _compiled_matches_eager(model, ids, mask, dict(budget=16, compress_every=4, **CUDA_SCORERS[name]()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batch_sizes_share_one_compiled_step_on_cuda(deterministic_sdpa, fresh_dynamo) -> None:
+    """Batches of 3, 2, 5, 1, 16 and 64 rows at one budget: one dynamo graph (the batch dimension is dynamic), each
+    batch's tokens the eager cache's."""
+    model = _tiny_cuda("llama")
+    graphs = []
+    for size in (3, 2, 5, 1, 16, 64):
+        lengths = tuple(4 + (3 * row) % 7 for row in range(size))
+        ids, mask = _batch_on_cuda(model.config.vocab_size, lengths, seed=size)
+        options = dict(budget=16, compress_every=4)
+        eager, scores = generate(model, RopeKVCache(model, **options), ids, mask, 32, None)
+        cache = RopeKVCache(model, **options, static=True)
+        got, _ = generate(model, cache, ids, mask, 32, CompileConfig(fullgraph=True))
+        margins = divergence_margins(eager, scores, got)
+        assert all(m <= F32_NEAR_TIE for m in margins), f"batch {size}: parted from eager at {margins}"
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1] * len(graphs), f"graphs after each batch size: {graphs}"

@@ -47,11 +47,13 @@ def test_default_is_auto_and_cpu_stays_eager(caplog) -> None:
     assert counters["stats"]["unique_graphs"] == 0
 
 
-@pytest.mark.parametrize("new,goes_static", [(40, True), (10, False)])
-def test_compiled_for_long_generations_eager_for_short(new: int, goes_static: bool, caplog) -> None:
-    """Where generate compiles (here: every device), a long generation decodes compiled, a short one eagerly;
-    the tokens are the eager growing cache's either way, and each cache logs its mode once."""
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch,new,goes_static", [("llama", 40, True), ("llama", 10, False),
+                                                  ("gemma3_text", 40, True), ("qwen2_sliding", 40, True)])
+def test_compiled_for_long_generations_eager_for_short(arch: str, new: int, goes_static: bool, caplog) -> None:
+    """Where generate compiles (here: every device), a long generation decodes compiled, a short one eagerly, on
+    full-attention and on hybrid sliding-window models; the tokens are the eager growing cache's either way, and
+    each cache logs its mode once."""
+    model = tiny_model(arch)
     ids, mask = padded_batch(model.config.vocab_size, lengths=(11, 6, 3))
     expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False), ids, mask,
                         new=new)
@@ -84,7 +86,7 @@ def test_decision_is_taken_once(caplog) -> None:
     assert counters["stats"]["unique_graphs"] == 1  # the chunks ran eagerly, the decode step compiled
 
 
-@pytest.mark.parametrize("case", ["no budget", "config", "snapkv", "sliding", "hand-written loop"])
+@pytest.mark.parametrize("case", ["no budget", "config", "snapkv", "hand-written loop"])
 def test_unsupported_stays_eager_with_a_reason(case: str, caplog) -> None:
     with caplog.at_level(logging.INFO, logger=LOGGER):
         if case == "no budget":
@@ -96,9 +98,6 @@ def test_unsupported_stays_eager_with_a_reason(case: str, caplog) -> None:
         elif case == "snapkv":
             cache = RopeKVCache(tiny_model("llama"), budget=BUDGET, scorer=SnapKVScorer(window=4))
             assert "SnapKVScorer" in cache.static_reason
-        elif case == "sliding":
-            cache = RopeKVCache(tiny_model("gemma3_text"), budget=BUDGET)
-            assert "sliding-window" in cache.static_reason
         else:
             model = tiny_model("llama")
             ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))

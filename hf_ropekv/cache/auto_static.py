@@ -11,8 +11,8 @@ transformers 5.17 through 5.24, made before the first forward of ``_sample``). T
 rebuilt by ``RopeKVCache._assemble``) when all of these hold, and stays eager otherwise:
 
 - it holds no tokens yet (a cache continued from an earlier call keeps the mode it has);
-- it can be static (a budget, the model, full-attention layers only (sliding-window models compile with
-  ``static=True`` but are not chosen automatically yet), a scorer that needs no query window);
+- it can be static (a budget, the model, one window size for all sliding-window layers, a scorer that needs no
+  query window: ``model_checks.static_error``);
 - no rollback is expected (assisted decoding crops the cache) and compilation is not disabled;
 - the model is on CUDA (or the compile config asks to compile on every device: ``_compile_all_devices``);
 - the generation asks for at least :data:`AUTO_STATIC_MIN_NEW_TOKENS` new tokens;
@@ -45,18 +45,16 @@ PENDING = "auto: undecided until generate() asks whether to compile (before its 
 
 def unsupported_reason(cache: "RopeKVCache", model: Any) -> str | None:
     """Why ``cache`` can never be static (checked once, when it is built), or None: it can."""
-    from ..model.geometry import SLIDING
+    from .model_checks import static_error
 
     if cache.budget is None:
         return "no budget: the fixed arena holds budget + compress_every slots"
     if model is None:
         return "built from a config: a static cache needs the model's hooks"
-    if SLIDING in cache.geometry.layer_types:
-        return (f"'{cache.geometry.model_type}' has sliding-window layers: static=True holds them, but \"auto\" "
-                "keeps them eager until they are measured on CUDA")
     if cache._queries is not None:
         return f"{type(cache.scorer).__name__} needs a growing window of recent queries"
-    return None
+    error = static_error(cache.geometry, cache.budget, model, cache.scorer)
+    return None if error is None else error.split(";")[0]
 
 
 def new_tokens(model_kwargs: dict[str, Any], generation_config: Any) -> int | None:

@@ -152,9 +152,8 @@ class RopeKVCache(Cache):
         """Build the layers, and what depends on whether they are static (the buffer lease, the static driver,
         the model attachment), for a cache that holds nothing yet. ``static="auto"`` assembles growing layers
         first and again, static, once ``generate()`` decided to compile (``auto_static.decide``)."""
+        # static=True was checked in __init__; an "auto" cache goes static only where auto_static found it can
         options, model = self.options, None if self._model_ref is None else self._model_ref()
-        if static:
-            check_static(self.geometry, options.budget, model, self.scorer)
         lease = self._lease
         if static and lease is None:
             lease = BufferLease(self, BufferPool.of(model))

@@ -43,23 +43,31 @@ def static_scorer_error(scorer: Any) -> str | None:
     )
 
 
-def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: Any, scorer: Any = None) -> None:
-    """What ``static=True`` needs: a budget (the arena's size), the model (its hooks prepare each forward), no
-    scorer that recomputes attention, and one window for every sliding-window layer (transformers builds one
-    sliding-window mask for them all)."""
+def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: Any, scorer: Any = None) -> str | None:
+    """Why a cache cannot be static, or None. What ``static=True`` needs: a budget (the arena's size), the model
+    (its hooks prepare each forward), no scorer that recomputes attention, and one window for every sliding-window
+    layer (transformers builds one sliding-window mask for them all)."""
     if budget is None:
-        raise ValueError("static=True needs a budget: the fixed arena holds budget + compress_every slots per layer.")
+        return "static=True needs a budget: the fixed arena holds budget + compress_every slots per layer."
     if not isinstance(model_or_config, nn.Module):
-        raise ValueError(
+        return (
             "static=True needs the model, not its config: RopeKVCache(model, budget=..., static=True). The cache "
             "prepares every forward (compaction, slots, mask) from the model's hooks before the compiled step runs."
         )
     error = static_scorer_error(scorer)
     if error is not None:
-        raise ValueError(error)
+        return error
     windows = {w for kind, w in zip(geometry.layer_types, geometry.sliding_windows) if kind == SLIDING}
     if None in windows or len(windows) > 1:
-        raise ValueError(
+        return (
             f"static=True does not support '{geometry.model_type}': its sliding-window layers have windows "
             f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False."
         )
+    return None
+
+
+def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: Any, scorer: Any = None) -> None:
+    """Raise ``ValueError`` with :func:`static_error`'s reason where ``static=True`` cannot hold this model."""
+    error = static_error(geometry, budget, model_or_config, scorer)
+    if error is not None:
+        raise ValueError(error)

@@ -64,10 +64,7 @@ def query_window(scorer: Scorer, options: CacheOptions, geometry: ModelGeometry,
             f"{type(scorer).__name__} recomputes attention from the model's queries: build the cache from "
             "the model (RopeKVCache(model, ...)), not from its config."
         )
-    if options.static is True:  # "auto" stays eager with such a scorer (cache.auto_static)
-        from .model_checks import static_scorer_error
-
-        raise ValueError(static_scorer_error(scorer))
+    # static=True with such a scorer was refused before (model_checks.check_static); "auto" stays eager with it
     from ..scorers.query_window import QueryWindow
 
     return QueryWindow(geometry, window)
