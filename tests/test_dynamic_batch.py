@@ -4,24 +4,26 @@ generate's compiled forward marks the batch dimension dynamic: the step's inputs
 (``hf_ropekv.storage.buffers.BATCH_DIMS``), with batch 1 not specialised (``_compat.batch_one_not_specialised``).
 Without that, on torch 2.13 (CPU, dynamo's "eager" backend) batches 3, 2, 5, 1, 16 cost 3 compilations (batch 3;
 batch 2, after which dynamo's automatic dynamic shapes take over; batch 1, which dynamic shapes specialise); with
-the batch marked dynamic but batch 1 specialised, 2; with both, 1. On transformers 5.17 batch 1 still gets a graph of its own
-(2 in all, whichever comes first; something in 5.17's step specialises on batch 1, not investigated yet).
+the batch marked dynamic but batch 1 specialised, 2; with both, 1. On transformers 5.17 that alone still gave
+batch 1 a graph of its own (2 in all, whichever came first): its rotary embeddings expand ``inv_freq`` over the batch
+for a batched matmul (``LlamaRotaryEmbedding.forward``, modeling_llama.py:115-122), whose reshape guards
+``batch != 1``; a compiled step runs them on all rows' positions as one row (``_compat.rotary_batch_folded``).
 """
 
 from __future__ import annotations
 
 import gc
+import inspect
 
 import pytest
 import torch
+from packaging.version import Version
 from torch._dynamo.utils import counters
 
 from conftest import padded_batch, tiny_model
 from test_static_cache import compiled, generate
-from packaging.version import Version
 
 from hf_ropekv import RopeKVCache
-from hf_ropekv._compat import TRANSFORMERS_VERSION
 from hf_ropekv.storage.buffers import BATCH_DIMS, BufferLease, batch_dim
 
 BUDGET, EVERY, NEW = 16, 4, 32
@@ -53,10 +55,7 @@ def test_one_compile_for_every_batch_size(sizes: tuple[int, ...]) -> None:
         del cache
         gc.collect()
     assert dict(counters["graph_break"]) == {}
-    if TRANSFORMERS_VERSION >= Version("5.24"):
-        assert graphs == [1] * len(sizes), graphs
-    else:  # 5.17: batch 1 and the other sizes get one graph each (see the module docstring)
-        assert graphs == [1 + (1 in sizes[: i + 1] and any(b != 1 for b in sizes[: i + 1])) for i in range(len(sizes))]
+    assert graphs == [1] * len(sizes), graphs
 
 
 def test_another_budget_is_another_compile() -> None:
@@ -93,3 +92,26 @@ def test_every_leased_purpose_has_a_batch_dim(monkeypatch) -> None:
         assert dim is None or shape[dim] == size, (purpose, shape)
     with pytest.raises(KeyError, match="BATCH_DIMS"):
         batch_dim(("a_new_purpose", 0))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_folded_rotary_is_bitwise_the_rotary(arch: str) -> None:
+    """The rotary modules a compiled step runs with the batch folded into one row (transformers 5.17: those that
+    expand their frequencies over the batch; 5.24: none) give exactly their unfolded cos / sin, and are unpatched
+    after the context."""
+    from hf_ropekv import _compat
+
+    model = tiny_model(arch)
+    found = _compat.batch_expanding_rotaries(model)
+    assert bool(found) == (_compat.TRANSFORMERS_VERSION < Version("5.24")), found
+    rotary = model.model.rotary_emb
+    x = torch.zeros(3, 2, 64)
+    positions = torch.tensor([[0, 1], [7, 8], [2900, 2901]])
+    kwargs = {"layer_type": "sliding_attention"} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
+    expected = rotary(x, position_ids=positions, **kwargs)
+    with _compat.rotary_batch_folded([rotary]):
+        folded = rotary(x, position_ids=positions, **kwargs)
+    assert "forward" not in rotary.__dict__
+    for got, want in zip(folded, expected):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

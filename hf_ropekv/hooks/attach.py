@@ -608,8 +608,9 @@ class _GetCompiledCall(_ModelMethod):
     the decode steps (one token) keep the compiled call.
 
     The decode step's batch dimension is marked dynamic (the step's inputs and every buffer the cache leased,
-    ``storage.buffers.BATCH_DIMS``), with batch 1 not specialised (``_compat.batch_one_not_specialised``): one
-    compilation serves every batch size, so an eval loop whose last batch is smaller does not compile again.
+    ``storage.buffers.BATCH_DIMS``), with batch 1 not specialised (``_compat.batch_one_not_specialised``; on
+    transformers 5.17 also in the rotary embedding, ``_compat.rotary_batch_folded``): one compilation serves
+    every batch size, so an eval loop whose last batch is smaller does not compile again.
     """
 
     name = "get_compiled_call"
@@ -617,12 +618,13 @@ class _GetCompiledCall(_ModelMethod):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, original = self._model_and_original()
         compiled = original(*args, **kwargs)
+        rotaries = _compat.batch_expanding_rotaries(model)
 
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
             if _is_static_multi_token_forward(call_args, call_kwargs):
                 return model(*call_args, **call_kwargs)
             if _mark_batch_dynamic(call_args, call_kwargs):
-                with _compat.batch_one_not_specialised():
+                with _compat.batch_one_not_specialised(), _compat.rotary_batch_folded(rotaries):
                     return compiled(*call_args, **call_kwargs)
             return compiled(*call_args, **call_kwargs)
 
