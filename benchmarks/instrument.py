@@ -212,9 +212,13 @@ class ProfilingClock(StepClock):
         if self.device.type != "cuda":
             return result
         intervals = []
+        by_kind: dict[str, list[float]] = {}
         for event in self.profiler.events():
             if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
                 intervals.append((event.time_range.start, event.time_range.end))
+                entry = by_kind.setdefault(kernel_kind(event.name), [0.0, 0])
+                entry[0] += event.time_range.end - event.time_range.start
+                entry[1] += 1
         total = sum(end - start for start, end in intervals)
         busy, current_end = 0.0, None
         current_start = None
@@ -228,5 +232,29 @@ class ProfilingClock(StepClock):
         if current_end is not None:
             busy += current_end - current_start
         result.update(kernel_ms_per_step=total / 1e3 / self.steps, gpu_busy_ms_per_step=busy / 1e3 / self.steps,
-                      kernels_per_step=len(intervals) / self.steps)
+                      kernels_per_step=len(intervals) / self.steps,
+                      kernel_kinds=sorted(({"kind": kind, "ms_per_step": us / 1e3 / self.steps,
+                                            "per_step": count / self.steps} for kind, (us, count) in by_kind.items()),
+                                          key=lambda row: -row["ms_per_step"]))
         return result
+
+
+#: Kernel-name fragments to kinds, first match wins: what a decode step's GPU time is spent on.
+KERNEL_KINDS = (
+    ("fmha", "attention (sdpa)"), ("flash", "attention (sdpa)"), ("attention", "attention (sdpa)"),
+    ("nvjet", "matmul (GEMV / GEMM)"), ("gemv", "matmul (GEMV / GEMM)"), ("gemm", "matmul (GEMV / GEMM)"), ("sm90_xmma", "matmul (GEMV / GEMM)"),
+    ("cutlass", "matmul (GEMV / GEMM)"), ("cublas", "matmul (GEMV / GEMM)"), ("splitk", "matmul (GEMV / GEMM)"),
+    ("triton_red", "inductor reductions (norms, softmax)"), ("triton_per", "inductor reductions (norms, softmax)"),
+    ("triton_poi", "inductor pointwise (rope, activations, copies)"), ("_score", "hf_ropekv scoring"),
+    ("memcpy", "copies"), ("memset", "copies"), ("copy", "copies"), ("elementwise", "eager pointwise"),
+    ("reduce", "eager reductions"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """A coarse kind for a CUDA kernel's name (``KERNEL_KINDS``); unknown names keep their first 60 characters."""
+    lowered = name.lower()
+    for fragment, kind in KERNEL_KINDS:
+        if fragment in lowered:
+            return kind
+    return name[:60]

@@ -110,6 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-contexts", default="4096,32768")
     p.add_argument("--profile-new-tokens", type=int, default=256, help="tokens of each timed profile run")
     p.add_argument("--profile-steps", type=int, default=64, help="decode steps under torch.profiler")
+    p.add_argument("--profile-variants", default=",".join(PROFILE_VARIANTS), help="comma-separated subset")
     p.add_argument("--overhead-batch", type=int, default=16)
     p.add_argument("--overhead-context", type=int, default=4096)
     p.add_argument("--overhead-new-tokens", type=int, default=256)
@@ -135,6 +136,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown parts {unknown}; choose from {','.join(PARTS)}")
     args.profile_contexts = [int(c) for c in args.profile_contexts.split(",") if c]
+    args.profile_variants = [v for v in args.profile_variants.split(",") if v]
+    unknown = set(args.profile_variants) - set(PROFILE_VARIANTS)
+    if unknown:
+        p.error(f"--profile-variants: unknown {sorted(unknown)}; choose from {','.join(PROFILE_VARIANTS)}")
     return args
 
 
@@ -353,7 +358,7 @@ def child_profile(args: argparse.Namespace) -> None:
         max_len = context + args.profile_new_tokens + 8
         entry: dict[str, Any] = dict(context=context, variants={})
         result["contexts"].append(entry)
-        for variant in PROFILE_VARIANTS:
+        for variant in args.profile_variants:
             row: dict[str, Any] = dict(label=LABELS[variant])
             entry["variants"][variant] = row
             try:
@@ -608,6 +613,13 @@ def render_profile(part: dict[str, Any]) -> list[str]:
                 f"{_f(m.get('generate_loop_ms'), '.3f')} | {last['compaction_steps']}: "
                 f"{_f(last['compaction_step_wall_ms'])} / {_f(last['compaction_step_cache_ms'])} | "
                 f"{'n/a' if not dyn_p50 or not p50 else f'{dyn_p50 / p50:.2f}×'} |")
+    kinds = [(entry["context"], row["label"], row.get("profiled", {}).get("kernel_kinds"))
+             for entry in part.get("contexts", []) for row in entry["variants"].values()]
+    for context, label, table in kinds:
+        if table:
+            lines += ["", f"GPU time per decode step by kernel kind: {label}, context {context}", "",
+                      "| kernel kind | ms/step | kernels/step |", "|---|---|---|"]
+            lines += [f"| {row['kind']} | {row['ms_per_step']:.3f} | {row['per_step']:.1f} |" for row in table[:12]]
     return lines + [""]
 
 
