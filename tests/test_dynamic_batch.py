@@ -71,7 +71,7 @@ def test_another_budget_is_another_compile() -> None:
 
 def test_every_leased_purpose_has_a_batch_dim(monkeypatch) -> None:
     """Every purpose a static cache leases a buffer for is listed in BATCH_DIMS, and its dimension is the batch:
-    caught on a generation with online statistics (their sums and counts are leased too)."""
+    caught on generations with online statistics (their sums and counts are leased too) and learning."""
     taken: list[tuple] = []
     take = BufferLease.take
 
@@ -85,6 +85,9 @@ def test_every_leased_purpose_has_a_batch_dim(monkeypatch) -> None:
     for arch in ("llama", "qwen2_sliding"):  # the hybrid model leases its static windows too
         model = tiny_model(arch)
         generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask, new=NEW)
+    # learning the workload leases per-row learning sums
+    generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, learn_workload=True), ids,
+             mask, new=NEW)
     kinds = {purpose[0] for purpose, _ in taken}
     assert kinds == set(BATCH_DIMS), "a purpose leased but not listed, or listed but never leased"
     for purpose, shape in taken:

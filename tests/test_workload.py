@@ -253,6 +253,43 @@ def test_a_static_cache_learns_the_same_statistics() -> None:
     torch.testing.assert_close(workload.to_stats().q_abs_mean, expected.q_abs_mean, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("compiled_step", [False, True])
+def test_a_static_cache_learns_every_step_across_compactions_and_freezes_exactly(compiled_step: bool,
+                                                                                 fresh_dynamo) -> None:
+    """A static cache's decoding steps go into per-row learning sums, added to the workload between steps (at each
+    compaction, when read, when the cache is dropped). With compactions in between, eager and compiled (generate's
+    own compilation, dynamo's eager backend), it learns what the growing cache learns (every layer: queries past the
+    first layer depend on what was evicted), and the first layer's equal calibration on the tokens it counted. With
+    ``freeze_at`` inside the generation, learning stops at exactly that token: the step that reaches it included
+    (before, a static cache counted that step without adding its queries), none after."""
+    from test_static_cache import compiled
+
+    extra = {"compile_config": compiled()} if compiled_step else {}
+    ids = _prompt(15)
+
+    def learn(freeze_at: int, static: bool):
+        model = tiny_model("llama")
+        workload = workload_statistics(model)
+        workload.freeze_at = freeze_at
+        cache = RopeKVCache(model, budget=16, compress_every=4, static=static, learn_workload=True,
+                            protect_prompt=False)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0, **cache_kw(model, cache), **(extra if static else {}))
+        assert cache.num_compactions >= 3
+        del cache
+        first = workload.geometry.full_attention_layers[0]
+        expected = _calibrated(model, _forwarded(out)[:, : workload.tokens])
+        torch.testing.assert_close(workload.to_stats().q_abs_mean[first], expected.q_abs_mean[first], atol=1e-5,
+                                   rtol=1e-4)
+        return workload
+
+    static, growing = learn(10**6, static=True), learn(10**6, static=False)
+    assert static.tokens == growing.tokens == PROMPT + NEW - 1
+    torch.testing.assert_close(static.to_stats().q_abs_mean, growing.to_stats().q_abs_mean, atol=1e-5, rtol=1e-4)
+    frozen = learn(PROMPT + 5, static=True)
+    assert frozen.frozen and frozen.tokens == PROMPT + 5
+
+
 def test_a_copied_cache_feeds_the_same_workload() -> None:
     import copy
 

@@ -14,7 +14,11 @@ With ``half_life`` set, older queries weigh less: before a forward's queries are
 
 Workload statistics (``hf_ropekv.statistics.workload``): with ``learn`` set, the same folds also add their
 undecayed, batch-summed parts into the model's workload sums (one more reduction per fold, no host sync); with
-``prior`` set, a row's means start from the workload's, worth ``prior_tokens`` queries.
+``prior`` set, a row's means start from the workload's, worth ``prior_tokens`` queries. A static cache's compiled
+decoding step adds each layer's parts to undecayed per-row sums beside its own (the same pointwise update, which
+inductor fuses with it: on an H200 the batch reduction per layer and step cost +3.4 % of the step); they go into
+the workload, summed over rows, between steps (``_drain_learning``: whenever the statistics are read or handed
+back, before learning freezes, and when the cache is dropped).
 """
 
 from __future__ import annotations
@@ -89,9 +93,13 @@ class OnlineStatistics:
             ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
                                       self._pairs)
             ending.atexit = False
+            # ... and so do a static cache's undecayed per-row sums (its buffers go back to the model's pool as it
+            # goes, and no other cache can take them before this runs)
+            ending = weakref.finalize(self, learn.adopt_rows, self._learn_rows, self._learn_layers)
+            ending.atexit = False
 
     def reset(self) -> None:
-        if getattr(self, "_deferred", None):
+        if getattr(self, "_deferred", None) or getattr(self, "_learn_rows", None):
             self.flush()  # finished forwards: the workload keeps them even though this object forgets them
         # Per device: float64 [L_device, B, 3, H_q, F] sums (real, imaginary, modulus) and [B] counts.
         self._sums: dict[torch.device, torch.Tensor] = {}
@@ -108,6 +116,13 @@ class OnlineStatistics:
         # Finished decoding steps not folded yet, [B, L_device, H, D] each. One list for the object's life: a cache
         # dropped with steps still here hands them to the workload statistics (see __init__).
         self._deferred: list[torch.Tensor] = getattr(self, "_deferred", [])
+        # A static cache's undecayed per-row sums for the workload, float64 [L_device, B, 3, H_q, F] per device, and
+        # the layers of their rows; one dict each for the object's life (see __init__), emptied here.
+        self._learn_rows: dict[torch.device, torch.Tensor] = getattr(self, "_learn_rows", {})
+        self._learn_layers: dict[torch.device, tuple[int, ...]] = getattr(self, "_learn_layers", {})
+        self._learn_rows.clear()
+        self._learn_layers.clear()
+        self._step_tokens = 0  # real tokens of the running static decoding step, counted for the workload at its end
         self._weights: dict[tuple, torch.Tensor] = {}  # the deferred steps' decay weights, by (device, steps)
 
     # ------------------------------------------------------------------ one forward
@@ -121,8 +136,8 @@ class OnlineStatistics:
             self._decay_counts_and_add()
             self._snapshot = None
             learner = self._learner()
-            if learner is not None:  # this step's _fold_now calls add its queries (counted here, as the counts)
-                learner.count(self._real_tokens(next(iter(self._counts.values())).shape[0]))
+            if learner is not None:  # this step's _fold_now calls add its queries; counted when it ends
+                self._step_tokens = self._real_tokens(next(iter(self._counts.values())).shape[0])
 
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Take one layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
@@ -154,6 +169,13 @@ class OnlineStatistics:
 
     def end_forward(self) -> None:
         """The forward finished: its queries now count."""
+        if self._step_tokens:  # a static decoding step: its queries are in the per-row learning sums
+            tokens, self._step_tokens = self._step_tokens, 0
+            learner = self._learner()
+            if learner is not None:
+                if tokens >= learner.room:  # this step freezes them: what was learned up to here goes in first
+                    self._drain_learning()
+                learner.count(tokens)
         if self._step is not None:
             layers, stacked = self._step
             self._step = None
@@ -232,6 +254,7 @@ class OnlineStatistics:
     def flush(self) -> None:
         """Fold the deferred decoding steps: the sums decay by ``f`` and gain a step's parts, once per step in order,
         which is ``sums * f**n + sum_j f**(n-1-j) * parts_j`` (float64; the same up to its rounding)."""
+        self._drain_learning()
         if not self._deferred:
             return
         steps = list(self._deferred)
@@ -323,6 +346,12 @@ class OnlineStatistics:
             for device, value in table.items():
                 buffer = take((name, device), tuple(value.shape), value.dtype, lambda v=value: torch.empty_like(v))
                 table[device] = buffer.copy_(value)
+        if self._learner() is not None:
+            for device, sums in self._sums.items():
+                rows = take(("online_learn_rows", device), tuple(sums.shape), sums.dtype,
+                            lambda v=sums: torch.zeros_like(v))
+                self._learn_rows[device] = rows.zero_()
+                self._learn_layers[device] = self._layers_on(device)
         self._on_buffers = True
         self._snapshot = None
 
@@ -335,9 +364,9 @@ class OnlineStatistics:
         if mask is not None:
             parts = torch.where(mask[:, :, None, None], parts, 0.0)
         decay_then_add(self._sums[device][index], self._decay_factor(1), parts)
-        learner = self._learner()
-        if learner is not None:  # counted in begin_forward
-            learner.add_layers((layer_idx,), parts.sum(dim=0, keepdim=True, dtype=torch.float64))
+        rows = self._learn_rows.get(device)
+        if rows is not None and self._learner() is not None:  # counted at the step's end; drained between steps
+            rows[index].add_(parts)
 
     def _decay_counts_and_add(self) -> None:
         for device, counts in self._counts.items():
@@ -346,12 +375,12 @@ class OnlineStatistics:
     def buffers(self) -> list[torch.Tensor]:
         """The running sums' tensors (a static cache gives them back to its lease on reset)."""
         self.flush()
-        return [*self._sums.values(), *self._counts.values()]
+        return [*self._sums.values(), *self._counts.values(), *self._learn_rows.values()]
 
     # ------------------------------------------------------------------ batch reshuffles (beam search, expansion)
     def select_batch(self, index: torch.Tensor) -> None:
         self.flush()
-        for table in (self._sums, self._counts):
+        for table in (self._sums, self._counts, self._learn_rows):  # (the learning sums were drained: zeros)
             for device, value in table.items():
                 dim = 1 if value.ndim > 1 else 0
                 table[device] = value.index_select(dim, index.to(device))
@@ -364,6 +393,17 @@ class OnlineStatistics:
         """The workload statistics to feed now (``None``: not learning, or they froze)."""
         learn = self.learn
         return None if learn is None or learn.frozen else learn
+
+    def _drain_learning(self) -> None:
+        """Add a static cache's undecayed per-row learning sums into the workload, summed over rows, and zero them
+        (the queries they hold were counted as their steps ended)."""
+        if not self._learn_rows:
+            return
+        learner = self._learner()
+        for device, rows in self._learn_rows.items():
+            if learner is not None:
+                learner.add_layers(self._learn_layers[device], rows.sum(dim=1))
+            rows.zero_()
 
     def _real_tokens(self, batch: int) -> int:
         """Real tokens of this forward over all rows (a host sync only when it has a padding mask)."""

@@ -157,6 +157,14 @@ class WorkloadStatistics:
             for feeder in list(self._feeders):
                 feeder.flush()
 
+    def adopt_rows(self, rows: dict[torch.device, torch.Tensor], layers: dict[torch.device, tuple[int, ...]]) -> None:
+        """Add the undecayed per-row sums ``[L_device, B, 3, H_q, F]`` a dropped static cache gathered since they were
+        last added (its steps were counted as they ended)."""
+        if not self._frozen:
+            for device, value in rows.items():
+                self.add_layers(layers[device], value.sum(dim=1))
+        rows.clear()
+
     def adopt_steps(self, steps: list[torch.Tensor], layers: list[tuple[int, ...]], layout: str, pairs: int) -> None:
         """Add decoding steps a dropped cache had deferred (``[B, L, H, D]`` queries of ``layers[0]``, no padding)."""
         if not steps or self._frozen:
@@ -169,6 +177,11 @@ class WorkloadStatistics:
         self.add_layers(layers[0], parts.sum(dim=(0, 1), dtype=torch.float64))
         self.count(parts.shape[0] * parts.shape[1])
         steps.clear()
+
+    @property
+    def room(self) -> int:
+        """Tokens still learned before they freeze (0 once frozen)."""
+        return 0 if self._frozen else max(0, self._freeze_at - self._tokens)
 
     def count(self, tokens: int) -> None:
         """The forward whose queries were just added held ``tokens`` real tokens; freezes at ``freeze_at``."""

@@ -42,6 +42,7 @@ BATCH_DIMS: dict[str, int | None] = {
     "clock": None,  # the step clock: the first new slot [1] and the tokens seen before it [] (cache.static)
     "online_sums": 1,  # the online statistics' running sums, [L_device, B, 3, H_q, F] (statistics.online)
     "online_counts": 0,  # their per-row query counts, [B]
+    "online_learn_rows": 1,  # undecayed per-row sums for the workload statistics, as online_sums (statistics.online)
     WINDOW_KEYS: 0,  # a static sliding-window layer's keys, [B, kv_heads, window, head_dim] (cache.window)
     WINDOW_VALUES: 0,  # its values
 }
