@@ -20,7 +20,11 @@
   decomposition reshapes that zero-stride expansion, and the contiguity check of the reshape guards
   ``batch != 1`` (``SymbolicShapeMeta::compute_contiguous``, not size-oblivious), so batch 1 compiled a graph of
   its own. 5.24 broadcasts instead (``position_ids[..., None] * inv_freq``). :func:`rotary_batch_folded` runs such
-  modules on the positions of all rows as one row in a compiled decode step (:func:`batch_expanding_rotaries`).
+  modules on the positions of all rows as one row in a compiled decode step (:func:`batch_expanding_rotaries`),
+  padded with :data:`_FOLD_PADDING` positions: the row's frequencies ``[1, N, D/2]`` come transposed out of the
+  matmul (stride ``N`` on the last axis), and inductor's decomposition of ``torch.cat((freqs, freqs), -1)``
+  (``torch/_inductor/decomposition.py``: repeated input -> ``unsqueeze/expand/flatten``) asks that expansion for
+  its contiguity in C++ (not size-oblivious), guarding ``N != 1``; with ``N + 2`` the answer needs no guard.
 - Attention functions: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` on every version;
   5.24 folds grouped query heads for a masked decoding token in eager mode only (``pack_gqa``).
 """
@@ -203,18 +207,26 @@ def batch_expanding_rotaries(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
+#: Positions (0) appended to the folded row of a batch-expanding rotary: the frequencies' last axis then has the
+#: stride ``B * S + 2``, never 1, so inductor's ``cat`` decomposition does not guard the batch (module docstring).
+#: Position 0 raises no ``max(position_ids)`` that a dynamic or long RoPE (``dynamic_rope_update``) looks at.
+_FOLD_PADDING = 2
+
+
 def _batch_folded_rotary_forward(self: torch.nn.Module, x: torch.Tensor, position_ids: Any, *args: Any,
                                  **kwargs: Any) -> Any:
-    """A rotary module's own forward on ``position_ids [B, S]`` seen as one row ``[1, B * S]``; its cos / sin (or
-    complex frequencies) ``[1, B * S, ...]`` come back as ``[B, S, ...]``. Every position is computed on its own
-    (a one-term product per frequency), so the values are the unfolded forward's, bit for bit."""
+    """A rotary module's own forward on ``position_ids [B, S]`` seen as one row ``[1, B * S]`` (and
+    :data:`_FOLD_PADDING` positions more, dropped again); its cos / sin (or complex frequencies) ``[1, B * S, ...]``
+    come back as ``[B, S, ...]``. Every position is computed on its own (a one-term product per frequency), so the
+    values are the unfolded forward's, bit for bit."""
     forward = type(self).forward
     if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2:
         return forward(self, x, position_ids, *args, **kwargs)
-    out = forward(self, x, position_ids.reshape(1, -1), *args, **kwargs)
+    row = position_ids.reshape(1, -1)
+    out = forward(self, x, torch.cat([row, row.new_zeros(1, _FOLD_PADDING)], dim=1), *args, **kwargs)
 
     def unfold(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.reshape(position_ids.shape + tensor.shape[2:])
+        return tensor[:, : row.shape[1]].reshape(position_ids.shape + tensor.shape[2:])
 
     return tuple(unfold(tensor) for tensor in out) if isinstance(out, (tuple, list)) else unfold(out)
 

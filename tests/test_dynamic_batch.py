@@ -8,6 +8,8 @@ the batch marked dynamic but batch 1 specialised, 2; with both, 1. On transforme
 batch 1 a graph of its own (2 in all, whichever came first): its rotary embeddings expand ``inv_freq`` over the batch
 for a batched matmul (``LlamaRotaryEmbedding.forward``, modeling_llama.py:115-122), whose reshape guards
 ``batch != 1``; a compiled step runs them on all rows' positions as one row (``_compat.rotary_batch_folded``).
+Under inductor that row is padded by two positions: inductor's decomposition of the rotary's ``torch.cat((freqs,
+freqs), -1)`` checked the contiguity of an expansion whose stride was the number of positions, guarding it != 1.
 """
 
 from __future__ import annotations
@@ -37,10 +39,7 @@ def _batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return padded_batch(128, lengths=lengths, seed=size)
 
 
-@pytest.mark.parametrize("sizes", [(3, 2, 5, 1, 16), (1, 4, 2)])
-def test_one_compile_for_every_batch_size(sizes: tuple[int, ...]) -> None:
-    """One budget, batches of several sizes (batch 1 first or late): one graph, no recompilation; each batch's
-    tokens are the growing (eager) cache's."""
+def _one_graph_for(sizes: tuple[int, ...], backend: str) -> None:
     model = tiny_model("llama")
     graphs = []
     for size in sizes:
@@ -48,7 +47,7 @@ def test_one_compile_for_every_batch_size(sizes: tuple[int, ...]) -> None:
         expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False), ids, mask,
                             new=NEW)
         cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
-        got = generate(model, cache, ids, mask, new=NEW, compile_config=compiled())
+        got = generate(model, cache, ids, mask, new=NEW, compile_config=compiled(backend))
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
         assert cache.num_compactions >= 2
         graphs.append(counters["stats"]["unique_graphs"])
@@ -56,6 +55,34 @@ def test_one_compile_for_every_batch_size(sizes: tuple[int, ...]) -> None:
         gc.collect()
     assert dict(counters["graph_break"]) == {}
     assert graphs == [1] * len(sizes), graphs
+
+
+@pytest.mark.parametrize("sizes", [(3, 2, 5, 1, 16), (1, 4, 2)])
+def test_one_compile_for_every_batch_size(sizes: tuple[int, ...]) -> None:
+    """One budget, batches of several sizes (batch 1 first or late): one graph, no recompilation; each batch's
+    tokens are the growing (eager) cache's."""
+    _one_graph_for(sizes, "eager")
+
+
+def _has_cpp_compiler() -> bool:
+    try:  # imported here, not at collection: inductor pulls in triton (conftest: TRITON_INTERPRET)
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:  # no compiler found (InvalidCxxCompiler), or a torch without this helper
+        return False
+    return True
+
+
+def test_one_compile_for_every_batch_size_under_inductor(tmp_path, monkeypatch) -> None:
+    """The same under inductor (generate's default backend; about 30 s on 2 CPU cores, a fresh inductor cache).
+    Before the folded rotary was padded (``_compat._FOLD_PADDING``), transformers 5.17 compiled batch 1 again here
+    and under inductor + CUDA graphs on an H200: inductor's ``cat`` decomposition guarded ``batch != 1``, which
+    dynamo's own trace (the "eager" backend) never sees."""
+    if not _has_cpp_compiler():
+        pytest.skip("inductor on the CPU needs a C++ compiler")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    _one_graph_for((3, 2, 1, 5), "inductor")
 
 
 def test_another_budget_is_another_compile() -> None:
