@@ -130,6 +130,7 @@ class OnlineStatistics:
         """Start a forward of ``new_tokens`` tokens; drop queries of a forward that never finished (it raised)."""
         self._pending, self._stash, self._step = {}, [], None
         self._mask, self._new = new_token_mask, new_tokens
+        self._step_tokens = 0  # (a static step that raised is not counted by the next forward)
         if self._on_buffers and new_tokens == 1:
             # A static cache's decoding step: each layer folds its query into its sums during the forward
             # (_fold_now, inside the compiled step, so no query outlives it); the counts move here, before it.
