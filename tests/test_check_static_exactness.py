@@ -22,6 +22,7 @@ from transformers import CompileConfig
 import hf_ropekv
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg
+from conftest import padded_batch, tiny_model
 from test_check_exactness import QWEN3_1_7B, TINY_QWEN3, left_padded, random_qwen3
 
 BF16_NEAR_TIE = 0.25  # a few bf16 ulps of logits around 10: what a different summation order can flip
@@ -103,14 +104,10 @@ CUDA_SCORERS = {
 
 
 def _tiny_cuda(arch: str):
-    from conftest import tiny_model
-
     return tiny_model(arch).cuda()
 
 
 def _batch_on_cuda(vocab: int, lengths: tuple[int, ...], seed: int = 0):
-    from conftest import padded_batch
-
     ids, mask = padded_batch(vocab, lengths=lengths, seed=seed)
     return ids.cuda(), mask.cuda()
 

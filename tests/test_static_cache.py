@@ -32,6 +32,23 @@ def generate(model, cache, ids, mask, new=NEW_TOKENS, **kwargs) -> torch.Tensor:
     return out[:, ids.shape[1] :]
 
 
+def hand_written_loop(model, cache, forward, ids, mask, steps: int) -> torch.Tensor:
+    """Greedy tokens from calling ``forward`` step by step with ``cache`` (a left-padded prompt, then one token per
+    call), as a user's own decoding loop does."""
+    attention = mask.clone()
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    kw = {cache_kwarg(model): cache}
+    logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, **kw).logits
+    tokens = []
+    for _ in range(steps):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+        attention = torch.cat([attention, torch.ones_like(token)], dim=1)
+        positions = positions[:, -1:] + 1
+        logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, **kw).logits
+    return torch.cat(tokens, dim=1)
+
+
 def compiled(backend: str = "eager") -> CompileConfig:
     """generate's own compilation, on the CPU too (it compiles only on accelerators by default)."""
     config = CompileConfig(backend=backend, fullgraph=True, mode=None)
@@ -193,17 +210,7 @@ def test_compiled_forward_in_a_hand_written_loop(pattern: str) -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
 
     def loop(cache, forward) -> torch.Tensor:
-        attention = mask.clone()
-        positions = (attention.cumsum(-1) - 1).clamp_min(0)
-        logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, **{cache_kwarg(model): cache}).logits
-        tokens = []
-        for _ in range(30):
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(token)
-            attention = torch.cat([attention, torch.ones_like(token)], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, **{cache_kwarg(model): cache}).logits
-        return torch.cat(tokens, dim=1)
+        return hand_written_loop(model, cache, forward, ids, mask, steps=30)
 
     with torch.no_grad():
         expected = loop(RopeKVCache(model, budget=BUDGET, compress_every=EVERY), model)

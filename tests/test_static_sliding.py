@@ -25,7 +25,7 @@ from conftest import padded_batch, tiny_model
 from hf_ropekv import H2OScorer, RKVScorer, RopeKVCache, SnapKVScorer, disable, enable
 from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.cache.window import StaticWindowLayer
-from test_static_cache import compiled, generate
+from test_static_cache import compiled, generate, hand_written_loop
 
 BUDGET, EVERY, WINDOW = 16, 4, 8
 HYBRID = ("gemma2", "qwen2_sliding", "gemma3_text")
@@ -134,18 +134,7 @@ def test_hand_written_compiled_loop() -> None:
     ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
 
     def loop(cache, forward) -> torch.Tensor:
-        attention = mask.clone()
-        positions = (attention.cumsum(-1) - 1).clamp_min(0)
-        kw = {cache_kwarg(model): cache}
-        logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, **kw).logits
-        tokens = []
-        for _ in range(24):
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(token)
-            attention = torch.cat([attention, torch.ones_like(token)], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, **kw).logits
-        return torch.cat(tokens, dim=1)
+        return hand_written_loop(model, cache, forward, ids, mask, steps=24)
 
     with torch.no_grad():
         expected = loop(RopeKVCache(model, budget=BUDGET, compress_every=EVERY), model)

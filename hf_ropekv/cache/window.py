@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from .. import _compat
-from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, mark_static
+from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, mark_static, static_buffer
 
 if TYPE_CHECKING:
     from ..storage.buffers import BufferLease
@@ -73,16 +73,7 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         self.is_initialized = True
 
     def _buffer(self, purpose: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        device = self.device
-
-        def make() -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        if self._lease is not None:
-            return self._lease.take((purpose, self.layer_idx, device), shape, dtype, make)
-        tensor = make()
-        mark_static(tensor)
-        return tensor
+        return static_buffer(self._lease, (purpose, self.layer_idx, self.device), shape, dtype, self.device)
 
     def initialize(self, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         """Allocate before the first forward (the static driver), from tensors shaped like the keys and values."""

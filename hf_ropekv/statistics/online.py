@@ -351,7 +351,7 @@ class OnlineStatistics:
             for device, sums in self._sums.items():
                 rows = take(("online_learn_rows", device), tuple(sums.shape), sums.dtype,
                             lambda v=sums: torch.zeros_like(v))
-                self._learn_rows[device] = rows.zero_()
+                self._learn_rows[device] = rows  # zeroed by take
                 self._learn_layers[device] = self._layers_on(device)
         self._on_buffers = True
         self._snapshot = None

@@ -128,6 +128,20 @@ class BufferLease:
                 return
 
 
+def static_buffer(lease: BufferLease | None, purpose: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """A zeroed buffer at a static address: from ``lease`` (the pool of the model's previous static cache) when the
+    layer has one, else a new one marked static."""
+    def make() -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    if lease is not None:
+        return lease.take(purpose, shape, dtype, make)
+    tensor = make()
+    mark_static(tensor)
+    return tensor
+
+
 def mark_static(*tensors: torch.Tensor) -> None:
     """Mark tensors that a compiled step mutates in place as static addresses: CUDA graphs are used only when
     every tensor a step mutates is one (marking is an eager-time act; inside a trace it is skipped)."""

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .buffers import mark_static
+from .buffers import mark_static, static_buffer
 from .paged import PagedKV
 
 if TYPE_CHECKING:
@@ -110,15 +110,7 @@ class StaticKV(PagedKV):
         self.write_index = None
 
     def _buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed buffer at a static address: from the lease (the model's previous static cache), or new."""
-        def make() -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        if self._lease is not None:
-            return self._lease.take((name, self.layer_idx, device), shape, dtype, make)
-        tensor = make()
-        mark_static(tensor)
-        return tensor
+        return static_buffer(self._lease, (name, self.layer_idx, device), shape, dtype, device)
 
     def _adopt_as_arena(self) -> None:
         if self.keys is not None and self.capacity == self.static_capacity:
