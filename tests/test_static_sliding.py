@@ -226,6 +226,8 @@ def test_attention_scorers_are_refused_with_the_fix(name: str) -> None:
         assert "_prepare_cache_for_generation" not in model.__dict__  # nothing was installed
     enable(model, budget=BUDGET, scorer=scorer)  # the growing cache takes them
     disable(model)
+    enable(model, budget=BUDGET, scorer=scorer, static="auto")  # "auto" stays eager with them, as RopeKVCache does
+    disable(model)
     RopeKVCache(model, budget=BUDGET, scorer=ATTENTION_SCORERS[name](), static=False)
 
 

@@ -284,7 +284,7 @@ def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[
             )
         if stats is not None:
             raise ValueError("Pass `stats` to the FrequencyScorer you build, or omit `scorer`; not both.")
-        if options.get("static"):
+        if options.get("static") is True:  # ("auto" stays eager with such a scorer, as RopeKVCache does)
             # Refused now, not at the first generate() call, where the cache would be built.
             from ..cache.model_checks import static_scorer_error
 
