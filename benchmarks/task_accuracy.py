@@ -777,6 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report warm rows: the workload statistics learned on --warm-problems first")
     p.add_argument("--warm-problems", default=None,
                    help="tune problems FIRST-LAST the warm-up runs (default 0-299; inside 0-299)")
+    p.add_argument("--warm-only", action="store_true",
+                   help="with --warm: no cold rows for policies that learn (compare prior weights warm; add "
+                        "default:learn_workload=False for the cold row)")
     p.add_argument("--warm-domain", choices=sorted(tasks.DOMAINS), default=None,
                    help="the prompts of the warm-up (default: --domain's): learn on one domain, evaluate another")
     p.add_argument("--peer-window", default=AUTO_WINDOW,
@@ -863,6 +866,8 @@ def warm_range(args: argparse.Namespace, evaluated: range) -> range | None:
     """The problems the warm-up learns on (``None`` without ``--warm``): inside the tune split, disjoint from the
     evaluated ones."""
     if not args.warm:
+        if args.warm_only:
+            raise ValueError("--warm-only drops the cold rows of the warm comparison: it needs --warm")
         return None
     warm = tasks.parse_range(args.warm_problems) if args.warm_problems else tasks.TUNE_RANGE
     if warm.start < tasks.TUNE_RANGE.start or warm.stop > tasks.TUNE_RANGE.stop:
@@ -1035,6 +1040,8 @@ def _run_plan(args, model, tokenizer, all_problems, units, policies, gaps, budge
             for setting in ([None] if policy.is_full else (gaps if args.task == "gsm8k" else budgets))]
     if warm_problems is not None:
         plan += [(policy, setting, True) for policy, setting, _ in plan if learns_workload(policy)]
+        if args.warm_only:  # a learner's cold row is the same for every prior weight: run it once, as its own policy
+            plan = [(policy, setting, warm) for policy, setting, warm in plan if warm or not learns_workload(policy)]
     warm_tag = "+warm" if warm_domain == args.domain else f"+warm({warm_domain})"
     for n_done, (policy, setting, warm) in enumerate(plan):
         learning = warm and "warm" not in meta

@@ -444,6 +444,23 @@ def test_warm_domain_picks_the_warm_up_prompts(tmp_path: Path) -> None:
     assert learned["pot"]["tokens"] > learned["cot"]["tokens"] and pot_extra > 0
 
 
+def test_warm_only_drops_the_learners_cold_rows(tmp_path: Path) -> None:
+    # Two prior weights compared warm, with one cold reference row (a policy that does not learn) and full.
+    task_accuracy.main(
+        ["--out", str(tmp_path), "--warm", "--warm-only", "--warm-problems", "298-299", "--problems", "0-1",
+         "--policies", "full,default:window=2,default:window=2,prior_tokens=4096,default:window=2,learn_workload=False",
+         "--gaps", "4", "--compress-every", "4", "--max-new-tokens", "4"],
+        model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems(),
+    )
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["policy"], r["warm"]) for r in result["rows"]] == [
+        ("full", False), ("default:window=2,learn_workload=False", False),
+        ("default:window=2+warm", True), ("default:window=2,prior_tokens=4096+warm", True)]
+    with pytest.raises(ValueError, match="needs --warm"):
+        task_accuracy.main(["--out", str(tmp_path), "--warm-only", "--problems", "0-1", "--policies", "default"],
+                           model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+
+
 def test_pot_is_refused_for_the_long_task() -> None:
     with pytest.raises(ValueError, match="not for --task long"):
         task_accuracy.main(["--task", "long", "--domain", "pot", "--problems", "0-7"],
