@@ -38,8 +38,12 @@ show each row's window.
 0-299, when reporting; question and reference solution in the chat template), computed once per run and saved
 (``--stats`` reuses a file). Calibration problems never overlap the evaluated ones. GSM8K has no reference
 programs: a ``--domain pot`` run calibrates on the same chain-of-thought reference solutions, and says so.
+``--calib-source own`` calibrates on the model's own greedy answers to the calibration problems in ``--domain``
+instead (``hf_ropekv.calibrate(prompts=...)``: full cache, each answer cut at its end of sequence), which separates
+"own answers or reference answers" from "learned under eviction, with batch filler" (the ``--warm`` prior).
 
-Workload statistics: a default cache learns the model's queries across calls (``hf_ropekv.workload_statistics``).
+Workload statistics: a cache with ``learn_workload=True`` learns the model's queries across calls
+(``hf_ropekv.workload_statistics``).
 Every row above is *cold*: the workload is reset before each batch, so each batch scores as the first call on a
 fresh model. ``--warm`` adds *warm* rows (label ``POLICY+warm``) for every policy with online statistics: first
 the tune problems ``--warm-problems`` (default 0-299) run through the model with the default cache at the first
@@ -332,8 +336,11 @@ def scorer_class(name: str) -> type:
 class CalibratedStats:
     """The statistics of the calibration problems, computed on first use, then loaded from / saved to a file."""
 
-    def __init__(self, model, tokenizer, problems: Sequence[Problem], path: Path, log: Callable[[str], None]):
+    def __init__(self, model, tokenizer, problems: Sequence[Problem], path: Path, log: Callable[[str], None],
+                 own_answers: dict[str, Any] | None = None):
         self.model, self.tokenizer, self.problems, self.path, self.log = model, tokenizer, problems, path, log
+        # --calib-source own: {"domain", "max_new_tokens", "batch_size"}; None: the reference solutions
+        self.own_answers = own_answers
         self._stats = None
         self.source: str | None = None
 
@@ -344,19 +351,29 @@ class CalibratedStats:
                 self._stats = hf_ropekv.FrequencyStats.load(self.path)
                 self.source = f"loaded {self.path}"
             else:
-                texts = [
-                    self.tokenizer.apply_chat_template(tasks.calibration_messages(p), tokenize=False)
-                    for p in self.problems
-                ]
                 start = time.perf_counter()
-                self._stats = hf_ropekv.calibrate(
-                    self.model, self.tokenizer, texts, max_tokens=10**9, progress=False,
-                    source=f"GSM8K test problems {self.problems[0].index}-{self.problems[-1].index} "
-                    "(question + reference solution, chat template)",
-                )
+                span = f"GSM8K test problems {self.problems[0].index}-{self.problems[-1].index}"
+                if self.own_answers is None:
+                    texts = [
+                        self.tokenizer.apply_chat_template(tasks.calibration_messages(p), tokenize=False)
+                        for p in self.problems
+                    ]
+                    self._stats = hf_ropekv.calibrate(
+                        self.model, self.tokenizer, texts, max_tokens=10**9, progress=False,
+                        source=f"{span} (question + reference solution, chat template)",
+                    )
+                else:  # the library's calibrate(prompts=...): the model's own greedy answers, full cache
+                    own = self.own_answers
+                    prompts = [tasks.domain_messages(p, own["domain"])[-1]["content"] for p in self.problems]
+                    self._stats = hf_ropekv.calibrate(
+                        self.model, self.tokenizer, prompts=prompts, max_tokens=10**9, progress=False,
+                        max_new_tokens=own["max_new_tokens"], batch_size=own["batch_size"],
+                        source=f"{span} (the model's own {tasks.DOMAINS[own['domain']]} answers, full cache)",
+                    )
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._stats.save(self.path)
-                self.source = f"computed on {len(texts)} problems, {self._stats.tokens} tokens, saved to {self.path}"
+                self.source = (f"{self._stats.metadata.get('source', '')}: {len(self.problems)} problems, "
+                               f"{self._stats.tokens} tokens, saved to {self.path}")
                 self.log(f"calibration: {self.source} ({time.perf_counter() - start:.1f} s)")
         return self._stats
 
@@ -773,6 +790,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-problems", default=None,
                    help="calibration problems FIRST-LAST, disjoint from the evaluated ones (default: the tune split "
                    "0-299 when evaluating the report split)")
+    p.add_argument("--calib-source", choices=["reference", "own"], default="reference",
+                   help="stats=calibrated from the reference solutions (question + answer), or from the model's own "
+                        "greedy answers to --calib-problems in --domain (hf_ropekv.calibrate(prompts=...), full cache)")
     p.add_argument("--warm", action="store_true",
                    help="also report warm rows: the workload statistics learned on --warm-problems first")
     p.add_argument("--warm-problems", default=None,
@@ -1000,7 +1020,9 @@ def main(argv: Sequence[str] | None = None, *, model=None, tokenizer=None, probl
     stats = None
     if any(p.cache_kwargs.get("stats") == CALIBRATED for p in policies):
         out_stats = Path(args.stats) if args.stats else out / "calibration_stats.safetensors"
-        stats = CalibratedStats(model, tokenizer, tasks.select(all_problems, calibration), out_stats, log)
+        own = None if args.calib_source == "reference" else {
+            "domain": args.domain, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
+        stats = CalibratedStats(model, tokenizer, tasks.select(all_problems, calibration), out_stats, log, own)
 
     pad_id = getattr(tokenizer, "pad_token_id", None)
     stop_ids = stop_token_ids(tokenizer, model)

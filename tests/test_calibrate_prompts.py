@@ -49,6 +49,31 @@ def test_prompts_are_answered_greedily_and_calibrated_with_their_answers(templat
     assert "prompt(s) with the model's greedy answers" in stats.metadata["source"]
 
 
+def test_a_batch_calibrates_each_answer_up_to_its_end_of_sequence_only() -> None:
+    # generate() feeds a finished row pad filler until the batch's longest answer ends; none of it may be
+    # calibrated on. Make prompt 1's answer end early by declaring one of its tokens the end of sequence.
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    tokenizer = CharTokenizer()
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    answers = [_answered(model, ids, 9)[len(ids):] for ids in prompt_ids]
+    cut = next(i for i in range(1, 8) if answers[1][i] not in answers[1][:i] and answers[1][i] not in answers[0])
+    model.generation_config.eos_token_id = answers[1][cut]
+    expected = hf_ropekv.calibrate(model, None, [prompt_ids[0] + answers[0], prompt_ids[1] + answers[1][: cut + 1]],
+                                   progress=False)
+    end_of_turn = type("EndOfTurnTokenizer", (CharTokenizer,), {"eos_token_id": answers[1][cut]})()
+    for batch_size, by_tokenizer in ((2, False), (1, False), (2, True)):  # together (row 1 ends first, then gets
+        # filler) and one by one; the end marked by the model's generation config, or only by the tokenizer
+        model.generation_config.eos_token_id = None if by_tokenizer else answers[1][cut]
+        stats = hf_ropekv.calibrate(model, end_of_turn if by_tokenizer else tokenizer, prompts=PROMPTS,
+                                    max_new_tokens=9, batch_size=batch_size, progress=False)
+        assert stats.tokens == expected.tokens == sum(map(len, prompt_ids)) + 9 + cut + 1
+        torch.testing.assert_close(stats.q_mean, expected.q_mean, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(stats.q_abs_mean, expected.q_abs_mean, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        hf_ropekv.calibrate(model, tokenizer, prompts=PROMPTS, batch_size=0, progress=False)
+
+
 def test_texts_stay_positional_and_exactly_one_source_is_required() -> None:
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import hf_ropekv
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gsm8k_tasks as tasks  # noqa: E402
@@ -459,6 +461,22 @@ def test_warm_only_drops_the_learners_cold_rows(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs --warm"):
         task_accuracy.main(["--out", str(tmp_path), "--warm-only", "--problems", "0-1", "--policies", "default"],
                            model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+
+
+def test_calibration_on_the_models_own_answers(tmp_path: Path) -> None:
+    model, probs = tiny_model("llama"), fake_problems()
+    task_accuracy.main(
+        ["--out", str(tmp_path), "--calib-source", "own", "--problems", "0-1", "--calib-problems", "298-299",
+         "--policies", "default:stats=calibrated,window=2", "--gaps", "4", "--compress-every", "4",
+         "--max-new-tokens", "5", "--batch-size", "2"],
+        model=model, tokenizer=CharTokenizer(), problems=probs,
+    )
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert "own chain of thought answers" in result["calibration"]
+    stats = hf_ropekv.FrequencyStats.load(tmp_path / "calibration_stats.safetensors")
+    # CharTokenizer has no chat_template, so calibrate() tokenizes each user message as plain text.
+    prompts = [len(CharTokenizer()(tasks.gsm8k_messages(p)[-1]["content"])["input_ids"]) for p in probs[-2:]]
+    assert stats.tokens == sum(prompts) + 2 * 5  # the two prompts and their 5-token answers, not the references
 
 
 def test_pot_is_refused_for_the_long_task() -> None:

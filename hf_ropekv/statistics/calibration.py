@@ -41,6 +41,7 @@ Texts = Union[str, Sequence[str], torch.Tensor, Sequence[int], Sequence[Sequence
 
 DEFAULT_MAX_TOKENS = 32768
 DEFAULT_CHUNK_TOKENS = 4096
+DEFAULT_ANSWER_BATCH = 16  # prompts answered by one generate(): one at a time took minutes for a few hundred on a GPU
 
 
 def calibrate(
@@ -54,6 +55,7 @@ def calibrate(
     *,
     prompts: Sequence[str] | None = None,
     max_new_tokens: int = 256,
+    batch_size: int = DEFAULT_ANSWER_BATCH,
 ) -> "FrequencyStats":
     """Average the pre-RoPE queries of ``model`` over ``texts`` (README "How it works": the score).
 
@@ -72,6 +74,9 @@ def calibrate(
             ``max_new_tokens`` tokens, with a ``DynamicCache``; in the chat template when
             ``tokenizer.chat_template`` is set) and the statistics cover each prompt with its answer.
         max_new_tokens: the longest answer generated per prompt.
+        batch_size: prompts answered together (left-padded). Each answer is cut after its end-of-sequence
+            token, so the filler ``generate()`` feeds a finished row until the batch's longest answer ends is
+            never calibrated on.
 
     Returns:
         float32 :class:`FrequencyStats` covering every decoder layer.
@@ -83,7 +88,7 @@ def calibrate(
                          "answers them), not both and not neither.")
     geometry = describe(model)
     if prompts is not None:
-        texts = answered_prompts(model, tokenizer, prompts, max_new_tokens, max_tokens, progress)
+        texts = answered_prompts(model, tokenizer, prompts, max_new_tokens, max_tokens, progress, batch_size)
         source = source or f"{len(texts)} prompt(s) with the model's greedy answers"
     sequences, kind = _token_sequences(tokenizer, texts, max_tokens)
     pieces = [seq[i : i + chunk_tokens] for seq in sequences for i in range(0, len(seq), chunk_tokens)]
@@ -125,48 +130,93 @@ def calibrate(
 
 
 def answered_prompts(model: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int,
-                     max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = False) -> list[list[int]]:
-    """Token ids of each prompt followed by the model's greedy answer (at most ``max_new_tokens``), prompt by
-    prompt (no padding), stopping once ``max_tokens`` tokens are there."""
+                     max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = False,
+                     batch_size: int = DEFAULT_ANSWER_BATCH) -> list[list[int]]:
+    """Token ids of each prompt followed by the model's greedy answer (at most ``max_new_tokens``, cut after its
+    end-of-sequence token), ``batch_size`` prompts per ``generate()``, stopping once ``max_tokens`` tokens are
+    there."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts \
             or not all(isinstance(p, str) for p in prompts):
         raise TypeError("prompts must be a non-empty list of strings (one user message each).")
     if tokenizer is None:
         raise ValueError("calibrate(prompts=...) needs the tokenizer, to tokenize the prompts.")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int; got {max_new_tokens!r}.")
-    from transformers import DynamicCache
-
-    from .._compat import cache_kwarg
-
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}.")
     chat = getattr(tokenizer, "chat_template", None) is not None
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
         pad_id = getattr(tokenizer, "eos_token_id", None)
+    eos_ids = _eos_ids(model, tokenizer)
     device = _input_device(model)
     sequences, seen = [], 0
     was_training = model.training
     model.eval()
     try:
-        for prompt in logging.tqdm(prompts, unit="prompt", desc="hf_ropekv answers", disable=not progress):
-            if seen >= max_tokens:
-                break
-            if chat:
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                    add_generation_prompt=True, return_dict=True)["input_ids"]
-            else:
-                ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-            ids = torch.as_tensor(ids, dtype=torch.long).view(1, -1).to(device)
-            # An explicit DynamicCache: an hf_ropekv-enabled model must not answer with an evicting cache.
-            cache = {cache_kwarg(model): DynamicCache(config=model.config)}
-            with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=max_new_tokens, pad_token_id=pad_id, **cache)
-            sequences.append(out[0].tolist())
-            seen += len(sequences[-1])
+        with logging.tqdm(total=len(prompts), unit="prompt", desc="hf_ropekv answers", disable=not progress) as bar:
+            for first in range(0, len(prompts), batch_size):
+                if seen >= max_tokens:
+                    break
+                batch = [_prompt_ids(tokenizer, prompt, chat) for prompt in prompts[first : first + batch_size]]
+                for prompt_ids, answer in zip(batch, _answer(model, batch, max_new_tokens, pad_id, eos_ids, device)):
+                    sequences.append(prompt_ids + _cut_after_eos(answer, eos_ids))
+                    seen += len(sequences[-1])
+                bar.update(len(batch))
     finally:
         model.train(was_training)
     return sequences
+
+
+def _prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _answer(model: nn.Module, batch: list[list[int]], max_new_tokens: int, pad_id: int | None,
+            eos_ids: list[int], device: torch.device) -> list[list[int]]:
+    """Greedy answers of left-padded ``batch`` (each row's new tokens, including the filler after its end)."""
+    from transformers import DynamicCache
+
+    from .._compat import cache_kwarg
+
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), 0 if pad_id is None else int(pad_id), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention_mask[row, width - len(ids):] = 1
+    # An explicit DynamicCache: an hf_ropekv-enabled model must not answer with an evicting cache.
+    kwargs: dict[str, Any] = {cache_kwarg(model): DynamicCache(config=model.config)}
+    if eos_ids:  # stop where _cut_after_eos cuts
+        kwargs["eos_token_id"] = eos_ids
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **kwargs)
+    return out[:, width:].tolist()
+
+
+def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
+    """The ids an answer ends at: the model's generation config's end of sequence and the tokenizer's (a chat
+    tokenizer's end-of-turn marker, which a converted checkpoint's generation config may lack)."""
+    found: list[int] = []
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for token in ([eos] if not isinstance(eos, (list, tuple)) else list(eos)) + [getattr(tokenizer, "eos_token_id", None)]:
+        if isinstance(token, int) and not isinstance(token, bool) and token not in found:
+            found.append(token)
+    return found
+
+
+def _cut_after_eos(answer: list[int], eos_ids: list[int]) -> list[int]:
+    """``answer`` up to and including its first end-of-sequence token: what follows is the pad filler a finished
+    row of a batch is fed, not text of the workload."""
+    for i, token in enumerate(answer):
+        if token in eos_ids:
+            return answer[: i + 1]
+    return answer
 
 
 def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[list[list[int]], str]:
