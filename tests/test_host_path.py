@@ -190,9 +190,9 @@ def test_decoding_steps_hand_the_model_generates_own_mask_or_none(padded: bool) 
     replaced, dropped, kept_per_row = [], [], []
     original = cache._forward_starts
 
-    def spy(attention_mask, new, batch, device):
+    def spy(attention_mask, new, batch, device, input_ids=None):
         kept_per_row.append(cache.tokens_kept_per_row)
-        out = original(attention_mask, new, batch, device)
+        out = original(attention_mask, new, batch, device, input_ids)
         replaced.append(out is not None and out is not attention_mask)
         if attention_mask is not None:  # transformers >= 5.2x's generate drops an all-ones mask itself
             dropped.append(out is None)

@@ -290,6 +290,46 @@ def test_a_static_cache_learns_every_step_across_compactions_and_freezes_exactly
     assert frozen.frozen and frozen.tokens == PROMPT + 5
 
 
+@pytest.mark.parametrize("mode", ["growing", "static", "compiled"])
+def test_rows_that_ended_feed_the_workload_nothing_more(mode: str, fresh_dynamo) -> None:
+    """generate() feeds a batch's finished rows (their end-of-sequence token, then pad, attention mask 1) until
+    the longest row ends; none of that is workload text. Row 1 (left-padded) ends early: the workload learns
+    exactly the real tokens each row forwarded, in every decoding mode."""
+    from test_static_cache import compiled
+
+    model = tiny_model("llama")
+    model.generation_config.pad_token_id = None  # the pad id is known only from the prompt's padding
+    short = 3
+    ids = _prompt(16, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :short] = 0
+
+    def run(cache=None, **extra):
+        kwargs = {} if cache is None else cache_kw(model, cache)
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                              pad_token_id=pad, **kwargs, **extra)
+
+    model.generation_config.eos_token_id = None
+    pad = 1
+    plain = run()
+    a0, a1 = plain[0, PROMPT:].tolist(), plain[1, PROMPT:].tolist()
+    cut = next(i for i in range(2, NEW - 4) if a1[i] not in a1[:i] + a0 + [pad])
+    assert pad not in a0 + a1[:cut]
+    ids[1, :short] = pad
+    model.generation_config.eos_token_id = a1[cut]
+
+    cache = RopeKVCache(model, budget=64, compress_every=8, static=mode != "growing", learn_workload=True)
+    out = run(cache, **({"compile_config": compiled()} if mode == "compiled" else {}))
+    assert out[0, PROMPT:].tolist() == a0 and out[1, PROMPT:].tolist() == a1[: cut + 1] + [pad] * (NEW - cut - 1)
+    del cache
+    workload = workload_statistics(model)
+    expected = _calibrated(model, [ids[0].tolist() + a0[:-1], ids[1, short:].tolist() + a1[:cut]])
+    assert workload.tokens == expected.tokens == 2 * PROMPT - short + NEW - 1 + cut
+    learned = workload.to_stats()
+    torch.testing.assert_close(learned.q_mean, expected.q_mean, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(learned.q_abs_mean, expected.q_abs_mean, atol=1e-5, rtol=1e-4)
+
+
 def test_a_copied_cache_feeds_the_same_workload() -> None:
     import copy
 

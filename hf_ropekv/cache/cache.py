@@ -407,10 +407,11 @@ class RopeKVCache(Cache):
 
     # ------------------------------------------------------------------ called by the model attachment
     def _forward_starts(
-        self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device
+        self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Called by the model attachment before a forward with this cache: returns the mask the forward is to use
-        (None: none), or ``attention_mask`` itself."""
+        """Called by the model attachment before a forward with this cache (``input_ids``: its token ids, when the
+        model got ids): returns the mask the forward is to use (None: none), or ``attention_mask`` itself."""
         self.coordinator.announced = True
         if self._static_pending:  # an "auto" cache's first forward, and generate() never offered to compile it
             self._settle(False, "auto: the first forward came before generate() offered to compile it (a "
@@ -427,7 +428,7 @@ class RopeKVCache(Cache):
         else:
             replaced = None if attention_mask is None else self._mask_for(attention_mask, new)
         if self._online is not None:
-            self._online.begin_forward(new_token_mask, new)
+            self._online.begin_forward(new_token_mask, new, input_ids)
         if self._queries is not None:
             self._queries.begin_forward(self.get_seq_length(), new, self.rows.pads_on(batch, device), new_token_mask)
         return replaced

@@ -50,8 +50,20 @@ def resolve_scorer(scorer: Scorer | None, stats: Any, options: CacheOptions, geo
     workload = _for_model(model, geometry)
     prior = workload.prior() if options.prior_tokens > 0 else None  # taken now: fixed while this cache runs
     online = OnlineStatistics(geometry, half_life=options.stats_half_life, learn=workload, prior=prior,
-                              prior_tokens=options.prior_tokens)
+                              prior_tokens=options.prior_tokens, filler_ids=generation_filler_ids(model))
     return FrequencyScorer(None), online
+
+
+def generation_filler_ids(model: nn.Module) -> list[int]:
+    """The ids ``generate()`` feeds a batch's finished rows with (the generation config's pad id, or its first
+    end-of-sequence id when it has none) and the end-of-sequence ids a finished row is fed first."""
+    config = getattr(model, "generation_config", None)
+    ids = []
+    for value in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool):
+                ids.append(token)
+    return ids
 
 
 def query_window(scorer: Scorer, options: CacheOptions, geometry: ModelGeometry, model: nn.Module | None) -> Any:

@@ -216,7 +216,7 @@ class ModelAttachment:
         self._hooks.active = self
         if self._hooks.capture is not None:  # a decoding step of a growing cache takes the capture's fast path
             self._hooks.capture.begin_forward(new == 1 and self._collect_queries and not self.static)
-        replaced = cache._forward_starts(mask, new, source.shape[0], source.device)
+        replaced = cache._forward_starts(mask, new, source.shape[0], source.device, input_ids)
         return UNCHANGED if replaced is mask else replaced
 
     # Called only while this attachment's cache runs the forward (SharedHooks.active), also inside compiled

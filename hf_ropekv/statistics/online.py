@@ -18,14 +18,15 @@ undecayed, batch-summed parts into the model's workload sums (one more reduction
 decoding step adds each layer's parts to undecayed per-row sums beside its own (the same pointwise update, which
 inductor fuses with it: on an H200 the batch reduction per layer and step cost +3.4 % of the step); they go into
 the workload, summed over rows, between steps (``_drain_learning``: whenever the statistics are read or handed
-back, before learning freezes, and when the cache is dropped).
+back, before learning freezes, and when the cache is dropped). A batch's rows that have ended are left out of
+what the workload learns (``_rows_to_learn``).
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable
 
 import torch
 
@@ -70,11 +71,14 @@ class OnlineStatistics:
             freeze), or ``None``.
         prior: the workload's means when the cache was built, which every row's means start from, or ``None``.
         prior_tokens: the weight of ``prior``, in queries (it never decays).
+        filler_ids: token ids ``generate()`` feeds a batch's finished rows (the model's pad and end-of-sequence
+            ids); the ids a prompt is padded with are added as prompts come. A decoding step whose input is one
+            of them is not learned by the workload (see ``_rows_to_learn``).
     """
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
                  learn: WorkloadStatistics | None = None, prior: WorkloadPrior | None = None,
-                 prior_tokens: float = 0) -> None:
+                 prior_tokens: float = 0, filler_ids: Iterable[int] = ()) -> None:
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
@@ -88,6 +92,7 @@ class OnlineStatistics:
         self._prior_on: dict[tuple[int, torch.device], torch.Tensor] = {}  # layer's prior means on its device
         self._layout = geometry.require_rotary_layout()  # how the model pairs dims (rotate_half / interleaved)
         self._pairs = geometry.rotary_dim // 2
+        self._filler: set[int] = {int(t) for t in filler_ids}
         self.reset()
         if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
             ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
@@ -124,13 +129,21 @@ class OnlineStatistics:
         self._learn_layers.clear()
         self._step_tokens = 0  # real tokens of the running static decoding step, counted for the workload at its end
         self._weights: dict[tuple, torch.Tensor] = {}  # the deferred steps' decay weights, by (device, steps)
+        # Which rows the workload learns this decoding step (None: every row), the previous step's, and the
+        # excluded rows' index per device (see _rows_to_learn).
+        self._live: tuple[bool, ...] | None = None
+        self._live_before: tuple[bool, ...] | None = None
+        self._excluded: dict[tuple, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ one forward
-    def begin_forward(self, new_token_mask: torch.Tensor | None, new_tokens: int) -> None:
-        """Start a forward of ``new_tokens`` tokens; drop queries of a forward that never finished (it raised)."""
+    def begin_forward(self, new_token_mask: torch.Tensor | None, new_tokens: int,
+                      input_ids: torch.Tensor | None = None) -> None:
+        """Start a forward of ``new_tokens`` tokens (``input_ids``: its token ids, when the model got ids); drop
+        queries of a forward that never finished (it raised)."""
         self._pending, self._stash, self._step = {}, [], None
         self._mask, self._new = new_token_mask, new_tokens
         self._step_tokens = 0  # (a static step that raised is not counted by the next forward)
+        self._live_before, self._live = self._live, self._rows_to_learn(input_ids, new_token_mask, new_tokens)
         if self._on_buffers and new_tokens == 1:
             # A static cache's decoding step: each layer folds its query into its sums during the forward
             # (_fold_now, inside the compiled step, so no query outlives it); the counts move here, before it.
@@ -138,6 +151,10 @@ class OnlineStatistics:
             self._snapshot = None
             learner = self._learner()
             if learner is not None:  # this step's _fold_now calls add its queries; counted when it ends
+                if self._live is not None and self._live != self._live_before:
+                    # rows stop (or resume) being learned: what their sums hold so far counts; end_forward zeroes
+                    # what the step adds to the rows not learned
+                    self._drain_learning()
                 self._step_tokens = self._real_tokens(next(iter(self._counts.values())).shape[0])
 
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
@@ -170,6 +187,9 @@ class OnlineStatistics:
 
     def end_forward(self) -> None:
         """The forward finished: its queries now count."""
+        if self._live is not None and self._on_buffers:  # a static step added every row: forget the filler's
+            for device, rows in self._learn_rows.items():
+                rows.index_fill_(1, self._excluded_rows(device), 0.0)
         if self._step_tokens:  # a static decoding step: its queries are in the per-row learning sums
             tokens, self._step_tokens = self._step_tokens, 0
             learner = self._learner()
@@ -211,7 +231,8 @@ class OnlineStatistics:
             layers = tuple(layer_idx for layer_idx, _ in items)
             index = self._fold_index(device, layers, parts)
             if learner is not None:
-                learner.add_layers(layers, parts.sum(dim=0, dtype=torch.float64))
+                learned = parts if self._live is None else parts.index_fill(0, self._excluded_rows(device), 0.0)
+                learner.add_layers(layers, learned.sum(dim=0, dtype=torch.float64))
             sums = self._sums[device]
             parts = parts.transpose(0, 1)  # [L, B, 3, H, F], as the sums
             if index is None:  # the usual case: every layer of the device, in order
@@ -243,7 +264,8 @@ class OnlineStatistics:
         device = stacked.device
         memo = self._fold_indices.get((device, layers))  # (index, rows) of the fold of exactly these layers
         every_layer_in_order = memo is not None and memo[0] is None and memo[1] == self._sums[device].shape[0]
-        if self._mask is not None or self._new != 1 or len(self._sums) != 1 or not every_layer_in_order:
+        if self._mask is not None or self._new != 1 or len(self._sums) != 1 or not every_layer_in_order \
+                or self._live is not None:  # (a deferred step is learned from every row)
             return False
         self._deferred.append(stacked)
         self._deferred_layers[0] = layers
@@ -381,6 +403,7 @@ class OnlineStatistics:
     # ------------------------------------------------------------------ batch reshuffles (beam search, expansion)
     def select_batch(self, index: torch.Tensor) -> None:
         self.flush()
+        self._live = self._live_before = None  # in the old row order; the next step tells again
         for table in (self._sums, self._counts, self._learn_rows):  # (the learning sums were drained: zeros)
             for device, value in table.items():
                 dim = 1 if value.ndim > 1 else 0
@@ -407,10 +430,45 @@ class OnlineStatistics:
             rows.zero_()
 
     def _real_tokens(self, batch: int) -> int:
-        """Real tokens of this forward over all rows (a host sync only when it has a padding mask)."""
+        """Real tokens of this forward over the rows the workload learns (a host sync only when it has a padding
+        mask)."""
+        if self._live is not None:  # a decoding step: one token per row
+            real = [True] * batch if self._mask is None else self._mask[:, -1].tolist()
+            return sum(1 for is_real, learned in zip(real, self._live) if is_real and learned)
         if self._mask is None:
             return batch * self._new
         return int(self._mask.sum())
+
+    def _rows_to_learn(self, input_ids: torch.Tensor | None, mask: torch.Tensor | None,
+                       new: int) -> tuple[bool, ...] | None:
+        """The rows whose query of this decoding step the workload learns; ``None``: all of them.
+
+        In a batch, ``generate()`` keeps feeding a row that has ended (its end-of-sequence token, then the pad
+        token, attention mask 1) until the longest row ends: on GSM8K batches of 64 that was 27-38 % of all the
+        positions processed. Those queries are not text of the workload. A decoding step whose input id is a
+        filler id (the model's pad and end-of-sequence ids, and the ids prompts were padded with) is left out.
+        Costs a host sync per decoding step, only while learning and only for batches of more than one row."""
+        if self._learner() is None or input_ids is None:
+            return None
+        if new > 1:
+            if mask is not None and input_ids.shape[-1] == mask.shape[-1] and not bool(mask.all()):
+                self._filler.update(input_ids[~mask.to(input_ids.device)].unique().tolist())  # once per prompt
+            return None
+        if input_ids.shape[0] == 1 or not self._filler:
+            return None
+        live = tuple(token not in self._filler for token in input_ids[:, -1].tolist())
+        return None if all(live) else live
+
+    def _excluded_rows(self, device: torch.device) -> torch.Tensor:
+        """The rows this step does not learn, as an index on ``device``."""
+        key = (device, self._live)
+        index = self._excluded.get(key)
+        if index is None:
+            if len(self._excluded) > 64:  # rows end one by one: few distinct sets per generation
+                self._excluded.clear()
+            rows = [row for row, learned in enumerate(self._live) if not learned]
+            index = self._excluded[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return index
 
     def _layers_on(self, device: torch.device) -> tuple[int, ...]:
         """The layers of ``device``'s sums, in row order."""

@@ -2,8 +2,9 @@
 
 A cache gathering online statistics (the default, ``stats=None``) knows only its own prompt and decoding steps
 when it first compacts (~100 tokens). Real use is many calls of one workload (an eval loop, a server), so with
-``learn_workload=True`` every finished forward of a ``RopeKVCache`` with online statistics also adds its real queries, summed over batch rows
-and never decayed, into one :class:`WorkloadStatistics` per model. A cache built later starts each row's
+``learn_workload=True`` every finished forward of a ``RopeKVCache`` with online statistics also adds its real
+queries, summed over batch rows and never decayed, into one :class:`WorkloadStatistics` per model. Real means
+text: padding and the filler a batch's finished rows are fed until its longest row ends are left out. A cache built later starts each row's
 statistics from them as a prior worth ``prior_tokens`` queries (README, "Workload statistics")::
 
     row means = (prior_mean * prior_tokens + row_sums) / (prior_tokens + row_counts)
