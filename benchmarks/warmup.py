@@ -21,8 +21,10 @@ Qwen3-8B, bf16, sdpa with cuDNN off: benchmarks/README.md). Every ``RopeKVCache`
 - ``overhead``: one process, batch 16, budget 2048, a 4K prompt: the compiled static cache's median step with the
   workload statistics learning (``learn_workload=True``, ``freeze_at`` raised so it keeps learning), opted out
   (``learn_workload=False``, the default) and frozen (``learn_workload=True`` after
-  ``workload_statistics(model).freeze()``); % against opted out. Off and on alternate; frozen comes last (freezing
-  cannot be undone), followed by one more opted-out run as a drift check.
+  ``workload_statistics(model).freeze()``); % against opted out. Off and on alternate round by round; after the
+  freeze (it cannot be undone) frozen alternates with opted-out runs. Besides the medians, each variant is
+  paired with the opted-out run of its own round (median of the per-round ratios): the host drifts by several
+  per cent within one run, which unpaired medians mistake for cost.
 - ``e2e``: a 2,000-token generation at 4K, batch 1, end to end (cache construction, prefill, compile, decode): one
   process warms the on-disk caches (a few tokens of each variant), then each variant runs in a fresh process of
   its own: ``RopeKVCache(model, budget=2048)`` with its default ``static`` (its ``static`` and, if the attribute
@@ -384,37 +386,52 @@ def child_overhead(args: argparse.Namespace) -> None:
     prompt = random_prompt(child, args.overhead_batch, args.overhead_context)
     result: dict[str, Any] = dict(model_build_s=child.build_s, runs=[], warmup_s={})
 
-    def run(name: str, learn: bool, new_tokens: int, timed: bool) -> None:
+    def run(name: str, learn: bool, new_tokens: int, timed: bool, round_: int | None = None) -> None:
         cache = make_cache(child, "ropekv_static", learn_workload=learn)
         t0 = time.perf_counter()
         out = generate(child, cache, prompt, new_tokens, "ropekv_static")
         if not timed:
             result["warmup_s"][name] = time.perf_counter() - t0
             return
-        result["runs"].append(dict(variant=name, **step_summary(out["steps_ms"][1:]), wall_s=out["total_s"],
-                                   prior_tokens=cache.workload_prior_tokens, prior_frozen=cache.workload_prior_frozen,
-                                   workload_tokens_after=workload.tokens, steps_ms=out["steps_ms"][1:]))
+        result["runs"].append(dict(variant=name, round=round_, **step_summary(out["steps_ms"][1:]),
+                                   wall_s=out["total_s"], prior_tokens=cache.workload_prior_tokens,
+                                   prior_frozen=cache.workload_prior_frozen, workload_tokens_after=workload.tokens,
+                                   steps_ms=out["steps_ms"][1:]))
         write_child(args, result)
 
+    # The host's speed drifts by several per cent within a run (session 13: 32-step medians from 12.2 to 14.4 ms),
+    # so every variant alternates with an opted-out run of its own round, and the paired ratios are reported too.
     run("off", False, 4, timed=False)
     run("on", True, 4, timed=False)
     for r in range(args.repeats):
         for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            run(name, name == "on", args.overhead_new_tokens, timed=True)
+            run(name, name == "on", args.overhead_new_tokens, timed=True, round_=r)
     workload.freeze()
     run("frozen", True, 4, timed=False)
-    for _ in range(args.repeats):
-        run("frozen", True, args.overhead_new_tokens, timed=True)
-    run("off_after_frozen", False, args.overhead_new_tokens, timed=True)
-    summary = {}
-    for name in ("off", "on", "frozen", "off_after_frozen"):
-        steps = [s for r in result["runs"] if r["variant"] == name for s in r["steps_ms"]]
+    for r in range(args.repeats):
+        for name in (("off_after_frozen", "frozen") if r % 2 == 0 else ("frozen", "off_after_frozen")):
+            run(name, name == "frozen", args.overhead_new_tokens, timed=True, round_=r)
+    result["summary"] = overhead_summary(result["runs"])
+    write_child(args, result)
+
+
+def overhead_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Median step per variant, against the opted-out runs, and the median of the per-round paired ratios
+    (``on`` against the ``off`` run of its round, ``frozen`` against ``off_after_frozen``)."""
+    summary: dict[str, dict[str, Any]] = {}
+    for name in ("off", "on", "off_after_frozen", "frozen"):
+        steps = [s for r in runs if r["variant"] == name for s in r["steps_ms"]]
         summary[name] = dict(p50_ms=median(steps), steps=len(steps))
     off = summary["off"]["p50_ms"]
     for row in summary.values():
         row["vs_off_pct"] = None if not off or row["p50_ms"] is None else 100.0 * (row["p50_ms"] / off - 1.0)
-    result["summary"] = summary
-    write_child(args, result)
+    for name, reference in (("on", "off"), ("frozen", "off_after_frozen")):
+        by_round = {(r["variant"], r["round"]): r["p50_ms"] for r in runs}
+        ratios = [by_round[(name, n)] / by_round[(reference, n)] for v, n in by_round
+                  if v == name and by_round.get((reference, n)) and by_round[(name, n)] is not None]
+        summary[name]["paired_pct"] = 100.0 * (median(ratios) - 1.0) if ratios else None
+        summary[name]["paired_rounds"] = [round(100.0 * (x - 1.0), 2) for x in ratios]
+    return summary
 
 
 # ---------------------------------------------------------------------------------------------- child: e2e
@@ -628,11 +645,15 @@ def render_overhead(part: dict[str, Any]) -> list[str]:
     summary = part.get("summary")
     if not summary:
         return lines + [f"Error: {str(part.get('error'))[:500]}", ""]
-    lines += ["| learn_workload | step p50 ms | steps | vs opted out |", "|---|---|---|---|"]
+    lines += ["| learn_workload | step p50 ms | steps | vs opted out | paired with its round's opted-out run "
+              "(median; per round) |", "|---|---|---|---|---|"]
     names = {"off": "opted out (False)", "on": "learning (True)", "frozen": "frozen (True, after freeze())",
-             "off_after_frozen": "opted out again (drift check)"}
+             "off_after_frozen": "opted out, alternated with frozen"}
     for key, row in summary.items():
-        lines.append(f"| {names[key]} | {_f(row['p50_ms'])} | {row['steps']} | {_f(row['vs_off_pct'], '+.1f')} % |")
+        paired = row.get("paired_pct")
+        paired = "" if paired is None else f"{paired:+.1f} % ({', '.join(f'{x:+.1f}' for x in row['paired_rounds'])})"
+        lines.append(f"| {names[key]} | {_f(row['p50_ms'])} | {row['steps']} | {_f(row['vs_off_pct'], '+.1f')} % "
+                     f"| {paired} |")
     return lines + [""]
 
 

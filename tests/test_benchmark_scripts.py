@@ -198,6 +198,7 @@ def test_warmup_dry_run_runs_every_part_in_fresh_processes(tmp_path: Path) -> No
     runs = result["parts"]["overhead"]["runs"]
     assert all(r["prior_tokens"] == 0 for r in runs if r["variant"] == "off")
     assert all(r["prior_frozen"] for r in runs if r["variant"] == "frozen")
+    assert len(summary["on"]["paired_rounds"]) == len(summary["frozen"]["paired_rounds"]) == 1  # --dry-run: 1 round
     e2e = result["parts"]["e2e"]["variants"]
     assert sorted(e2e) == ["dynamic", "ropekv_default", "ropekv_static"]
     for row in e2e.values():
@@ -206,6 +207,25 @@ def test_warmup_dry_run_runs_every_part_in_fresh_processes(tmp_path: Path) -> No
     markdown = (tmp_path / "results.md").read_text()
     assert "## Warm-up" in markdown and "## End to end" in markdown and "- command: `python benchmarks/warmup.py" in markdown
     assert_run_readme(tmp_path, "warmup.py")
+
+
+def test_overhead_pairs_each_run_with_the_opted_out_run_of_its_round() -> None:
+    """The host drifts within a run: the paired ratios see a variant's cost, unpaired medians see the drift."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import warmup
+
+    def run(variant: str, round_: int, p50: float) -> dict:
+        return dict(variant=variant, round=round_, p50_ms=p50, steps_ms=[p50] * 3)
+
+    # The host slows by 20 % from round 0 to round 1; learning costs 1 %, frozen 0 %.
+    runs = [run("off", 0, 10.0), run("on", 0, 10.1), run("on", 1, 12.12), run("off", 1, 12.0),
+            run("off_after_frozen", 0, 12.0), run("frozen", 0, 12.0), run("frozen", 1, 12.0),
+            run("off_after_frozen", 1, 12.0)]
+    summary = warmup.overhead_summary(runs)
+    assert summary["on"]["paired_rounds"] == [1.0, 1.0] and abs(summary["on"]["paired_pct"] - 1.0) < 1e-9
+    assert summary["frozen"]["paired_pct"] == 0.0
+    assert summary["frozen"]["vs_off_pct"] > 5  # unpaired, against the early opted-out runs: the drift
 
 
 def test_host_timers_split_a_static_cache_step_and_leave_nothing_behind() -> None:
