@@ -425,8 +425,8 @@ def overhead_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     off = summary["off"]["p50_ms"]
     for row in summary.values():
         row["vs_off_pct"] = None if not off or row["p50_ms"] is None else 100.0 * (row["p50_ms"] / off - 1.0)
+    by_round = {(r["variant"], r["round"]): r["p50_ms"] for r in runs}
     for name, reference in (("on", "off"), ("frozen", "off_after_frozen")):
-        by_round = {(r["variant"], r["round"]): r["p50_ms"] for r in runs}
         ratios = [by_round[(name, n)] / by_round[(reference, n)] for v, n in by_round
                   if v == name and by_round.get((reference, n)) and by_round[(name, n)] is not None]
         summary[name]["paired_pct"] = 100.0 * (median(ratios) - 1.0) if ratios else None

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from ..model.geometry import ModelGeometry
+from ..model.special_tokens import generation_token_ids
 from ..scorers.base import Scorer
 from .options import CacheOptions
 
@@ -57,13 +58,7 @@ def resolve_scorer(scorer: Scorer | None, stats: Any, options: CacheOptions, geo
 def generation_filler_ids(model: nn.Module) -> list[int]:
     """The ids ``generate()`` feeds a batch's finished rows with (the generation config's pad id, or its first
     end-of-sequence id when it has none) and the end-of-sequence ids a finished row is fed first."""
-    config = getattr(model, "generation_config", None)
-    ids = []
-    for value in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
-        for token in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(token, int) and not isinstance(token, bool):
-                ids.append(token)
-    return ids
+    return generation_token_ids(model, ("pad_token_id", "eos_token_id"))
 
 
 def query_window(scorer: Scorer, options: CacheOptions, geometry: ModelGeometry, model: nn.Module | None) -> Any:

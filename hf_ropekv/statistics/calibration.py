@@ -31,6 +31,7 @@ from transformers.utils import logging
 
 from ..model.capture import QueryCapture
 from ..model.geometry import describe
+from ..model.special_tokens import generation_token_ids, token_ids
 from ..warnings import warn
 from .fingerprint import calibration_metadata
 from .frequency_stats import FrequencyAccumulator, FrequencyStats
@@ -202,12 +203,7 @@ def _answer(model: nn.Module, batch: list[list[int]], max_new_tokens: int, pad_i
 def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
     """The ids an answer ends at: the model's generation config's end of sequence and the tokenizer's (a chat
     tokenizer's end-of-turn marker, which a converted checkpoint's generation config may lack)."""
-    found: list[int] = []
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for token in ([eos] if not isinstance(eos, (list, tuple)) else list(eos)) + [getattr(tokenizer, "eos_token_id", None)]:
-        if isinstance(token, int) and not isinstance(token, bool) and token not in found:
-            found.append(token)
-    return found
+    return token_ids(generation_token_ids(model, ("eos_token_id",)), getattr(tokenizer, "eos_token_id", None))
 
 
 def _cut_after_eos(answer: list[int], eos_ids: list[int]) -> list[int]:
