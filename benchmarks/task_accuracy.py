@@ -679,7 +679,7 @@ def markdown(meta: dict[str, Any], summaries: list[dict[str, Any]]) -> str:
     pot = domain == "pot"
     budget_head = "budget (prompt + G)" if s["task"] == "gsm8k" else "budget"
     title = s["task"] + (f", {tasks.DOMAINS[domain]}" if s["task"] == "gsm8k" else "")
-    problems = meta.get("problems_evaluated") or s["problems"]
+    problems = meta.get("problems_evaluated") or s["problems"] or f"of the {s.get('split')} split"
     lines = [
         f"# Task accuracy: {title}",
         "",
@@ -689,6 +689,12 @@ def markdown(meta: dict[str, Any], summaries: list[dict[str, Any]]) -> str:
         f"problems {problems} · batch {s['batch_size']}{' sorted by length' if s['sort_by_length'] else ''} · "
         f"max new tokens {s['max_new_tokens']} · compress_every {s['compress_every']} · greedy",
         "",
+    ]
+    if meta.get("merged_from"):
+        # The header above is the first run's; say which runs the rows come from.
+        lines += ["Merged from: " + "; ".join(f"`{Path(m['path']).parent.name}` (commit `{str(m['commit'])[:7]}`, "
+                                              f"{m['date'][:10]})" for m in meta["merged_from"]), ""]
+    lines += [
         f"| policy | {budget_head} | window | accuracy | Wilson 95 % | ratio to full | lost / gained vs full "
         "| mean new tokens | kept / seen | mean generated tokens kept |" + (" program errors |" if pot else "")
         + " wall s | skipped |",
