@@ -290,6 +290,33 @@ def test_a_static_cache_learns_every_step_across_compactions_and_freezes_exactly
     assert frozen.frozen and frozen.tokens == PROMPT + 5
 
 
+def test_a_freeze_in_mid_generation_does_not_recompile_the_compiled_step(fresh_dynamo) -> None:
+    """The workload freezes inside the first generate(): its compiled step goes on unchanged (before, the freeze
+    check was a guard of the step, which compiled again at the freeze, and the next cache compiled a third graph).
+    The caches built after the freeze share one more graph, and give identical outputs."""
+    from torch._dynamo.utils import counters
+
+    from test_static_cache import compiled
+
+    model = tiny_model("llama")
+    workload = workload_statistics(model)
+    workload.freeze_at = 2 * PROMPT + 10  # inside the first call: 2 rows x (12 + 19) tokens
+    ids = _prompt(17, batch=2)
+    graphs, outputs = [], []
+    for _ in range(3):
+        cache = RopeKVCache(model, budget=16, compress_every=4, static=True, learn_workload=True,
+                            protect_prompt=False)
+        outputs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                      do_sample=False, pad_token_id=0, compile_config=compiled(),
+                                      **cache_kw(model, cache)))
+        assert cache.num_compactions >= 3
+        del cache
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert workload.frozen and workload.tokens == 2 * PROMPT + 10
+    assert graphs == [1, 2, 2]
+    assert torch.equal(outputs[1], outputs[2])
+
+
 @pytest.mark.parametrize("mode", ["growing", "static", "compiled"])
 def test_rows_that_ended_feed_the_workload_nothing_more(mode: str, fresh_dynamo) -> None:
     """generate() feeds a batch's finished rows (their end-of-sequence token, then pad, attention mask 1) until

@@ -388,7 +388,9 @@ class OnlineStatistics:
             parts = torch.where(mask[:, :, None, None], parts, 0.0)
         decay_then_add(self._sums[device][index], self._decay_factor(1), parts)
         rows = self._learn_rows.get(device)
-        if rows is not None and self._learner() is not None:  # counted at the step's end; drained between steps
+        if rows is not None:  # counted at the step's end; drained between steps
+            # Not gated on the workload's freeze: inside a compiled step that check is a guard, and a freeze in
+            # mid-generation would recompile the step. After the freeze the drain discards what this adds.
             rows[index].add_(parts)
 
     def _decay_counts_and_add(self) -> None:
