@@ -174,13 +174,20 @@ def long_messages(problems: Sequence[Problem]) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"{LONG_INSTRUCTION.format(n=len(problems))}\n\n{body}"}]
 
 
-def calibration_messages(problem: Problem) -> list[dict[str, str]]:
-    """A GSM8K prompt answered with its reference solution ("#### N" rewritten to the asked-for last line).
+#: GSM8K's calculator annotations inside reference solutions: "48/2 = <<48/2=24>>24" reads "48/2 = 24".
+CALCULATOR_NOTE = re.compile(r"<<[^<>]*>>")
+
+
+def calibration_messages(problem: Problem, plain: bool = False) -> list[dict[str, str]]:
+    """A GSM8K prompt answered with its reference solution ("#### N" rewritten to the asked-for last line);
+    ``plain``: without the calculator annotations (``<<48/2=24>>``), which no model writes.
 
     Chain of thought only, in every domain: GSM8K has no reference programs, so ``stats=calibrated`` policies
     of a program-aided run calibrate on these too (``task_accuracy.py`` says so in its results); in-domain
     statistics for ``pot`` come from the model's own programs through ``--warm --warm-domain pot``."""
     head, _, _ = problem.solution.rpartition("####")
+    if plain:
+        head = CALCULATOR_NOTE.sub("", head)
     reply = f"{head.strip()}\nThe answer is {problem.answer}"
     return gsm8k_messages(problem) + [{"role": "assistant", "content": reply}]
 

@@ -4,6 +4,7 @@ program-aided scoring, cross-domain warm statistics, and dry runs of the entry p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import hf_ropekv
 
@@ -472,11 +474,41 @@ def test_calibration_on_the_models_own_answers(tmp_path: Path) -> None:
         model=model, tokenizer=CharTokenizer(), problems=probs,
     )
     result = json.loads((tmp_path / "results.json").read_text())
-    assert "own chain of thought answers" in result["calibration"]
+    assert "chain of thought: the model's own greedy answers" in result["calibration"]
     stats = hf_ropekv.FrequencyStats.load(tmp_path / "calibration_stats.safetensors")
     # CharTokenizer has no chat_template, so calibrate() tokenizes each user message as plain text.
     prompts = [len(CharTokenizer()(tasks.gsm8k_messages(p)[-1]["content"])["input_ids"]) for p in probs[-2:]]
     assert stats.tokens == sum(prompts) + 2 * 5  # the two prompts and their 5-token answers, not the references
+
+
+@pytest.mark.parametrize("source", ["questions", "reference-plain"])
+def test_calibration_on_the_prompts_alone_or_plain_references(tmp_path: Path, source: str) -> None:
+    """--calib-source questions calibrates on exactly the evaluated prompts' text, reference-plain on the reference
+    solutions without GSM8K's <<calculator>> notes: each equals a calibration on those texts and no other."""
+    model, probs = tiny_model("llama"), fake_problems()
+    probs[-1] = dataclasses.replace(probs[-1], solution="She has 3 * 4 = <<3*4=12>>12 apples.\n#### 12",
+                                    answer="12")
+    task_accuracy.main(
+        ["--out", str(tmp_path), "--calib-source", source, "--problems", "0-1", "--calib-problems", "298-299",
+         "--policies", "default:stats=calibrated,window=2", "--gaps", "4", "--compress-every", "4",
+         "--max-new-tokens", "3", "--batch-size", "2"],
+        model=model, tokenizer=CharTokenizer(), problems=probs,
+    )
+    stats = hf_ropekv.FrequencyStats.load(tmp_path / "calibration_stats.safetensors")
+    tok = CharTokenizer()
+    if source == "questions":
+        texts = [tok.apply_chat_template(tasks.gsm8k_messages(p), tokenize=False, add_generation_prompt=True)
+                 for p in probs[-2:]]
+        assert all(t.endswith("<assistant>") for t in texts)
+    else:
+        texts = [tok.apply_chat_template(tasks.calibration_messages(p, plain=True), tokenize=False)
+                 for p in probs[-2:]]
+        assert "<<" not in texts[1] and "3 * 4 = 12 apples" in texts[1]
+    expected = hf_ropekv.calibrate(model, tok, texts, max_tokens=10**9, progress=False)
+    assert stats.tokens == expected.tokens == sum(len(tok(t)["input_ids"]) for t in texts)
+    torch.testing.assert_close(stats.q_abs_mean, expected.q_abs_mean)
+    assert hf_ropekv.FrequencyStats.load(tmp_path / "calibration_stats.safetensors").metadata["source"].startswith(
+        "GSM8K test problems 298-299")
 
 
 def test_pot_is_refused_for_the_long_task() -> None:
