@@ -127,6 +127,48 @@ def test_flush_is_the_sequential_decayed_sum(half_life) -> None:
     torch.testing.assert_close(snap.tokens, torch.full((2,), weight, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("order", ["in order", "reversed"])
+def test_a_static_step_folds_every_layer_at_once_into_the_decayed_sums(order: str) -> None:
+    """A static cache's decoding step keeps its layers' queries and folds them in one go at the device's last
+    layer (in order), or, when the layers come in another order, the ones left at the end of the forward, layer by
+    layer: both give the decayed sums written out by hand."""
+    model = family_model("llama")
+    geometry = describe(model)
+    layers = tuple(range(geometry.num_layers))
+    g = torch.Generator().manual_seed(4)
+    steps = [[torch.randn(2, 1, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in layers]
+             for _ in range(6)]  # [B, 1, H, D]
+    prompt = [torch.randn(2, 5, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in layers]
+    stats = OnlineStatistics(geometry, half_life=3.0)
+    stats.begin_forward(None, 5)
+    for layer_idx, q in zip(layers, prompt):
+        stats.add(layer_idx, q)
+    stats.end_forward()
+    stats.move_to_buffers(lambda purpose, shape, dtype, make: make())
+    sums = next(iter(stats._sums.values()))
+    for step in steps:
+        stats.begin_forward(None, 1)
+        sequence = list(zip(layers, step))
+        for layer_idx, q in sequence if order == "in order" else sequence[::-1]:
+            stats.add(layer_idx, q)
+        if order == "in order":
+            assert stats._static_step == []  # folded at the last layer, inside the forward
+        stats.end_forward()
+        assert stats._static_step == [] and next(iter(stats._sums.values())) is sums  # in place
+    snap = stats.snapshot()
+    f = 0.5 ** (1 / 3.0)
+    pairs = geometry.rotary_dim // 2
+    weight = 5 * f ** 6 + sum(f ** (5 - j) for j in range(6))
+    for layer_idx in layers:
+        total = prompt[layer_idx].double().sum(dim=1) * f ** 6  # [B, H, D]
+        for j, step in enumerate(steps):
+            total = total + step[layer_idx][:, 0].double() * f ** (5 - j)
+        mean = total / weight
+        expected = torch.complex(mean[..., :pairs], mean[..., pairs : 2 * pairs]).to(torch.complex64)
+        torch.testing.assert_close(snap.q_mean[layer_idx], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(snap.tokens, torch.full((2,), weight, dtype=torch.float64))
+
+
 def test_a_step_that_breaks_the_learned_pattern_warns_and_falls_back_to_frames(monkeypatch) -> None:
     model = family_model("llama")
     counter = _CountSee(monkeypatch)

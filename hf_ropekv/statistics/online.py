@@ -7,7 +7,9 @@ hold that row's real (unpadded) queries only, so its evictions do not depend on 
 Cost per decoding step: the query hooks keep a reference to each layer's ``[B, 1, H, D]`` query; when the
 forward has finished, all layers of a device are folded into running float64 sums in a handful of kernel
 launches and no host synchronisation. A forward's queries count once that forward has finished, so a
-compaction (which runs at the first layer of a forward) always scores every layer with the same tokens.
+compaction (which runs at the first layer of a forward) always scores every layer with the same tokens. A static
+cache's decoding step does the same inside the (compiled) forward: its layers' queries are folded in one go at the
+last layer of their device, so the step traces one fold, not one per layer.
 
 With ``half_life`` set, older queries weigh less: before a forward's queries are added, the sums decay by
 ``0.5 ** (new_tokens / half_life)`` (the tokens of one multi-token forward weigh alike).
@@ -15,8 +17,8 @@ With ``half_life`` set, older queries weigh less: before a forward's queries are
 Workload statistics (``hf_ropekv.statistics.workload``): with ``learn`` set, the same folds also add their
 undecayed, batch-summed parts into the model's workload sums (one more reduction per fold, no host sync); with
 ``prior`` set, a row's means start from the workload's, worth ``prior_tokens`` queries. A static cache's compiled
-decoding step adds each layer's parts to undecayed per-row sums beside its own (the same pointwise update, which
-inductor fuses with it: on an H200 the batch reduction per layer and step cost +3.4 % of the step); they go into
+decoding step adds its parts to undecayed per-row sums beside its own (the same pointwise update, which inductor
+fuses with it); they go into
 the workload, summed over rows, between steps (``_drain_learning``: whenever the statistics are read or handed
 back, before learning freezes, and when the cache is dropped). A batch's rows that have ended are left out of
 what the workload learns (``_rows_to_learn``).
@@ -128,6 +130,12 @@ class OnlineStatistics:
         self._learn_rows.clear()
         self._learn_layers.clear()
         self._step_tokens = 0  # real tokens of the running static decoding step, counted for the workload at its end
+        # A static decoding step's queries, kept from layer to layer and folded at once at the last layer of their
+        # device (one fold per step instead of one per layer: fewer launches, and a shorter trace to compile);
+        # the layers of each device's sums in order, and the last of them.
+        self._static_step: list[tuple[int, torch.Tensor]] = []
+        self._static_layers: dict[torch.device, tuple[int, ...]] = {}
+        self._static_last: dict[int, torch.device] = {}
         self._weights: dict[tuple, torch.Tensor] = {}  # the deferred steps' decay weights, by (device, steps)
         # Which rows the workload learns this decoding step (None: every row), the previous step's, and the
         # excluded rows' index per device (see _rows_to_learn).
@@ -141,16 +149,18 @@ class OnlineStatistics:
         """Start a forward of ``new_tokens`` tokens (``input_ids``: its token ids, when the model got ids); drop
         queries of a forward that never finished (it raised)."""
         self._pending, self._stash, self._step = {}, [], None
+        self._static_step = []
         self._mask, self._new = new_token_mask, new_tokens
         self._step_tokens = 0  # (a static step that raised is not counted by the next forward)
         self._live_before, self._live = self._live, self._rows_to_learn(input_ids, new_token_mask, new_tokens)
         if self._on_buffers and new_tokens == 1:
-            # A static cache's decoding step: each layer folds its query into its sums during the forward
-            # (_fold_now, inside the compiled step, so no query outlives it); the counts move here, before it.
+            # A static cache's decoding step: its queries are folded into the sums during the forward, at the last
+            # layer of each device (_fold_static_step, inside the compiled step, so no query outlives it); the
+            # counts move here, before it.
             self._decay_counts_and_add()
             self._snapshot = None
             learner = self._learner()
-            if learner is not None:  # this step's _fold_now calls add its queries; counted when it ends
+            if learner is not None:  # this step's fold adds its queries to the learning rows; counted when it ends
                 if self._live is not None and self._live != self._live_before:
                     # rows stop (or resume) being learned: what their sums hold so far counts; end_forward zeroes
                     # what the step adds to the rows not learned
@@ -164,7 +174,10 @@ class OnlineStatistics:
         if queries.requires_grad:  # a forward with autograd on: keep the statistics out of its graph
             queries = queries.detach()
         if shape[1] == 1 and self._on_buffers:
-            self._fold_now(layer_idx, queries)
+            self._static_step.append((layer_idx, queries))
+            device = self._static_last.get(layer_idx)
+            if device is not None:
+                self._fold_static_step(device)
         elif shape[1] == 1:
             self._stash.append((layer_idx, queries))  # folded with the other layers at the end
         else:
@@ -187,6 +200,8 @@ class OnlineStatistics:
 
     def end_forward(self) -> None:
         """The forward finished: its queries now count."""
+        for device in {q.device for _, q in self._static_step}:  # a step whose device's last layer gave no query
+            self._fold_static_step(device)
         if self._live is not None and self._on_buffers:  # a static step added every row: forget the filler's
             for device, rows in self._learn_rows.items():
                 rows.index_fill_(1, self._excluded_rows(device), 0.0)
@@ -369,6 +384,8 @@ class OnlineStatistics:
             for device, value in table.items():
                 buffer = take((name, device), tuple(value.shape), value.dtype, lambda v=value: torch.empty_like(v))
                 table[device] = buffer.copy_(value)
+        self._static_layers = {device: self._layers_on(device) for device in self._sums}
+        self._static_last = {layers[-1]: device for device, layers in self._static_layers.items() if layers}
         if self._learner() is not None:
             for device, sums in self._sums.items():
                 rows = take(("online_learn_rows", device), tuple(sums.shape), sums.dtype,
@@ -378,20 +395,32 @@ class OnlineStatistics:
         self._on_buffers = True
         self._snapshot = None
 
-    def _fold_now(self, layer_idx: int, queries: torch.Tensor) -> None:
-        """One layer's decoding-step query into its sums, in place: the same arithmetic as ``end_forward``
-        (decay, then add), one layer at a time."""
-        device, index = self._slot[layer_idx]
-        parts = self._parts(queries[:, 0])  # [B, 3, H, F]
-        mask = self._mask_on(queries.device, queries.shape[:2])
+    def _fold_static_step(self, device: torch.device) -> None:
+        """Fold the static decoding step's queries of ``device``'s layers into their sums, in place (inside the
+        compiled step): the same arithmetic as ``end_forward`` (decay, then add), all layers in one go."""
+        items = [(layer_idx, q) for layer_idx, q in self._static_step if q.device == device]
+        self._static_step = [(layer_idx, q) for layer_idx, q in self._static_step if q.device != device]
+        layers = tuple(layer_idx for layer_idx, _ in items)
+        queries = torch.cat([q for _, q in items], dim=1) if len(items) > 1 else items[0][1]  # [B, L, H, D]
+        parts = self._parts(queries)  # [B, L, 3, H, F]
+        mask = self._mask_on(device, (queries.shape[0], 1))
         if mask is not None:
-            parts = torch.where(mask[:, :, None, None], parts, 0.0)
-        decay_then_add(self._sums[device][index], self._decay_factor(1), parts)
-        rows = self._learn_rows.get(device)
-        if rows is not None:  # counted at the step's end; drained between steps
-            # Not gated on the workload's freeze: inside a compiled step that check is a guard, and a freeze in
-            # mid-generation would recompile the step. After the freeze the drain discards what this adds.
-            rows[index].add_(parts)
+            parts = torch.where(mask[:, :, None, None, None], parts, 0.0)
+        parts = parts.transpose(0, 1)  # [L, B, 3, H, F], as the sums
+        rows = self._learn_rows.get(device)  # counted at the step's end; drained between steps
+        # (not gated on the workload's freeze: inside a compiled step that check is a guard, and a freeze in
+        # mid-generation would recompile the step; after the freeze the drain discards what this adds)
+        factor = self._decay_factor(1)
+        if layers == self._static_layers.get(device):  # the usual case: every layer of the device, in order
+            decay_then_add(self._sums[device], factor, parts)
+            if rows is not None:
+                rows.add_(parts)
+            return
+        for position, layer_idx in enumerate(layers):
+            _, index = self._slot[layer_idx]
+            decay_then_add(self._sums[device][index], factor, parts[position])
+            if rows is not None:
+                rows[index].add_(parts[position])
 
     def _decay_counts_and_add(self) -> None:
         for device, counts in self._counts.items():
