@@ -3,7 +3,8 @@
 
 dynamo traces the decode step in every process (its FX graph and inductor's output are cached on disk; the
 trace is not), so every Python op a cache adds to the step is paid at each warm start. This measures, on the CPU,
-the first ``generate()`` with generate's own compilation (dynamo's ``eager`` backend by default: the trace alone;
+the first ``generate()`` with generate's own compilation (dynamo's ``eager`` backend by default: the trace alone,
+and the FX nodes of each traced graph, a count that does not drift with the host;
 ``--backend aot_eager`` adds AOT autograd's) against a second one with a fresh cache of the same shapes (compiled
 already), for a tiny-width model of many layers (the trace's cost grows with the layers, not their width):
 
@@ -45,7 +46,14 @@ def child(backend: str, variant: str, layers: int) -> dict:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).eval()
     ids = torch.randint(3, 100, (1, 64))
-    compile_config = CompileConfig(backend=backend, fullgraph=True, mode=None)
+    nodes: list[int] = []
+
+    def counting_eager(gm, example_inputs):  # dynamo's eager backend, counting the traced graph's FX nodes
+        nodes.append(len(gm.graph.nodes))
+        return gm.forward
+
+    compile_config = CompileConfig(backend=counting_eager if backend == "eager" else backend, fullgraph=True,
+                                   mode=None)
     compile_config._compile_all_devices = True  # generate compiles on accelerators only by default
 
     def make():
@@ -69,7 +77,8 @@ def child(backend: str, variant: str, layers: int) -> dict:
     first, again = run(), run()
     from torch._dynamo.utils import counters
 
-    return dict(first_s=first, again_s=again, trace_s=first - again, graphs=counters["stats"]["unique_graphs"])
+    return dict(first_s=first, again_s=again, trace_s=first - again, graphs=counters["stats"]["unique_graphs"],
+                fx_nodes=nodes)
 
 
 def main() -> int:
@@ -112,11 +121,13 @@ def main() -> int:
     reference = rows.get("static_cache", {}).get("trace_s_median")
     lines = [f"# Trace cost of the compiled decode step ({args.backend} backend, {args.layers} layers)", "",
              *(f"- {k}: {v}" for k, v in meta.items()), "",
-             "| variant | trace s (median) | runs (first call / again) | vs StaticCache |", "|---|---|---|---|"]
+             "| variant | trace s (median) | runs (first call / again) | vs StaticCache | FX nodes per graph |",
+             "|---|---|---|---|---|"]
     for variant, row in rows.items():
         runs = ", ".join(f"{r['first_s']:.1f} / {r['again_s']:.2f}" for r in row["runs"])
         ratio = f"{row['trace_s_median'] / reference:.2f}×" if reference else "n/a"
-        lines.append(f"| {variant} | {row['trace_s_median']:.1f} | {runs} | {ratio} |")
+        nodes = ", ".join(str(n) for n in row["runs"][0].get("fx_nodes", [])) or "n/a"
+        lines.append(f"| {variant} | {row['trace_s_median']:.1f} | {runs} | {ratio} | {nodes} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
