@@ -18,7 +18,9 @@ The task-accuracy entry point of ``benchmarks/README.md``: policies are judged h
   (``protect_prompt``); a prompt that does not fit a budget with ``LONG_MIN_FREE`` tokens to spare is skipped.
 
 Policies (``--policies``, comma-separated; ``NAME:key=value,key=value`` overrides RopeKVCache arguments, and
-``scorer.key=value`` the scorer's), e.g. ``default:selection=per_layer,window=16,compress_every=32``::
+``scorer.key=value`` the scorer's, ``online.key=value`` an attribute of the cache's online statistics, for
+experimental estimators such as ``online.anchor_prompt=true``), e.g.
+``default:selection=per_layer,window=16,compress_every=32``::
 
     full  default  paper  rope-global  rope-per-layer  rope-calibrated  rope-calibrated-per-layer  window16
     sink4  recency  streaming  random  keynorm  snapkv  h2o  rkv
@@ -235,6 +237,9 @@ class Policy:
     scorer: str | None
     cache_kwargs: dict[str, Any] = field(default_factory=dict)
     scorer_kwargs: dict[str, Any] = field(default_factory=dict)
+    # ``online.key=value``: attributes of the cache's online statistics, set before its first forward (experimental
+    # estimators that are not cache options, e.g. OnlineStatistics.anchor_prompt)
+    online_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_full(self) -> bool:
@@ -270,7 +275,8 @@ def split_policies(text: str) -> list[str]:
 
 
 def parse_policy(label: str) -> Policy:
-    """``NAME`` or ``NAME:key=value,...`` (``scorer.key=value`` goes to the scorer) -> :class:`Policy`."""
+    """``NAME`` or ``NAME:key=value,...`` (``scorer.key=value`` goes to the scorer, ``online.key=value`` to the
+    cache's online statistics) -> :class:`Policy`."""
     name, _, overrides = label.partition(":")
     if name not in BASE_POLICIES:
         raise ValueError(f"unknown policy {name!r} in {label!r}; choose from {', '.join(BASE_POLICIES)}")
@@ -286,6 +292,10 @@ def parse_policy(label: str) -> Policy:
             if scorer is None:
                 raise ValueError(f"{label!r}: scorer overrides need a policy with its own scorer, not {name!r}")
             policy.scorer_kwargs[key[len("scorer."):]] = _value(raw)
+        elif key.startswith("online."):
+            if scorer is not None:
+                raise ValueError(f"{label!r}: online.* overrides need a policy with online statistics, not {name!r}")
+            policy.online_kwargs[key[len("online."):]] = _value(raw)
         elif key == "budget":
             raise ValueError(f"{label!r}: the budget comes from --gaps / --budgets, not from an override")
         elif key == "window" and raw.strip().lower() == AUTO_WINDOW:
@@ -418,7 +428,16 @@ def make_cache(model, policy: Policy, budget: int, compress_every: int, protect_
         kwargs["stats"] = stats.get()
     if policy.scorer is not None:
         kwargs["scorer"] = scorer_class(policy.scorer)(**policy.scorer_kwargs)
-    return hf_ropekv.RopeKVCache(model, budget=budget, **kwargs)
+    cache = hf_ropekv.RopeKVCache(model, budget=budget, **kwargs)
+    if policy.online_kwargs:
+        online = getattr(cache, "_online", None)
+        if online is None:
+            raise ValueError(f"{policy.label}: online.* overrides need online statistics (no stats= file)")
+        for key, value in policy.online_kwargs.items():
+            if not hasattr(online, key):
+                raise ValueError(f"{policy.label}: the online statistics have no attribute {key!r}")
+            setattr(online, key, value)
+    return cache
 
 
 # ---------------------------------------------------------------------------------------------- generation

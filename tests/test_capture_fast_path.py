@@ -169,6 +169,47 @@ def test_a_static_step_folds_every_layer_at_once_into_the_decayed_sums(order: st
     torch.testing.assert_close(snap.tokens, torch.full((2,), weight, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_an_anchored_prompt_keeps_its_full_weight(static: bool) -> None:
+    """anchor_prompt: the prompt's queries (here in two prefill chunks) never decay; the decoding steps after it do,
+    in the growing cache's deferred folds and in the static step's fold alike."""
+    model = family_model("llama")
+    geometry = describe(model)
+    layers = tuple(range(geometry.num_layers))
+    g = torch.Generator().manual_seed(5)
+    chunks = [[torch.randn(2, n, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in layers] for n in (3, 2)]
+    steps = [[torch.randn(2, 1, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in layers]
+             for _ in range(6)]
+    stats = OnlineStatistics(geometry, half_life=2.0, anchor_prompt=True)
+    for chunk in chunks:
+        stats.begin_forward(None, chunk[0].shape[1])
+        for layer_idx, q in zip(layers, chunk):
+            stats.add(layer_idx, q)
+        stats.end_forward()
+    if static:
+        stats.move_to_buffers(lambda purpose, shape, dtype, make: make())
+    for step in steps:
+        stats.begin_forward(None, 1)
+        if static:
+            for layer_idx, q in zip(layers, step):
+                stats.add(layer_idx, q)
+        else:
+            stats.add_step(layers, [q.transpose(1, 2) for q in step], heads_dim=1)
+        stats.end_forward()
+    snap = stats.snapshot()
+    f = 0.5 ** (1 / 2.0)
+    pairs = geometry.rotary_dim // 2
+    weight = 5 + sum(f ** (5 - j) for j in range(6))
+    for layer_idx in layers:
+        total = sum(c[layer_idx].double().sum(dim=1) for c in chunks)  # undecayed
+        for j, step in enumerate(steps):
+            total = total + step[layer_idx][:, 0].double() * f ** (5 - j)
+        mean = total / weight
+        expected = torch.complex(mean[..., :pairs], mean[..., pairs : 2 * pairs]).to(torch.complex64)
+        torch.testing.assert_close(snap.q_mean[layer_idx], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(snap.tokens, torch.full((2,), weight, dtype=torch.float64))
+
+
 def test_a_step_that_breaks_the_learned_pattern_warns_and_falls_back_to_frames(monkeypatch) -> None:
     model = family_model("llama")
     counter = _CountSee(monkeypatch)

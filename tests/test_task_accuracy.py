@@ -140,6 +140,20 @@ def test_policy_parsing() -> None:
         task_accuracy.parse_policy("default:budget=3")
     with pytest.raises(ImportError, match="NoSuchScorer"):
         task_accuracy.scorer_class("NoSuchScorer")
+    assert task_accuracy.parse_policy("default:online.anchor_prompt=true").online_kwargs == {"anchor_prompt": True}
+    with pytest.raises(ValueError, match="online statistics"):
+        task_accuracy.parse_policy("recency:online.anchor_prompt=true")
+
+
+def test_online_overrides_reach_the_cache_before_its_first_forward() -> None:
+    model = tiny_model("llama")
+    policy = task_accuracy.parse_policy("default:online.anchor_prompt=true")
+    cache = task_accuracy.make_cache(model, policy, budget=16, compress_every=4, protect_prompt=True, stats=None)
+    assert cache._online.anchor_prompt is True
+    plain = task_accuracy.make_cache(model, task_accuracy.parse_policy("default"), 16, 4, True, None)
+    assert plain._online.anchor_prompt is False
+    with pytest.raises(ValueError, match="no attribute 'nope'"):
+        task_accuracy.make_cache(model, task_accuracy.parse_policy("default:online.nope=1"), 16, 4, True, None)
 
 
 # ---------------------------------------------------------------------------------------------- dry run

@@ -76,11 +76,14 @@ class OnlineStatistics:
         filler_ids: token ids ``generate()`` feeds a batch's finished rows (the model's pad and end-of-sequence
             ids); the ids a prompt is padded with are added as prompts come. A decoding step whose input is one
             of them is not learned by the workload (see ``_rows_to_learn``).
+        anchor_prompt: the queries of the forwards before the first decoding step (the prompt, all its prefill
+            chunks) keep their full weight: the half-life decays only what came after. Experimental, off by
+            default; ``benchmarks/task_accuracy.py`` sets it (``online.anchor_prompt=true``) to measure it.
     """
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
                  learn: WorkloadStatistics | None = None, prior: WorkloadPrior | None = None,
-                 prior_tokens: float = 0, filler_ids: Iterable[int] = ()) -> None:
+                 prior_tokens: float = 0, filler_ids: Iterable[int] = (), anchor_prompt: bool = False) -> None:
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
@@ -95,6 +98,7 @@ class OnlineStatistics:
         self._layout = geometry.require_rotary_layout()  # how the model pairs dims (rotate_half / interleaved)
         self._pairs = geometry.rotary_dim // 2
         self._filler: set[int] = {int(t) for t in filler_ids}
+        self.anchor_prompt = anchor_prompt
         self.reset()
         if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
             ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
@@ -118,6 +122,11 @@ class OnlineStatistics:
         self._new = 0
         self._snapshot: RowStatistics | None = None
         self._on_buffers = False
+        # anchor_prompt: the prompt's undecayed sums and counts per device (shaped as _sums / _counts), and whether
+        # a decoding step has begun (what comes after it decays)
+        self._anchor_sums: dict[torch.device, torch.Tensor] = {}
+        self._anchor_counts: dict[torch.device, torch.Tensor] = {}
+        self._decoded = False
         self._fold_indices: dict[tuple, tuple[torch.Tensor | None, int]] = {}  # see _fold_index
         self._step: tuple[tuple[int, ...], torch.Tensor] | None = None  # this forward's add_step: [B, L, H, D]
         # Finished decoding steps not folded yet, [B, L_device, H, D] each. One list for the object's life: a cache
@@ -151,6 +160,7 @@ class OnlineStatistics:
         self._pending, self._stash, self._step = {}, [], None
         self._static_step = []
         self._mask, self._new = new_token_mask, new_tokens
+        self._decoded = self._decoded or new_tokens == 1
         self._step_tokens = 0  # (a static step that raised is not counted by the next forward)
         self._live_before, self._live = self._live, self._rows_to_learn(input_ids, new_token_mask, new_tokens)
         if self._on_buffers and new_tokens == 1:
@@ -223,9 +233,11 @@ class OnlineStatistics:
         self.flush()
         self._decay(self._new)
         learner = self._learner()
+        anchored = self.anchor_prompt and not self._decoded and bool(self._pending)  # (pending: multi-token only)
+        places = {layer_idx: self._place(layer_idx, sums) for layer_idx, sums in self._pending.items()}
         for layer_idx, sums in self._pending.items():
-            device, index = self._place(layer_idx, sums)
-            self._sums[device][index] += sums
+            device, index = places[layer_idx]
+            (self._anchor_on(device)[0] if anchored else self._sums[device])[index] += sums
             if learner is not None:
                 learner.add_layers((layer_idx,), sums.sum(dim=0, keepdim=True))
         stash_devices = {q.device for _, q in self._stash}
@@ -255,10 +267,11 @@ class OnlineStatistics:
             else:
                 sums.index_add_(0, index, parts.to(torch.float64))
         for device in self._devices_touched():
+            counts = self._anchor_on(device)[1] if anchored else self._counts[device]
             if self._mask is None:
-                self._counts[device].add_(float(self._new))  # the same float64 sum as adding a tensor of them
+                counts.add_(float(self._new))  # the same float64 sum as adding a tensor of them
             else:
-                self._counts[device] += self._count_on(device)
+                counts += self._count_on(device)
         if learner is not None:
             any_sums = next(iter(self._pending.values()), None)
             batch = any_sums.shape[0] if any_sums is not None else self._stash[0][1].shape[0]
@@ -350,15 +363,21 @@ class OnlineStatistics:
                     q_abs.append(None)
                     continue
                 device, index = self._slot[layer_idx]
+                sums, counts = self._sums[device][index], self._counts[device]
+                if device in self._anchor_sums:  # the prompt's undecayed part
+                    sums, counts = sums + self._anchor_sums[device][index], counts + self._anchor_counts[device]
                 if self.prior is None:
-                    means = self._sums[device][index] / self._counts[device].clamp_min(1e-12).view(-1, 1, 1, 1)
+                    means = sums / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
                 else:  # blend by count: the prior weighs prior_tokens queries and never decays
                     w = self.prior_tokens
                     prior = self._prior_for(layer_idx, device)
-                    means = (self._sums[device][index] + w * prior) / (self._counts[device] + w).view(-1, 1, 1, 1)
+                    means = (sums + w * prior) / (counts + w).view(-1, 1, 1, 1)
                 q_mean.append(torch.complex(means[:, 0].float(), means[:, 1].float()))
                 q_abs.append(means[:, 2].float())
-            first = next(iter(self._counts.values()))
+            device = next(iter(self._counts))
+            first = self._counts[device]
+            if device in self._anchor_counts:
+                first = first + self._anchor_counts[device]
             self._snapshot = RowStatistics(
                 q_mean=tuple(q_mean),
                 q_abs_mean=tuple(q_abs),
@@ -435,7 +454,8 @@ class OnlineStatistics:
     def select_batch(self, index: torch.Tensor) -> None:
         self.flush()
         self._live = self._live_before = None  # in the old row order; the next step tells again
-        for table in (self._sums, self._counts, self._learn_rows):  # (the learning sums were drained: zeros)
+        for table in (self._sums, self._counts, self._learn_rows,  # (the learning sums were drained: zeros)
+                      self._anchor_sums, self._anchor_counts):
             for device, value in table.items():
                 dim = 1 if value.ndim > 1 else 0
                 table[device] = value.index_select(dim, index.to(device))
@@ -567,6 +587,19 @@ class OnlineStatistics:
                 self._counts[device] = torch.zeros(batch, dtype=torch.float64, device=device)
             mark_static(self._sums[device], self._counts[device])
         return self._slot[layer_idx]
+
+    def _anchor_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's undecayed sums and counts on ``device`` (``anchor_prompt``), with a row per placed layer."""
+        sums = self._anchor_sums.get(device)
+        if sums is None:
+            sums = torch.zeros_like(self._sums[device])
+            self._anchor_counts[device] = torch.zeros_like(self._counts[device])
+        elif sums.shape[0] < self._sums[device].shape[0]:  # layers placed since
+            more = self._sums[device].shape[0] - sums.shape[0]
+            sums = torch.cat([sums, sums.new_zeros((more,) + tuple(sums.shape[1:]))])
+        self._anchor_sums[device] = sums
+        mark_static(sums, self._anchor_counts[device])
+        return sums, self._anchor_counts[device]
 
     def _devices_touched(self) -> set[torch.device]:
         devices = {self._slot[i][0] for i in self._pending}
