@@ -91,6 +91,16 @@ def test_deferred_folds_match_step_by_step_folds_to_rounding(name: str, monkeypa
         torch.testing.assert_close(reference[2][device], exact[2][device], rtol=1e-12, atol=1e-12)
 
 
+def _assert_means(snap, geometry, totals: list[torch.Tensor], weight: float) -> None:
+    """Each layer's snapshot means are its hand-written decayed total ``[B, H, D]`` over ``weight`` queries."""
+    pairs = geometry.rotary_dim // 2
+    for layer_idx, total in enumerate(totals):
+        mean = total / weight
+        expected = torch.complex(mean[..., :pairs], mean[..., pairs : 2 * pairs]).to(torch.complex64)
+        torch.testing.assert_close(snap.q_mean[layer_idx], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(snap.tokens, torch.full((totals[0].shape[0],), weight, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("half_life", [None, 5.0])
 def test_flush_is_the_sequential_decayed_sum(half_life) -> None:
     """OnlineStatistics fed the same random decoding-step queries, deferred or folded one step at a time, against
@@ -113,18 +123,10 @@ def test_flush_is_the_sequential_decayed_sum(half_life) -> None:
         stats.end_forward()
     # The first step places the layers' rows (folded at once); the next 16 fold together; 4 are still deferred.
     assert len(stats._deferred) == (21 - 1) % OnlineStatistics.DEFER_STEPS
-    snap = stats.snapshot()
     f = 1.0 if half_life is None else 0.5 ** (1 / half_life)
-    pairs = geometry.rotary_dim // 2
-    for layer_idx in layers:
-        total = prompt[layer_idx].double().sum(dim=1) * f ** 21  # [B, H, D]
-        for j, step in enumerate(steps):
-            total = total + step[layer_idx][:, :, 0].double() * f ** (20 - j)
-        weight = 5 * f ** 21 + sum(f ** (20 - j) for j in range(21))
-        mean = total / weight
-        expected = torch.complex(mean[..., :pairs], mean[..., pairs : 2 * pairs]).to(torch.complex64)
-        torch.testing.assert_close(snap.q_mean[layer_idx], expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(snap.tokens, torch.full((2,), weight, dtype=torch.float64))
+    totals = [prompt[i].double().sum(dim=1) * f ** 21  # [B, H, D]
+              + sum(step[i][:, :, 0].double() * f ** (20 - j) for j, step in enumerate(steps)) for i in layers]
+    _assert_means(stats.snapshot(), geometry, totals, 5 * f ** 21 + sum(f ** (20 - j) for j in range(21)))
 
 
 @pytest.mark.parametrize("order", ["in order", "reversed"])
@@ -155,18 +157,10 @@ def test_a_static_step_folds_every_layer_at_once_into_the_decayed_sums(order: st
             assert stats._static_step == []  # folded at the last layer, inside the forward
         stats.end_forward()
         assert stats._static_step == [] and next(iter(stats._sums.values())) is sums  # in place
-    snap = stats.snapshot()
     f = 0.5 ** (1 / 3.0)
-    pairs = geometry.rotary_dim // 2
-    weight = 5 * f ** 6 + sum(f ** (5 - j) for j in range(6))
-    for layer_idx in layers:
-        total = prompt[layer_idx].double().sum(dim=1) * f ** 6  # [B, H, D]
-        for j, step in enumerate(steps):
-            total = total + step[layer_idx][:, 0].double() * f ** (5 - j)
-        mean = total / weight
-        expected = torch.complex(mean[..., :pairs], mean[..., pairs : 2 * pairs]).to(torch.complex64)
-        torch.testing.assert_close(snap.q_mean[layer_idx], expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(snap.tokens, torch.full((2,), weight, dtype=torch.float64))
+    totals = [prompt[i].double().sum(dim=1) * f ** 6  # [B, H, D]
+              + sum(step[i][:, 0].double() * f ** (5 - j) for j, step in enumerate(steps)) for i in layers]
+    _assert_means(stats.snapshot(), geometry, totals, 5 * f ** 6 + sum(f ** (5 - j) for j in range(6)))
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -196,18 +190,10 @@ def test_an_anchored_prompt_keeps_its_full_weight(static: bool) -> None:
         else:
             stats.add_step(layers, [q.transpose(1, 2) for q in step], heads_dim=1)
         stats.end_forward()
-    snap = stats.snapshot()
     f = 0.5 ** (1 / 2.0)
-    pairs = geometry.rotary_dim // 2
-    weight = 5 + sum(f ** (5 - j) for j in range(6))
-    for layer_idx in layers:
-        total = sum(c[layer_idx].double().sum(dim=1) for c in chunks)  # undecayed
-        for j, step in enumerate(steps):
-            total = total + step[layer_idx][:, 0].double() * f ** (5 - j)
-        mean = total / weight
-        expected = torch.complex(mean[..., :pairs], mean[..., pairs : 2 * pairs]).to(torch.complex64)
-        torch.testing.assert_close(snap.q_mean[layer_idx], expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(snap.tokens, torch.full((2,), weight, dtype=torch.float64))
+    totals = [sum(c[i].double().sum(dim=1) for c in chunks)  # undecayed
+              + sum(step[i][:, 0].double() * f ** (5 - j) for j, step in enumerate(steps)) for i in layers]
+    _assert_means(stats.snapshot(), geometry, totals, 5 + sum(f ** (5 - j) for j in range(6)))
 
 
 def test_a_step_that_breaks_the_learned_pattern_warns_and_falls_back_to_frames(monkeypatch) -> None:
