@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# hf_ropekv from this checkout when it is not installed. Appended, not prepended: the root also holds `kernels/`
+# (shipped as hf_ropekv.kernels), which must not shadow HuggingFace's `kernels` package that transformers imports.
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
 def _tiny_config(args: argparse.Namespace):

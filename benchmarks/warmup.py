@@ -497,9 +497,9 @@ class Runner:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"),
                    CUDA_CACHE_PATH=str(cache_dir / "cuda"), HF_ROPEKV_WARMUP_SPAWN=repr(time.time()),
                    HF_ROPEKV_WARMUP_ARTIFACTS=str(self.artifacts))
-        # The children import this checkout's hf_ropekv, whatever is installed (the GPU hosts run it uninstalled).
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(SCRIPT.parent), str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")) if p)
+        # hf_ropekv comes as it came to this process (installed, or PYTHONPATH): never the repository root here,
+        # whose kernels/ would shadow HuggingFace's `kernels` package that transformers imports
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPT.parent), env.get("PYTHONPATH", "")) if p)
         command = [sys.executable, str(SCRIPT), *self.argv, "--child", part, "--child-out", str(out)]
         if mode is not None:
             command += ["--mode", mode]

@@ -85,6 +85,15 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def falcon_broadcasts_kv_heads() -> bool:
+    """Whether Falcon's new decoder architecture hands the cache its keys broadcast to every query head (up to
+    transformers 5.24, whose ``FalconAttention`` split the fused projection with ``_split_heads``), rather than its
+    ``num_kv_heads`` grouped heads (5.25 on)."""
+    from transformers.models.falcon import modeling_falcon
+
+    return hasattr(modeling_falcon.FalconAttention, "_split_heads")
+
+
 def register_attention(name: str, function: Any) -> None:
     """Register ``function`` as attention implementation ``name``, with the sdpa mask (idempotent)."""
     from transformers import AttentionInterface, AttentionMaskInterface

@@ -37,8 +37,17 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# `python -m pytest` puts the repository root on sys.path, and the root holds `kernels/` (shipped as
+# hf_ropekv.kernels): there it would shadow HuggingFace's `kernels` package, which transformers imports when it is
+# installed (transformers 5.25 with `kernels` present failed every test module's import). hf_ropekv itself comes
+# from the install. This runs before anything imports transformers.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT]
+#: The working directory for `python -c` / `python -m` subprocesses, which put theirs first on sys.path: not the root.
+SUBPROCESS_CWD = ROOT / "tests"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # see the module docstring
     os.environ.setdefault("TRITON_INTERPRET", "1")

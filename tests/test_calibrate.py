@@ -203,11 +203,12 @@ def test_documented_entry_points():
     import sys
 
     import hf_ropekv
+    from conftest import SUBPROCESS_CWD
 
     assert hf_ropekv.calibrate is calibrate
     proc = subprocess.run(
         [sys.executable, "-W", "error::RuntimeWarning", "-m", "hf_ropekv", "calibrate", "--help"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=SUBPROCESS_CWD,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "sys.modules" not in proc.stderr

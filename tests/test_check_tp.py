@@ -18,17 +18,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import SUBPROCESS_CWD
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def launch_tp_check(device: str, out: Path) -> dict:
     """Run the check on 2 ranks; its exit status must be 0 and every check it wrote true."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    # Not from the repository root (SUBPROCESS_CWD): `-m` puts the working directory first on sys.path, and the
+    # root's kernels/ would shadow HuggingFace's `kernels`; tp_check.py finds an uninstalled hf_ropekv itself.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(REPO / "benchmarks" / "tp_check.py"), "--device", device, "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=600, env=env, cwd=SUBPROCESS_CWD,
     )
     assert proc.returncode == 0, f"tp_check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     result = json.loads((out / "tp_check.json").read_text())

@@ -8,14 +8,13 @@ Checked by what a fresh interpreter has imported, not by timing (timings on a sh
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import SUBPROCESS_CWD
+
 
 #: Modules that only loading or building a model needs; each costs a second or more to import.
 MODEL_LOADING_MODULES = (
@@ -28,9 +27,8 @@ MODEL_LOADING_MODULES = (
 def _imported_after(statement: str, names: tuple[str, ...]) -> dict[str, bool]:
     """Which of ``names`` a fresh interpreter has in ``sys.modules`` after ``statement``."""
     code = f"import json, sys\n{statement}\nprint(json.dumps({{n: n in sys.modules for n in {list(names)!r}}}))"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", code], cwd=SUBPROCESS_CWD, capture_output=True, text=True, timeout=300, check=True
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -13,7 +13,7 @@ from hf_ropekv import RopeKVCache
 from hf_ropekv.cache.options import OPTION_NAMES, CacheOptions
 from hf_ropekv.scorers import RecencyScorer
 from hf_ropekv.warnings import HfRopeKVWarning
-from tests.conftest import tiny_model
+from conftest import tiny_model
 
 
 @pytest.mark.parametrize(

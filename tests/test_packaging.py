@@ -63,6 +63,17 @@ def test_kernels_install_only_inside_hf_ropekv(options) -> None:
     assert "tool.setuptools" not in (REPO / "pyproject.toml").read_text(), "packages come from setup.cfg alone"
 
 
+def test_the_repository_kernels_folder_is_not_importable_as_kernels_while_testing() -> None:
+    """Run from the repository root (`python -m pytest`), the root's `kernels/` must not be the top-level module
+    `kernels`: transformers imports HuggingFace's `kernels` package when one is installed, and ours would shadow it
+    (conftest takes the root off sys.path). Without HF's package, `kernels` is not importable at all."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    if spec is not None:
+        assert REPO not in Path(spec.origin or "/").resolve().parents, f"the repository's kernels/ shadows: {spec}"
+
+
 def test_version_has_one_source() -> None:
     """setup.cfg reads hf_ropekv.__version__; both must agree, and it is a valid PEP 440 version."""
     metadata = setupcfg.read_configuration(str(REPO / "setup.cfg"))["metadata"]

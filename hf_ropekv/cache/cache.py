@@ -347,7 +347,7 @@ class RopeKVCache(Cache):
         if self._attachment is not None:
             self._attachment.truncate(seen)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
         """Called by generate before a decoding mode that rolls the cache back (assisted/speculative decoding).
 
         From then on the cache refuses, with the "cannot crop" error, any forward that would evict or pin more
@@ -355,7 +355,7 @@ class RopeKVCache(Cache):
         """
         if not all(layer.is_croppable for layer in self._full_layers):
             raise ValueError(CANNOT_CROP)
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)  # (transformers 5.25 passes recurrent_states_to_keep=)
         self.coordinator.rollback_expected = True
 
     def __deepcopy__(self, memo: dict) -> "RopeKVCache":

@@ -213,7 +213,8 @@ def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...])
 def _kv_heads(config: PretrainedConfig, num_q_heads: int) -> int:
     if getattr(config, "model_type", None) == "falcon":  # the KV heads the cache receives, per layout
         if getattr(config, "new_decoder_architecture", False):
-            return num_q_heads  # the attention broadcasts its num_kv_heads keys to every query head first
+            # up to transformers 5.24 the attention broadcast its num_kv_heads keys to every query head first
+            return num_q_heads if _compat.falcon_broadcasts_kv_heads() else config.num_kv_heads
         return 1 if getattr(config, "multi_query", False) else config.num_kv_heads
     return getattr(config, "num_key_value_heads", None) or num_q_heads
 

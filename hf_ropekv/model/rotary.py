@@ -93,7 +93,7 @@ def find_rotary_function(module_name: str) -> RotaryFunction | None:
     function = getattr(module, FUNCTION_NAME, None) if module is not None else None
     if not callable(function):
         return None
-    original = getattr(function, "_hf_ropekv_original", function)
+    original = _hub_kernel_original(getattr(function, "_hf_ropekv_original", function))
     try:
         signature = inspect.signature(original)
     except (TypeError, ValueError):
@@ -103,6 +103,24 @@ def find_rotary_function(module_name: str) -> RotaryFunction | None:
         return None
     paired = names.index("cos") >= 2 and names.index("sin") >= 2  # (q, k, cos, sin, ...)
     return RotaryFunction(module, FUNCTION_NAME, original, signature, paired)
+
+
+def _hub_kernel_original(function: Callable) -> Callable:
+    """The plain function behind HuggingFace ``kernels``' wrapper of it, else ``function``.
+
+    From transformers 5.25, whose dependencies include HuggingFace's ``kernels`` package, ``apply_rotary_pos_emb``
+    is decorated with ``use_kernel_forward_from_hub``, which turns the function into an ``nn.Module`` instance
+    (``kernels``' ``Func``) whose ``forward(*args, **kwargs)`` calls the original, closed over as ``func``. Calls
+    still go through the module global (the wrapper); only the calling convention is read from the original.
+    """
+    if not isinstance(function, nn.Module):
+        return function
+    forward = getattr(type(function), "forward", None)
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+    if code is None or cells is None or "func" not in code.co_freevars:
+        return function
+    inner = cells[code.co_freevars.index("func")].cell_contents
+    return inner if callable(inner) and not isinstance(inner, nn.Module) else function
 
 
 def query_call_index(attention_cls: type, function: RotaryFunction) -> int | None:
@@ -290,12 +308,19 @@ def _measured_frequencies(
 
 # ---------------------------------------------------------------------- intercepting it during a forward
 class _Patch:
-    """A modeling module's rotary global replaced by a pass-through that shows calls to active frames."""
+    """A modeling module's rotary global replaced by a pass-through that shows calls to active frames.
 
-    def __init__(self, module: Any, name: str, original: Callable, tensor_param: str) -> None:
+    ``module.name`` is what gets replaced: the module global itself, or, where the global is HuggingFace
+    ``kernels``' ``nn.Module`` wrapper of the function (transformers 5.25), that instance's ``forward``. The global
+    then stays the wrapper, which ``kernels`` needs: it rebuilds the wrapper from the global's type when a model is
+    unpickled (``torch.load`` of a model saved while a cache was attached).
+    """
+
+    def __init__(self, module: Any, name: str, original: Callable, tensor_param: str, key: int) -> None:
         self.module, self.name, self.original = module, name, original
         self.users = 0
-        key = id(module)  # read here: the pass-through runs inside compiled forwards, where id(module) cannot be traced
+        # key: the modeling module's id, read here: the pass-through runs inside compiled forwards, where id(module)
+        # cannot be traced
 
         def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
             # Only the outermost pass-through delivers: another may sit inside `original` (the global was
@@ -354,12 +379,15 @@ def install(function: RotaryFunction) -> "_Patch":
     # The frame lists exist before any forward: torch.compile then guards on a layout that stays.
     for state in (_LOCAL.state, _TRACED):
         state.active.setdefault(function.key, [])
-    current = getattr(function.module, function.name)
+    target, name = function.module, function.name
+    if isinstance(getattr(target, name), nn.Module):  # kernels' wrapper (see _Patch): its forward, not the global
+        target, name = getattr(target, name), "forward"
+    current = getattr(target, name)
     patch = getattr(current, "_hf_ropekv_patch", None)
     if patch is None:
-        patch = _Patch(function.module, function.name, current, function.tensor_param)
+        patch = _Patch(target, name, current, function.tensor_param, function.key)
         patch.wrapper._hf_ropekv_patch = patch  # type: ignore[attr-defined]
-        setattr(function.module, function.name, patch.wrapper)
+        setattr(target, name, patch.wrapper)
     patch.users += 1
     return patch
 
@@ -369,7 +397,10 @@ def uninstall(patch: "_Patch") -> None:
     global was replaced since: then it is left alone)."""
     patch.users -= 1
     if patch.users <= 0 and getattr(patch.module, patch.name, None) is patch.wrapper:
-        setattr(patch.module, patch.name, patch.original)
+        if isinstance(patch.module, nn.Module):  # the wrapper's own forward again (no bound method left behind)
+            del patch.module.__dict__[patch.name]
+        else:
+            setattr(patch.module, patch.name, patch.original)
 
 
 def frame_stack(key: int) -> list[Any]:
