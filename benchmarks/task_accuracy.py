@@ -429,15 +429,33 @@ def make_cache(model, policy: Policy, budget: int, compress_every: int, protect_
     if policy.scorer is not None:
         kwargs["scorer"] = scorer_class(policy.scorer)(**policy.scorer_kwargs)
     cache = hf_ropekv.RopeKVCache(model, budget=budget, **kwargs)
-    if policy.online_kwargs:
-        online = getattr(cache, "_online", None)
-        if online is None:
-            raise ValueError(f"{policy.label}: online.* overrides need online statistics (no stats= file)")
-        for key, value in policy.online_kwargs.items():
-            if not hasattr(online, key):
-                raise ValueError(f"{policy.label}: the online statistics have no attribute {key!r}")
-            setattr(online, key, value)
+    set_online(cache, policy.online_kwargs, policy.label)
     return cache
+
+
+def set_online(cache, overrides: dict[str, Any], label: str) -> None:
+    """Set ``overrides`` as attributes of ``cache``'s online statistics, before its first forward (``online.key=value``
+    of a policy, ``--warm-online`` of the warm-up's caches)."""
+    if not overrides:
+        return
+    online = getattr(cache, "_online", None)
+    if online is None:
+        raise ValueError(f"{label}: online.* overrides need online statistics (no stats= file)")
+    for key, value in overrides.items():
+        if not hasattr(online, key):
+            raise ValueError(f"{label}: the online statistics have no attribute {key!r}")
+        setattr(online, key, value)
+
+
+def parse_overrides(text: str | None) -> dict[str, Any]:
+    """``key=value,...`` -> ``{key: value}`` (values as in policies: true/false, none, numbers, else text)."""
+    overrides = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected key=value, got {item!r}")
+        overrides[key.strip()] = _value(raw.strip())
+    return overrides
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -614,6 +632,7 @@ def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argp
         cache = hf_ropekv.RopeKVCache(model, budget=budget, compress_every=args.compress_every,
                                       protect_prompt=args.protect_prompt == "on", learn_workload=True,
                                       static=False)  # a budget per batch: compiled, each would compile anew
+        set_online(cache, parse_overrides(args.warm_online), "--warm-online")
         generate_batch(model, [u.prompt for u in batch], pad_id, stop_ids, args.max_new_tokens, cache)
         used += len(batch)
     by_limit = workload.frozen
@@ -621,7 +640,7 @@ def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argp
     log(f"warm-up: {workload.tokens} tokens learned from {used} prompts "
         f"({'frozen at its limit' if by_limit else 'range ended, frozen by hand'}, {time.perf_counter() - start:.1f} s)")
     return {"prompts": used, "tokens": workload.tokens, "frozen_at_limit": by_limit, "gap": gap,
-            "freeze_at": workload.freeze_at}
+            "freeze_at": workload.freeze_at, "online": parse_overrides(args.warm_online)}
 
 
 def _too_long(unit: Unit, budget: int, policy: Policy, args: argparse.Namespace) -> bool:
@@ -763,7 +782,8 @@ def markdown(meta: dict[str, Any], summaries: list[dict[str, Any]]) -> str:
         lines.append(
             f"`+warm` rows: the workload statistics learned {warm['tokens']:,} tokens from {warm['prompts']} prompts of "
             f"problems {warm['problems']} in the **{tasks.DOMAINS[learned_on]}** domain (`--warm-domain "
-            f"{learned_on}`; default cache, G = {warm['gap']}; "
+            f"{learned_on}`; default cache"
+            + "".join(f", online.{k}={v}" for k, v in warm.get("online", {}).items()) + f", G = {warm['gap']}; "
             f"{'frozen at its limit' if warm['frozen_at_limit'] else 'frozen when the range ended'}) first"
             + ("." if learned_on == domain else f", then were evaluated on {tasks.DOMAINS[domain]} prompts.")
         )
@@ -846,6 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-only", action="store_true",
                    help="with --warm: no cold rows for policies that learn (compare prior weights warm; add "
                         "default:learn_workload=False for the cold row)")
+    p.add_argument("--warm-online", default=None, metavar="KEY=VALUE,...",
+                   help="with --warm: attributes of the warm-up caches' online statistics (as a policy's online.*), "
+                        "e.g. prompt_weight=0: the workload learns the generations without their prompts")
     p.add_argument("--warm-domain", choices=sorted(tasks.DOMAINS), default=None,
                    help="the prompts of the warm-up (default: --domain's): learn on one domain, evaluate another")
     p.add_argument("--peer-window", default=AUTO_WINDOW,
@@ -934,6 +957,8 @@ def warm_range(args: argparse.Namespace, evaluated: range) -> range | None:
     if not args.warm:
         if args.warm_only:
             raise ValueError("--warm-only drops the cold rows of the warm comparison: it needs --warm")
+        if args.warm_online:
+            raise ValueError("--warm-online sets the warm-up's caches: it needs --warm")
         return None
     warm = tasks.parse_range(args.warm_problems) if args.warm_problems else tasks.TUNE_RANGE
     if warm.start < tasks.TUNE_RANGE.start or warm.stop > tasks.TUNE_RANGE.stop:

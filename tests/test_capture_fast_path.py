@@ -25,6 +25,7 @@ from hf_ropekv.model.capture import _Frame, _frame_of
 from hf_ropekv.warnings import HfRopeKVWarning
 from hf_ropekv.model.geometry import describe
 from hf_ropekv.statistics.online import OnlineStatistics
+from hf_ropekv.statistics.workload import WorkloadStatistics
 
 
 class _CountSee:
@@ -163,18 +164,14 @@ def test_a_static_step_folds_every_layer_at_once_into_the_decayed_sums(order: st
     _assert_means(stats.snapshot(), geometry, totals, 5 * f ** 6 + sum(f ** (5 - j) for j in range(6)))
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_an_anchored_prompt_keeps_its_full_weight(static: bool) -> None:
-    """anchor_prompt: the prompt's queries (here in two prefill chunks) never decay; the decoding steps after it do,
-    in the growing cache's deferred folds and in the static step's fold alike."""
-    model = family_model("llama")
-    geometry = describe(model)
+def _prompt_then_steps(stats: OnlineStatistics, geometry, static: bool):
+    """Feed ``stats`` a prompt in two prefill chunks (3 and 2 tokens) and then six decoding steps, through the growing
+    cache's deferred folds or the static step's fold; return the chunks and steps (per layer, batch 2)."""
     layers = tuple(range(geometry.num_layers))
     g = torch.Generator().manual_seed(5)
     chunks = [[torch.randn(2, n, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in layers] for n in (3, 2)]
     steps = [[torch.randn(2, 1, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in layers]
              for _ in range(6)]
-    stats = OnlineStatistics(geometry, half_life=2.0, anchor_prompt=True)
     for chunk in chunks:
         stats.begin_forward(None, chunk[0].shape[1])
         for layer_idx, q in zip(layers, chunk):
@@ -190,6 +187,59 @@ def test_an_anchored_prompt_keeps_its_full_weight(static: bool) -> None:
         else:
             stats.add_step(layers, [q.transpose(1, 2) for q in step], heads_dim=1)
         stats.end_forward()
+    return chunks, steps
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("weight", [0.0, 0.25])
+def test_the_prompt_weighs_prompt_weight_once_decoding_counts(static: bool, weight: float) -> None:
+    """prompt_weight: the prompt's queries decay like the rest and then weigh ``weight`` against the decoding steps
+    (0: the generation's own queries alone), in the deferred folds and in the static step's fold alike; the workload
+    learns no prompt at weight 0."""
+    model = family_model("llama")
+    geometry = describe(model)
+    learn = WorkloadStatistics(geometry)
+    stats = OnlineStatistics(geometry, half_life=2.0, prompt_weight=weight, learn=learn)
+    chunks, steps = _prompt_then_steps(stats, geometry, static)
+    f = 0.5 ** (1 / 2.0)
+    decay = (f ** 8, f ** 6)  # the first chunk decays by the second's 2 tokens, then both by 6 steps
+    totals = [weight * sum(c[i].double().sum(dim=1) * d for c, d in zip(chunks, decay))
+              + sum(step[i][:, 0].double() * f ** (5 - j) for j, step in enumerate(steps)) for i in range(len(steps[0]))]
+    _assert_means(stats.snapshot(), geometry, totals, weight * (3 * f ** 8 + 2 * f ** 6) + sum(f ** (5 - j) for j in range(6)))
+    stats.flush()
+    assert learn.tokens == (12 if weight == 0 else 12 + 10)  # 6 steps x 2 rows (+ the prompts' 5 x 2)
+
+
+def test_the_prompt_alone_scores_until_a_decoding_step_counts() -> None:
+    """prompt_weight 0 still scores with the prompt before any decoding step has finished (a compaction during the
+    prompt, or at the first step's first layer): there is nothing else to score with."""
+    model = family_model("llama")
+    geometry = describe(model)
+    q = torch.randn(2, 4, geometry.num_q_heads, geometry.head_dim, generator=torch.Generator().manual_seed(9))
+    weighted, plain = OnlineStatistics(geometry, half_life=2.0, prompt_weight=0.0), OnlineStatistics(geometry, half_life=2.0)
+    for stats in (weighted, plain):
+        stats.begin_forward(None, 4)
+        for layer_idx in range(geometry.num_layers):
+            stats.add(layer_idx, q)
+        stats.end_forward()
+        stats.begin_forward(None, 1)  # a decoding step begins; its queries do not count yet
+    for layer_idx in range(geometry.num_layers):
+        torch.testing.assert_close(weighted.snapshot().for_layer(layer_idx), plain.snapshot().for_layer(layer_idx))
+
+
+def test_prompt_weight_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="prompt_weight must be a number >= 0"):
+        OnlineStatistics(describe(family_model("llama")), prompt_weight=-1.0)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_an_anchored_prompt_keeps_its_full_weight(static: bool) -> None:
+    """anchor_prompt: the prompt's queries (here in two prefill chunks) never decay; the decoding steps after it do,
+    in the growing cache's deferred folds and in the static step's fold alike."""
+    geometry = describe(family_model("llama"))
+    layers = tuple(range(geometry.num_layers))
+    stats = OnlineStatistics(geometry, half_life=2.0, anchor_prompt=True)
+    chunks, steps = _prompt_then_steps(stats, geometry, static)
     f = 0.5 ** (1 / 2.0)
     totals = [sum(c[i].double().sum(dim=1) for c in chunks)  # undecayed
               + sum(step[i][:, 0].double() * f ** (5 - j) for j, step in enumerate(steps)) for i in layers]

@@ -479,6 +479,32 @@ def test_warm_only_drops_the_learners_cold_rows(tmp_path: Path) -> None:
                            model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
 
 
+def test_warm_online_sets_the_warm_up_caches(tmp_path: Path) -> None:
+    """--warm-online prompt_weight=0: the warm-up's caches leave the prompts out of what the workload learns, so it
+    learns exactly the decoding steps' queries (2 problems x 3 steps: the first of the 4 new tokens comes from the
+    prompt's forward; the tiny config has no EOS)."""
+    learned = {}
+    for name, extra in (("plain", []), ("no_prompt", ["--warm-online", "prompt_weight=0"])):
+        task_accuracy.main(
+            ["--out", str(tmp_path / name), "--warm", "--warm-problems", "298-299", "--problems", "0-1",
+             "--policies", "default:window=2", "--gaps", "4", "--compress-every", "4", "--max-new-tokens", "4",
+             "--batch-size", "1", *extra],
+            model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems(),
+        )
+        learned[name] = json.loads((tmp_path / name / "results.json").read_text())["warm"]
+    assert learned["no_prompt"]["tokens"] == 2 * 3 and learned["no_prompt"]["online"] == {"prompt_weight": 0}
+    assert learned["plain"]["tokens"] > 2 * 3 and learned["plain"]["online"] == {}
+    assert "online.prompt_weight=0" in (tmp_path / "no_prompt" / "results.md").read_text()
+    assert task_accuracy.parse_overrides("prompt_weight=0.5,anchor_prompt=true") == {"prompt_weight": 0.5,
+                                                                                   "anchor_prompt": True}
+    with pytest.raises(ValueError, match="expected key=value"):
+        task_accuracy.parse_overrides("prompt_weight")
+    with pytest.raises(ValueError, match="needs --warm"):
+        task_accuracy.main(["--out", str(tmp_path), "--warm-online", "prompt_weight=0", "--problems", "0-1",
+                            "--policies", "default"],
+                           model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+
+
 def test_calibration_on_the_models_own_answers(tmp_path: Path) -> None:
     model, probs = tiny_model("llama"), fake_problems()
     task_accuracy.main(

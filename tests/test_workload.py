@@ -145,6 +145,19 @@ def test_reset_forgets_the_steps_a_live_cache_deferred_before_it() -> None:
     del cache
 
 
+def test_a_freeze_by_hand_keeps_the_steps_a_live_cache_deferred() -> None:
+    """freeze() right after a generation: its decoding steps, still deferred in the live cache (folded 16 at a time),
+    count; they were lost before freeze() folded them in."""
+    model = tiny_model("llama")
+    workload = workload_statistics(model)
+    cache = RopeKVCache(model, budget=64, compress_every=8, learn_workload=True)
+    _generate(model, cache, _prompt(6), new=10)  # 9 decoding steps: fewer than one fold
+    workload.freeze()
+    assert workload.tokens == PROMPT + 10 - 1
+    del cache
+    assert workload.tokens == PROMPT + 10 - 1  # (and a dropped frozen cache adds nothing)
+
+
 def test_opting_out_neither_feeds_nor_reads() -> None:
     model = tiny_model("llama")
     workload = workload_statistics(model)

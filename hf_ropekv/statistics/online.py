@@ -79,11 +79,16 @@ class OnlineStatistics:
         anchor_prompt: the queries of the forwards before the first decoding step (the prompt, all its prefill
             chunks) keep their full weight: the half-life decays only what came after. Experimental, off by
             default; ``benchmarks/task_accuracy.py`` sets it (``online.anchor_prompt=true``) to measure it.
+        prompt_weight: what the prompt's queries (as for ``anchor_prompt``) weigh against the decoding steps' once
+            decoding has begun (a row whose decoding steps have not counted yet still uses its prompt alone);
+            ``0`` scores with the generation's own queries only, and the workload then learns no prompt either.
+            Experimental (GSM8K: more weight on the prompt lost accuracy); 1 (the default) is today's behaviour.
     """
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
                  learn: WorkloadStatistics | None = None, prior: WorkloadPrior | None = None,
-                 prior_tokens: float = 0, filler_ids: Iterable[int] = (), anchor_prompt: bool = False) -> None:
+                 prior_tokens: float = 0, filler_ids: Iterable[int] = (), anchor_prompt: bool = False,
+                 prompt_weight: float = 1.0) -> None:
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
@@ -99,6 +104,9 @@ class OnlineStatistics:
         self._pairs = geometry.rotary_dim // 2
         self._filler: set[int] = {int(t) for t in filler_ids}
         self.anchor_prompt = anchor_prompt
+        if not prompt_weight >= 0:
+            raise ValueError(f"prompt_weight must be a number >= 0; got {prompt_weight!r}.")
+        self.prompt_weight = float(prompt_weight)
         self.reset()
         if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
             ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
@@ -122,8 +130,8 @@ class OnlineStatistics:
         self._new = 0
         self._snapshot: RowStatistics | None = None
         self._on_buffers = False
-        # anchor_prompt: the prompt's undecayed sums and counts per device (shaped as _sums / _counts), and whether
-        # a decoding step has begun (what comes after it decays)
+        # anchor_prompt / prompt_weight: the prompt's sums and counts per device (shaped as _sums / _counts; decayed
+        # as they are unless anchored), and whether a decoding step has begun
         self._anchor_sums: dict[torch.device, torch.Tensor] = {}
         self._anchor_counts: dict[torch.device, torch.Tensor] = {}
         self._decoded = False
@@ -233,11 +241,14 @@ class OnlineStatistics:
         self.flush()
         self._decay(self._new)
         learner = self._learner()
-        anchored = self.anchor_prompt and not self._decoded and bool(self._pending)  # (pending: multi-token only)
+        prompt = not self._decoded and bool(self._pending)  # (pending: multi-token forwards only)
+        apart = prompt and (self.anchor_prompt or self.prompt_weight != 1)  # kept apart from the decoding steps
+        if prompt and self.prompt_weight == 0:
+            learner = None  # the prompt counts for nothing, here and in the workload
         places = {layer_idx: self._place(layer_idx, sums) for layer_idx, sums in self._pending.items()}
         for layer_idx, sums in self._pending.items():
             device, index = places[layer_idx]
-            (self._anchor_on(device)[0] if anchored else self._sums[device])[index] += sums
+            (self._anchor_on(device)[0] if apart else self._sums[device])[index] += sums
             if learner is not None:
                 learner.add_layers((layer_idx,), sums.sum(dim=0, keepdim=True))
         stash_devices = {q.device for _, q in self._stash}
@@ -267,7 +278,7 @@ class OnlineStatistics:
             else:
                 sums.index_add_(0, index, parts.to(torch.float64))
         for device in self._devices_touched():
-            counts = self._anchor_on(device)[1] if anchored else self._counts[device]
+            counts = self._anchor_on(device)[1] if apart else self._counts[device]
             if self._mask is None:
                 counts.add_(float(self._new))  # the same float64 sum as adding a tensor of them
             else:
@@ -329,6 +340,7 @@ class OnlineStatistics:
             self._weights[(device, n)] = weights
         decay_then_add(sums, factor ** n, torch.tensordot(weights, parts.to(torch.float64), dims=1))
         decay_then_add(counts, factor ** n, weights.sum())
+        self._decay_prompt(factor ** n)
 
     def _fold_index(self, device: torch.device, layers: tuple[int, ...], parts: torch.Tensor) -> torch.Tensor | None:
         """Rows of ``device``'s sums that ``layers``' queries (``parts [B, L, 3, H, F]``) go to, placing the layers
@@ -364,8 +376,10 @@ class OnlineStatistics:
                     continue
                 device, index = self._slot[layer_idx]
                 sums, counts = self._sums[device][index], self._counts[device]
-                if device in self._anchor_sums:  # the prompt's undecayed part
-                    sums, counts = sums + self._anchor_sums[device][index], counts + self._anchor_counts[device]
+                if device in self._anchor_sums:  # the prompt's part, kept apart
+                    w = self._prompt_weights(counts)
+                    sums = sums + w.view(-1, 1, 1, 1) * self._anchor_sums[device][index]
+                    counts = counts + w * self._anchor_counts[device]
                 if self.prior is None:
                     means = sums / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
                 else:  # blend by count: the prior weighs prior_tokens queries and never decays
@@ -377,7 +391,7 @@ class OnlineStatistics:
             device = next(iter(self._counts))
             first = self._counts[device]
             if device in self._anchor_counts:
-                first = first + self._anchor_counts[device]
+                first = first + self._prompt_weights(first) * self._anchor_counts[device]
             self._snapshot = RowStatistics(
                 q_mean=tuple(q_mean),
                 q_abs_mean=tuple(q_abs),
@@ -444,6 +458,7 @@ class OnlineStatistics:
     def _decay_counts_and_add(self) -> None:
         for device, counts in self._counts.items():
             decay_then_add(counts, self._decay_factor(1), self._count_on(device))
+        self._decay_prompt(self._decay_factor(1))  # (the step's fold decays the decoding sums)
 
     def buffers(self) -> list[torch.Tensor]:
         """The running sums' tensors (a static cache gives them back to its lease on reset)."""
@@ -588,6 +603,12 @@ class OnlineStatistics:
             mark_static(self._sums[device], self._counts[device])
         return self._slot[layer_idx]
 
+    def _prompt_weights(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per row, what the prompt's sums kept apart weigh: ``prompt_weight`` once the row's decoding steps count."""
+        if self.prompt_weight == 1 or not self._decoded:
+            return torch.ones_like(counts)
+        return torch.where(counts > 0, self.prompt_weight, 1.0).to(counts.dtype)
+
     def _anchor_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's undecayed sums and counts on ``device`` (``anchor_prompt``), with a row per placed layer."""
         sums = self._anchor_sums.get(device)
@@ -616,6 +637,15 @@ class OnlineStatistics:
         if factor is None:
             return
         for table in (self._sums, self._counts):
+            for value in table.values():
+                value.mul_(factor)
+        self._decay_prompt(factor)
+
+    def _decay_prompt(self, factor: float | None) -> None:
+        """Decay the prompt's sums kept apart (``prompt_weight``) as the others; an anchored prompt keeps its weight."""
+        if factor is None or self.anchor_prompt:
+            return
+        for table in (self._anchor_sums, self._anchor_counts):
             for value in table.values():
                 value.mul_(factor)
 

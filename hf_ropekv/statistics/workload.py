@@ -120,7 +120,9 @@ class WorkloadStatistics:
         self._freeze_at = value
 
     def freeze(self) -> None:
-        """Stop learning now: caches built from here on all start from the same prior."""
+        """Stop learning now: caches built from here on all start from the same prior. What finished forwards gave
+        counts (their deferred decoding steps are folded in first)."""
+        self._collect()
         self._frozen = True
 
     def __repr__(self) -> str:
