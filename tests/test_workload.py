@@ -158,6 +158,32 @@ def test_a_freeze_by_hand_keeps_the_steps_a_live_cache_deferred() -> None:
     assert workload.tokens == PROMPT + 10 - 1  # (and a dropped frozen cache adds nothing)
 
 
+def test_stats_prompt_weight_zero_learns_the_generation_alone() -> None:
+    """stats_prompt_weight=0: the workload learns the decoding steps' queries and no prompt; the prior equals the
+    calibrated statistics of the generated positions alone (a full forward's queries past the prompt)."""
+    model = tiny_model("llama")
+    cache = RopeKVCache(model, budget=64, compress_every=8, learn_workload=True, stats_prompt_weight=0)
+    assert cache.stats_prompt_weight == 0 and cache._online.prompt_weight == 0
+    out = _generate(model, cache, _prompt(7))
+    workload = workload_statistics(model)
+    assert workload.tokens == NEW - 1  # the decoding steps: the first new token came from the prompt's forward
+    ids = _forwarded(out)
+    calibrate_all = _calibrated(model, ids)
+    # The generated positions' means: (all positions' sums - the prompt's) / (NEW - 1).
+    prompt_only = _calibrated(model, ids[:, :PROMPT])
+    learned = workload.to_stats()
+    n_all, n_prompt = calibrate_all.tokens, prompt_only.tokens
+    for name in ("q_mean", "q_abs_mean"):
+        expected = (getattr(calibrate_all, name) * n_all - getattr(prompt_only, name) * n_prompt) / (n_all - n_prompt)
+        torch.testing.assert_close(getattr(learned, name), expected, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("bad", [-1, True, "0", float("inf")])
+def test_stats_prompt_weight_must_be_a_number_at_least_zero(bad) -> None:
+    with pytest.raises(ValueError, match="stats_prompt_weight must be a number >= 0"):
+        RopeKVCache(tiny_model("llama"), budget=16, stats_prompt_weight=bad)
+
+
 def test_opting_out_neither_feeds_nor_reads() -> None:
     model = tiny_model("llama")
     workload = workload_statistics(model)

@@ -72,6 +72,10 @@ class RopeKVCache(Cache):
             default): neither. Caches with ``stats=`` or another scorer never take part.
         prior_tokens: the weight of the workload prior, in queries (a pseudo-count that never decays); taken
             when the cache is built. 0 ignores it (the cache still feeds the workload).
+        stats_prompt_weight: with online statistics, what the prompt's queries (every forward before the first
+            decoding step) weigh against the generation's once a decoding step has counted; 0 leaves them out,
+            and then the workload learns no prompt either. With ``learn_workload=True`` use 0: on GSM8K a prior
+            learned without prompts gained 9 problems of 150 over one learned with them (README, "Quality").
 
         selection: ``"per_layer"`` lets every layer rank its own keys; ``"global"`` ranks once per (row, KV
             head) with scores averaged over layers (the paper's operating point).
@@ -113,9 +117,11 @@ class RopeKVCache(Cache):
         static: bool | str = "auto",
         learn_workload: bool = False,
         prior_tokens: float = 512,
+        stats_prompt_weight: float = 1.0,
     ) -> None:
         options = CacheOptions(budget, compress_every, page_size, window, sink, protect_prompt, selection, seed,
-                               stats_half_life, static, learn_workload, prior_tokens)  # validated before any is used
+                               stats_half_life, static, learn_workload, prior_tokens,
+                               stats_prompt_weight)  # validated before any is used
         self.options = options
         self.geometry: ModelGeometry = describe(model_or_config)
         if isinstance(model_or_config, nn.Module):
@@ -214,6 +220,7 @@ class RopeKVCache(Cache):
 
     learn_workload = property(lambda self: self.options.learn_workload)
     prior_tokens = property(lambda self: self.options.prior_tokens)
+    stats_prompt_weight = property(lambda self: self.options.stats_prompt_weight)
 
     @property
     def workload_prior_tokens(self) -> int:

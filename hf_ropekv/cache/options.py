@@ -43,6 +43,7 @@ class CacheOptions:
     static: bool | str = "auto"  # True, False, or "auto": compiled where it pays (see cache.auto_static)
     learn_workload: bool = LEARN_WORKLOAD_BY_DEFAULT  # feed and read the model's workload statistics
     prior_tokens: float = DEFAULT_PRIOR_TOKENS  # the workload prior's weight, in queries
+    stats_prompt_weight: float = 1.0  # what the prompt's queries weigh against the generation's (0: left out)
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -77,6 +78,12 @@ class CacheOptions:
         if half_life is not None and (isinstance(half_life, bool) or not isinstance(half_life, (int, float))
                                       or not half_life > 0):
             raise ValueError(f"stats_half_life must be a positive number of tokens or None; got {half_life!r}.")
+        weight = self.stats_prompt_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
+            raise ValueError(
+                f"stats_prompt_weight must be a number >= 0 (1: the prompt's queries count like the generation's, "
+                f"0: they are left out once decoding counts); got {weight!r}."
+            )
         prior = self.prior_tokens
         if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 <= prior < float("inf"):
             raise ValueError(

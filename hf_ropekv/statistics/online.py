@@ -82,7 +82,7 @@ class OnlineStatistics:
         prompt_weight: what the prompt's queries (as for ``anchor_prompt``) weigh against the decoding steps' once
             decoding has begun (a row whose decoding steps have not counted yet still uses its prompt alone);
             ``0`` scores with the generation's own queries only, and the workload then learns no prompt either.
-            Experimental (GSM8K: more weight on the prompt lost accuracy); 1 (the default) is today's behaviour.
+            The cache option ``stats_prompt_weight`` (default 1: the prompt counts like the generation).
     """
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
