@@ -150,6 +150,16 @@ def padded_batch(vocab: int = 128, lengths=(12, 9, 6), seed: int = 0) -> tuple[t
     return ids, mask
 
 
+def rotary_is_patched(module) -> bool:
+    """Whether hf_ropekv's rotary pass-through is in place in a modeling ``module``: its ``apply_rotary_pos_emb``
+    global replaced, or the forward of the nn.Module HuggingFace ``kernels`` makes of that function (transformers
+    5.25), whose global stays theirs."""
+    function = module.apply_rotary_pos_emb
+    if isinstance(function, torch.nn.Module):
+        return "forward" in vars(function) and hasattr(function.forward, "_hf_ropekv_original")
+    return hasattr(function, "_hf_ropekv_original")
+
+
 def cache_kw(model, cache) -> dict:
     """``{"cache": cache}`` on transformers >= 5.24, else ``{"past_key_values": cache}``: for ``model(...)`` and
     ``model.generate(...)`` (5.24 warns on the old name)."""

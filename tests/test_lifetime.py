@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import rotary_is_patched, tiny_model
 from transformers.models.llama import modeling_llama
 
 import hf_ropekv
@@ -40,12 +40,7 @@ def _generate(model, **cache_kwargs) -> torch.Tensor:
 
 
 def _is_patched() -> bool:
-    """Whether the rotary pass-through is in place: the module global, or the forward of the nn.Module that
-    HuggingFace `kernels` makes of the function (transformers 5.25)."""
-    function = modeling_llama.apply_rotary_pos_emb
-    if isinstance(function, torch.nn.Module):
-        return "forward" in vars(function) and hasattr(function.forward, "_hf_ropekv_original")
-    return hasattr(function, "_hf_ropekv_original")
+    return rotary_is_patched(modeling_llama)
 
 
 def test_a_plain_model_is_freed_by_reference_counting(gc_off) -> None:

@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import padded_batch
+from conftest import padded_batch, rotary_is_patched
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.model.capture import QueryCapture, find_attention_modules
@@ -284,10 +284,9 @@ def test_rotary_function_is_restored_and_shared_by_captures() -> None:
     module = importlib.import_module(type(find_attention_modules(model)[0]).forward.__module__)
     original = module.apply_rotary_pos_emb
 
-    def patched() -> bool:  # the global replaced, or (HuggingFace kernels' nn.Module of it, 5.25) its forward
-        if isinstance(original, torch.nn.Module):
-            return module.apply_rotary_pos_emb is original and "forward" in vars(original)
-        return module.apply_rotary_pos_emb is not original
+    def patched() -> bool:  # (and HuggingFace kernels' nn.Module of the function, 5.25, stays the global)
+        assert module.apply_rotary_pos_emb is original or not isinstance(original, torch.nn.Module)
+        return rotary_is_patched(module)
 
     seen: list[list[int]] = [[], []]
     first = QueryCapture(model, geometry, lambda i, q: seen[0].append(i)).attach()

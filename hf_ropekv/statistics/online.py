@@ -246,9 +246,13 @@ class OnlineStatistics:
         if prompt and self.prompt_weight == 0:
             learner = None  # the prompt counts for nothing, here and in the workload
         places = {layer_idx: self._place(layer_idx, sums) for layer_idx, sums in self._pending.items()}
+        # where this forward's sums and counts go, per device: the prompt's own tables (grown to the layers placed
+        # by now, once per forward) or the running ones
+        targets = {device: self._anchor_on(device) if apart else (self._sums[device], self._counts[device])
+                   for device, _ in places.values()}
         for layer_idx, sums in self._pending.items():
             device, index = places[layer_idx]
-            (self._anchor_on(device)[0] if apart else self._sums[device])[index] += sums
+            targets[device][0][index] += sums
             if learner is not None:
                 learner.add_layers((layer_idx,), sums.sum(dim=0, keepdim=True))
         stash_devices = {q.device for _, q in self._stash}
@@ -278,7 +282,7 @@ class OnlineStatistics:
             else:
                 sums.index_add_(0, index, parts.to(torch.float64))
         for device in self._devices_touched():
-            counts = self._anchor_on(device)[1] if apart else self._counts[device]
+            counts = targets[device][1] if device in targets else self._counts[device]
             if self._mask is None:
                 counts.add_(float(self._new))  # the same float64 sum as adding a tensor of them
             else:
@@ -424,7 +428,7 @@ class OnlineStatistics:
                 rows = take(("online_learn_rows", device), tuple(sums.shape), sums.dtype,
                             lambda v=sums: torch.zeros_like(v))
                 self._learn_rows[device] = rows  # zeroed by take
-                self._learn_layers[device] = self._layers_on(device)
+                self._learn_layers[device] = self._static_layers[device]
         self._on_buffers = True
         self._snapshot = None
 
