@@ -232,20 +232,6 @@ def test_prompt_weight_must_not_be_negative() -> None:
         OnlineStatistics(describe(family_model("llama")), prompt_weight=-1.0)
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_an_anchored_prompt_keeps_its_full_weight(static: bool) -> None:
-    """anchor_prompt: the prompt's queries (here in two prefill chunks) never decay; the decoding steps after it do,
-    in the growing cache's deferred folds and in the static step's fold alike."""
-    geometry = describe(family_model("llama"))
-    layers = tuple(range(geometry.num_layers))
-    stats = OnlineStatistics(geometry, half_life=2.0, anchor_prompt=True)
-    chunks, steps = _prompt_then_steps(stats, geometry, static)
-    f = 0.5 ** (1 / 2.0)
-    totals = [sum(c[i].double().sum(dim=1) for c in chunks)  # undecayed
-              + sum(step[i][:, 0].double() * f ** (5 - j) for j, step in enumerate(steps)) for i in layers]
-    _assert_means(stats.snapshot(), geometry, totals, 5 + sum(f ** (5 - j) for j in range(6)))
-
-
 def test_a_step_that_breaks_the_learned_pattern_warns_and_falls_back_to_frames(monkeypatch) -> None:
     model = family_model("llama")
     counter = _CountSee(monkeypatch)

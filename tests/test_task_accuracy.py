@@ -140,18 +140,18 @@ def test_policy_parsing() -> None:
         task_accuracy.parse_policy("default:budget=3")
     with pytest.raises(ImportError, match="NoSuchScorer"):
         task_accuracy.scorer_class("NoSuchScorer")
-    assert task_accuracy.parse_policy("default:online.anchor_prompt=true").online_kwargs == {"anchor_prompt": True}
+    assert task_accuracy.parse_policy("default:online.prompt_weight=0").online_kwargs == {"prompt_weight": 0}
     with pytest.raises(ValueError, match="online statistics"):
-        task_accuracy.parse_policy("recency:online.anchor_prompt=true")
+        task_accuracy.parse_policy("recency:online.prompt_weight=0")
 
 
 def test_online_overrides_reach_the_cache_before_its_first_forward() -> None:
     model = tiny_model("llama")
-    policy = task_accuracy.parse_policy("default:online.anchor_prompt=true")
+    policy = task_accuracy.parse_policy("default:online.prompt_weight=0.5")
     cache = task_accuracy.make_cache(model, policy, budget=16, compress_every=4, protect_prompt=True, stats=None)
-    assert cache._online.anchor_prompt is True
+    assert cache._online.prompt_weight == 0.5
     plain = task_accuracy.make_cache(model, task_accuracy.parse_policy("default"), 16, 4, True, None)
-    assert plain._online.anchor_prompt is False
+    assert plain._online.prompt_weight == 1.0
     with pytest.raises(ValueError, match="no attribute 'nope'"):
         task_accuracy.make_cache(model, task_accuracy.parse_policy("default:online.nope=1"), 16, 4, True, None)
 
@@ -495,8 +495,7 @@ def test_warm_online_sets_the_warm_up_caches(tmp_path: Path) -> None:
     assert learned["no_prompt"]["tokens"] == 2 * 3 and learned["no_prompt"]["online"] == {"prompt_weight": 0}
     assert learned["plain"]["tokens"] > 2 * 3 and learned["plain"]["online"] == {}
     assert "online.prompt_weight=0" in (tmp_path / "no_prompt" / "results.md").read_text()
-    assert task_accuracy.parse_overrides("prompt_weight=0.5,anchor_prompt=true") == {"prompt_weight": 0.5,
-                                                                                   "anchor_prompt": True}
+    assert task_accuracy.parse_overrides("prompt_weight=0.5,half_life=none") == {"prompt_weight": 0.5, "half_life": None}
     with pytest.raises(ValueError, match="expected key=value"):
         task_accuracy.parse_overrides("prompt_weight")
     with pytest.raises(ValueError, match="needs --warm"):

@@ -76,19 +76,16 @@ class OnlineStatistics:
         filler_ids: token ids ``generate()`` feeds a batch's finished rows (the model's pad and end-of-sequence
             ids); the ids a prompt is padded with are added as prompts come. A decoding step whose input is one
             of them is not learned by the workload (see ``_rows_to_learn``).
-        anchor_prompt: the queries of the forwards before the first decoding step (the prompt, all its prefill
-            chunks) keep their full weight: the half-life decays only what came after. Experimental, off by
-            default; ``benchmarks/task_accuracy.py`` sets it (``online.anchor_prompt=true``) to measure it.
-        prompt_weight: what the prompt's queries (as for ``anchor_prompt``) weigh against the decoding steps' once
-            decoding has begun (a row whose decoding steps have not counted yet still uses its prompt alone);
+        prompt_weight: what the prompt's queries (those of the forwards before the first decoding step: the
+            prompt, all its prefill chunks; decayed like the rest) weigh against the decoding steps' once decoding
+            has begun (a row whose decoding steps have not counted yet still uses its prompt alone);
             ``0`` scores with the generation's own queries only, and the workload then learns no prompt either.
             The cache option ``stats_prompt_weight`` (default 1: the prompt counts like the generation).
     """
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
                  learn: WorkloadStatistics | None = None, prior: WorkloadPrior | None = None,
-                 prior_tokens: float = 0, filler_ids: Iterable[int] = (), anchor_prompt: bool = False,
-                 prompt_weight: float = 1.0) -> None:
+                 prior_tokens: float = 0, filler_ids: Iterable[int] = (), prompt_weight: float = 1.0) -> None:
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
@@ -103,7 +100,6 @@ class OnlineStatistics:
         self._layout = geometry.require_rotary_layout()  # how the model pairs dims (rotate_half / interleaved)
         self._pairs = geometry.rotary_dim // 2
         self._filler: set[int] = {int(t) for t in filler_ids}
-        self.anchor_prompt = anchor_prompt
         if not prompt_weight >= 0:
             raise ValueError(f"prompt_weight must be a number >= 0; got {prompt_weight!r}.")
         self.prompt_weight = float(prompt_weight)
@@ -130,10 +126,10 @@ class OnlineStatistics:
         self._new = 0
         self._snapshot: RowStatistics | None = None
         self._on_buffers = False
-        # anchor_prompt / prompt_weight: the prompt's sums and counts per device (shaped as _sums / _counts; decayed
-        # as they are unless anchored), and whether a decoding step has begun
-        self._anchor_sums: dict[torch.device, torch.Tensor] = {}
-        self._anchor_counts: dict[torch.device, torch.Tensor] = {}
+        # prompt_weight: the prompt's sums and counts per device (shaped as _sums / _counts, decayed as they are), and
+        # whether a decoding step has begun
+        self._prompt_sums: dict[torch.device, torch.Tensor] = {}
+        self._prompt_counts: dict[torch.device, torch.Tensor] = {}
         self._decoded = False
         self._fold_indices: dict[tuple, tuple[torch.Tensor | None, int]] = {}  # see _fold_index
         self._step: tuple[tuple[int, ...], torch.Tensor] | None = None  # this forward's add_step: [B, L, H, D]
@@ -242,13 +238,13 @@ class OnlineStatistics:
         self._decay(self._new)
         learner = self._learner()
         prompt = not self._decoded and bool(self._pending)  # (pending: multi-token forwards only)
-        apart = prompt and (self.anchor_prompt or self.prompt_weight != 1)  # kept apart from the decoding steps
+        apart = prompt and self.prompt_weight != 1  # kept apart from the decoding steps' sums
         if prompt and self.prompt_weight == 0:
             learner = None  # the prompt counts for nothing, here and in the workload
         places = {layer_idx: self._place(layer_idx, sums) for layer_idx, sums in self._pending.items()}
         # where this forward's sums and counts go, per device: the prompt's own tables (grown to the layers placed
         # by now, once per forward) or the running ones
-        targets = {device: self._anchor_on(device) if apart else (self._sums[device], self._counts[device])
+        targets = {device: self._prompt_tables(device) if apart else (self._sums[device], self._counts[device])
                    for device, _ in places.values()}
         for layer_idx, sums in self._pending.items():
             device, index = places[layer_idx]
@@ -380,10 +376,10 @@ class OnlineStatistics:
                     continue
                 device, index = self._slot[layer_idx]
                 sums, counts = self._sums[device][index], self._counts[device]
-                if device in self._anchor_sums:  # the prompt's part, kept apart
+                if device in self._prompt_sums:  # the prompt's part, kept apart
                     w = self._prompt_weights(counts)
-                    sums = sums + w.view(-1, 1, 1, 1) * self._anchor_sums[device][index]
-                    counts = counts + w * self._anchor_counts[device]
+                    sums = sums + w.view(-1, 1, 1, 1) * self._prompt_sums[device][index]
+                    counts = counts + w * self._prompt_counts[device]
                 if self.prior is None:
                     means = sums / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
                 else:  # blend by count: the prior weighs prior_tokens queries and never decays
@@ -394,8 +390,8 @@ class OnlineStatistics:
                 q_abs.append(means[:, 2].float())
             device = next(iter(self._counts))
             first = self._counts[device]
-            if device in self._anchor_counts:
-                first = first + self._prompt_weights(first) * self._anchor_counts[device]
+            if device in self._prompt_counts:
+                first = first + self._prompt_weights(first) * self._prompt_counts[device]
             self._snapshot = RowStatistics(
                 q_mean=tuple(q_mean),
                 q_abs_mean=tuple(q_abs),
@@ -474,7 +470,7 @@ class OnlineStatistics:
         self.flush()
         self._live = self._live_before = None  # in the old row order; the next step tells again
         for table in (self._sums, self._counts, self._learn_rows,  # (the learning sums were drained: zeros)
-                      self._anchor_sums, self._anchor_counts):
+                      self._prompt_sums, self._prompt_counts):
             for device, value in table.items():
                 dim = 1 if value.ndim > 1 else 0
                 table[device] = value.index_select(dim, index.to(device))
@@ -613,18 +609,18 @@ class OnlineStatistics:
             return torch.ones_like(counts)
         return torch.where(counts > 0, self.prompt_weight, 1.0).to(counts.dtype)
 
-    def _anchor_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt's undecayed sums and counts on ``device`` (``anchor_prompt``), with a row per placed layer."""
-        sums = self._anchor_sums.get(device)
+    def _prompt_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's sums and counts on ``device``, kept apart (``prompt_weight``), with a row per placed layer."""
+        sums = self._prompt_sums.get(device)
         if sums is None:
             sums = torch.zeros_like(self._sums[device])
-            self._anchor_counts[device] = torch.zeros_like(self._counts[device])
+            self._prompt_counts[device] = torch.zeros_like(self._counts[device])
         elif sums.shape[0] < self._sums[device].shape[0]:  # layers placed since
             more = self._sums[device].shape[0] - sums.shape[0]
             sums = torch.cat([sums, sums.new_zeros((more,) + tuple(sums.shape[1:]))])
-        self._anchor_sums[device] = sums
-        mark_static(sums, self._anchor_counts[device])
-        return sums, self._anchor_counts[device]
+        self._prompt_sums[device] = sums
+        mark_static(sums, self._prompt_counts[device])
+        return sums, self._prompt_counts[device]
 
     def _devices_touched(self) -> set[torch.device]:
         devices = {self._slot[i][0] for i in self._pending}
@@ -646,10 +642,10 @@ class OnlineStatistics:
         self._decay_prompt(factor)
 
     def _decay_prompt(self, factor: float | None) -> None:
-        """Decay the prompt's sums kept apart (``prompt_weight``) as the others; an anchored prompt keeps its weight."""
-        if factor is None or self.anchor_prompt:
+        """Decay the prompt's sums kept apart (``prompt_weight``) as the others."""
+        if factor is None:
             return
-        for table in (self._anchor_sums, self._anchor_counts):
+        for table in (self._prompt_sums, self._prompt_counts):
             for value in table.values():
                 value.mul_(factor)
 
