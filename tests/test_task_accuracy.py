@@ -141,6 +141,7 @@ def test_policy_parsing() -> None:
     with pytest.raises(ImportError, match="NoSuchScorer"):
         task_accuracy.scorer_class("NoSuchScorer")
     assert task_accuracy.parse_policy("default:online.prompt_weight=0").online_kwargs == {"prompt_weight": 0}
+    assert task_accuracy.parse_policy("default:stats_prompt_weight=0").cache_kwargs == {"stats_prompt_weight": 0}
     with pytest.raises(ValueError, match="online statistics"):
         task_accuracy.parse_policy("recency:online.prompt_weight=0")
 
@@ -152,6 +153,9 @@ def test_online_overrides_reach_the_cache_before_its_first_forward() -> None:
     assert cache._online.prompt_weight == 0.5
     plain = task_accuracy.make_cache(model, task_accuracy.parse_policy("default"), 16, 4, True, None)
     assert plain._online.prompt_weight == 1.0
+    option = task_accuracy.make_cache(model, task_accuracy.parse_policy("default:stats_prompt_weight=0"), 16, 4, True,
+                                      None)
+    assert option.stats_prompt_weight == 0 and option._online.prompt_weight == 0  # the cache option, the same knob
     with pytest.raises(ValueError, match="no attribute 'nope'"):
         task_accuracy.make_cache(model, task_accuracy.parse_policy("default:online.nope=1"), 16, 4, True, None)
 
