@@ -178,6 +178,33 @@ def test_stats_prompt_weight_zero_learns_the_generation_alone() -> None:
         torch.testing.assert_close(getattr(learned, name), expected, atol=1e-4, rtol=1e-3)
 
 
+def test_a_prompt_free_static_cache_compiles_to_the_eager_tokens_and_learns_the_same(fresh_dynamo) -> None:
+    """stats_prompt_weight=0 on a static cache: the compiled decode step keeps the eager step's tokens (its prompt
+    tables decay between steps, outside the graph) and both learn the decoding steps alone, the same statistics."""
+    from torch._dynamo.utils import counters
+
+    from test_static_cache import compiled
+
+    model = tiny_model("llama")
+    workload = workload_statistics(model)
+    ids = _prompt(18, batch=2)
+    outputs, learned = [], []
+    for compile_config in (None, compiled()):
+        workload.reset()
+        cache = RopeKVCache(model, budget=16, compress_every=4, static=True, learn_workload=True, prior_tokens=0,
+                            protect_prompt=False, stats_prompt_weight=0)
+        kwargs = {} if compile_config is None else {"compile_config": compile_config}
+        outputs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                      do_sample=False, pad_token_id=0, **kwargs, **cache_kw(model, cache)))
+        assert cache.num_compactions >= 3
+        del cache
+        learned.append((workload.tokens, workload.to_stats()))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(outputs[0], outputs[1])
+    assert learned[0][0] == learned[1][0] == 2 * (NEW - 1)
+    torch.testing.assert_close(learned[1][1].q_abs_mean, learned[0][1].q_abs_mean, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bad", [-1, True, "0", float("inf")])
 def test_stats_prompt_weight_must_be_a_number_at_least_zero(bad) -> None:
     with pytest.raises(ValueError, match="stats_prompt_weight must be a number >= 0"):
