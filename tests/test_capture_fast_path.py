@@ -227,6 +227,33 @@ def test_the_prompt_alone_scores_until_a_decoding_step_counts() -> None:
         torch.testing.assert_close(weighted.snapshot().for_layer(layer_idx), plain.snapshot().for_layer(layer_idx))
 
 
+def test_shrink_heads_pulls_each_head_toward_its_layers_head_average() -> None:
+    """shrink_heads = k: each head's means are (its sums + k * the row's head-averaged means) / (count + k), for the
+    means and the moduli alike; the token count is the real one."""
+    geometry = describe(family_model("llama"))
+    pairs = geometry.rotary_dim // 2
+    g = torch.Generator().manual_seed(11)
+    queries = [torch.randn(2, 5, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in range(geometry.num_layers)]
+    k = 3.0
+    stats = OnlineStatistics(geometry, shrink_heads=k)
+    stats.begin_forward(None, 5)
+    for layer_idx, q in enumerate(queries):
+        stats.add(layer_idx, q)
+    stats.end_forward()
+    snap = stats.snapshot()
+    for layer_idx, q in enumerate(queries):
+        q = q.double()
+        pairs_sum = torch.complex(q[..., :pairs], q[..., pairs : 2 * pairs]).sum(dim=1)  # [B, H, F]
+        moduli_sum = torch.hypot(q[..., :pairs], q[..., pairs : 2 * pairs]).sum(dim=1)
+        for got, total in ((snap.q_mean[layer_idx], pairs_sum), (snap.q_abs_mean[layer_idx], moduli_sum)):
+            pooled = total.mean(dim=1, keepdim=True) / 5
+            expected = (total + k * pooled) / (5 + k)
+            torch.testing.assert_close(got, expected.to(got.dtype), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(snap.tokens, torch.full((2,), 5.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="shrink_heads must be a number of queries >= 0"):
+        OnlineStatistics(geometry, shrink_heads=-1.0)
+
+
 def test_prompt_weight_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="prompt_weight must be a number >= 0"):
         OnlineStatistics(describe(family_model("llama")), prompt_weight=-1.0)

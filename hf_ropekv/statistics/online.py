@@ -81,11 +81,16 @@ class OnlineStatistics:
             has begun (a row whose decoding steps have not counted yet still uses its prompt alone);
             ``0`` scores with the generation's own queries only, and the workload then learns no prompt either.
             The cache option ``stats_prompt_weight`` (default 1: the prompt counts like the generation).
+        shrink_heads: a pseudo-count, in queries, pulling each query head's means toward the average of its layer's
+            heads (the row's own, weighted alike): ``(sums_h + k * pooled) / (count + k)``. A cold-start estimator
+            for rows with few queries (issue 26); experimental and off (0), not a cache option:
+            ``benchmarks/task_accuracy.py`` sets it (``online.shrink_heads=64``) to measure it.
     """
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
                  learn: WorkloadStatistics | None = None, prior: WorkloadPrior | None = None,
-                 prior_tokens: float = 0, filler_ids: Iterable[int] = (), prompt_weight: float = 1.0) -> None:
+                 prior_tokens: float = 0, filler_ids: Iterable[int] = (), prompt_weight: float = 1.0,
+                 shrink_heads: float = 0) -> None:
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
@@ -103,6 +108,9 @@ class OnlineStatistics:
         if not prompt_weight >= 0:
             raise ValueError(f"prompt_weight must be a number >= 0; got {prompt_weight!r}.")
         self.prompt_weight = float(prompt_weight)
+        if not shrink_heads >= 0:
+            raise ValueError(f"shrink_heads must be a number of queries >= 0; got {shrink_heads!r}.")
+        self.shrink_heads = float(shrink_heads)
         self.reset()
         if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
             ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
@@ -380,6 +388,9 @@ class OnlineStatistics:
                     w = self._prompt_weights(counts)
                     sums = sums + w.view(-1, 1, 1, 1) * self._prompt_sums[device][index]
                     counts = counts + w * self._prompt_counts[device]
+                if self.shrink_heads:  # toward the layer's head average: a pseudo-count of shrink_heads queries
+                    pooled = sums.mean(dim=2, keepdim=True) / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
+                    sums, counts = sums + self.shrink_heads * pooled, counts + self.shrink_heads
                 if self.prior is None:
                     means = sums / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
                 else:  # blend by count: the prior weighs prior_tokens queries and never decays
