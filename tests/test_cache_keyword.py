@@ -102,6 +102,7 @@ def test_readme_snippets_run_without_deprecation(no_deprecation, monkeypatch) ->
     namespace = dict(
         model=model, inputs=dict(input_ids=ids, attention_mask=torch.ones_like(ids)), torch=torch,
         tokenizer=_Tokenizer(), next_user_message="and then?",
+        batches=[dict(input_ids=ids, attention_mask=torch.ones_like(ids))] * 2,  # the workload-statistics loop
     )
     for snippet in snippets:
         namespace["cache"] = RopeKVCache(model, budget=64)  # snippets that use `cache` without building one
