@@ -623,6 +623,7 @@ def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argp
     workload = hf_ropekv.workload_statistics(model)
     workload.reset()
     batches = make_batches(units, args.batch_size, args.sort_by_length)
+    online = parse_overrides(args.warm_online)
     used = 0
     start = time.perf_counter()
     for batch in batches:
@@ -632,7 +633,7 @@ def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argp
         cache = hf_ropekv.RopeKVCache(model, budget=budget, compress_every=args.compress_every,
                                       protect_prompt=args.protect_prompt == "on", learn_workload=True,
                                       static=False)  # a budget per batch: compiled, each would compile anew
-        set_online(cache, parse_overrides(args.warm_online), "--warm-online")
+        set_online(cache, online, "--warm-online")
         generate_batch(model, [u.prompt for u in batch], pad_id, stop_ids, args.max_new_tokens, cache)
         used += len(batch)
     by_limit = workload.frozen
@@ -640,7 +641,7 @@ def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argp
     log(f"warm-up: {workload.tokens} tokens learned from {used} prompts "
         f"({'frozen at its limit' if by_limit else 'range ended, frozen by hand'}, {time.perf_counter() - start:.1f} s)")
     return {"prompts": used, "tokens": workload.tokens, "frozen_at_limit": by_limit, "gap": gap,
-            "freeze_at": workload.freeze_at, "online": parse_overrides(args.warm_online)}
+            "freeze_at": workload.freeze_at, "online": online}
 
 
 def _too_long(unit: Unit, budget: int, policy: Policy, args: argparse.Namespace) -> bool:

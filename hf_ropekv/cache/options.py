@@ -23,6 +23,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_finite_at_least_zero(value: Any) -> bool:
+    """A real number (not a bool) in ``[0, inf)``: a weight or a pseudo-count."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < float("inf")
+
+
 @dataclass(frozen=True)
 class CacheOptions:
     """Every plain option of ``RopeKVCache`` (the scorer and statistics are objects, resolved by the cache).
@@ -79,13 +84,13 @@ class CacheOptions:
                                       or not half_life > 0):
             raise ValueError(f"stats_half_life must be a positive number of tokens or None; got {half_life!r}.")
         weight = self.stats_prompt_weight
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
+        if not _is_finite_at_least_zero(weight):
             raise ValueError(
                 f"stats_prompt_weight must be a number >= 0 (1: the prompt's queries count like the generation's, "
                 f"0: they are left out once decoding counts); got {weight!r}."
             )
         prior = self.prior_tokens
-        if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 <= prior < float("inf"):
+        if not _is_finite_at_least_zero(prior):
             raise ValueError(
                 f"prior_tokens must be a number >= 0 (the workload prior's weight in queries; 0 ignores it); "
                 f"got {prior!r}."

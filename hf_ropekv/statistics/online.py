@@ -376,6 +376,10 @@ class OnlineStatistics:
                     "RopeKVCache has no query statistics: no prompt went through the model with the cache "
                     "attached. Pass stats= (hf_ropekv.calibrate) or build the cache from the model."
                 )
+            # per device, once: the rows' weights of the prompt's part kept apart (prompt_weight), and the counts
+            prompt_w = {device: self._prompt_weights(self._counts[device]) for device in self._prompt_counts}
+            counts_on = {device: counts + prompt_w[device] * self._prompt_counts[device] if device in prompt_w
+                         else counts for device, counts in self._counts.items()}
             q_mean, q_abs = [], []
             for layer_idx in range(self.geometry.num_layers):
                 if layer_idx not in self._slot:  # a layer that never gave queries (sliding layers are never scored)
@@ -383,11 +387,9 @@ class OnlineStatistics:
                     q_abs.append(None)
                     continue
                 device, index = self._slot[layer_idx]
-                sums, counts = self._sums[device][index], self._counts[device]
-                if device in self._prompt_sums:  # the prompt's part, kept apart
-                    w = self._prompt_weights(counts)
-                    sums = sums + w.view(-1, 1, 1, 1) * self._prompt_sums[device][index]
-                    counts = counts + w * self._prompt_counts[device]
+                sums, counts = self._sums[device][index], counts_on[device]
+                if device in prompt_w:  # the prompt's part, kept apart
+                    sums = sums + prompt_w[device].view(-1, 1, 1, 1) * self._prompt_sums[device][index]
                 if self.shrink_heads:  # toward the layer's head average: a pseudo-count of shrink_heads queries
                     pooled = sums.mean(dim=2, keepdim=True) / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
                     sums, counts = sums + self.shrink_heads * pooled, counts + self.shrink_heads
@@ -399,10 +401,7 @@ class OnlineStatistics:
                     means = (sums + w * prior) / (counts + w).view(-1, 1, 1, 1)
                 q_mean.append(torch.complex(means[:, 0].float(), means[:, 1].float()))
                 q_abs.append(means[:, 2].float())
-            device = next(iter(self._counts))
-            first = self._counts[device]
-            if device in self._prompt_counts:
-                first = first + self._prompt_weights(first) * self._prompt_counts[device]
+            first = counts_on[next(iter(self._counts))]
             self._snapshot = RowStatistics(
                 q_mean=tuple(q_mean),
                 q_abs_mean=tuple(q_abs),
