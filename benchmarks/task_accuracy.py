@@ -644,6 +644,37 @@ def learn_workload(model, tokenizer, units: Sequence[Unit], gap: int, args: argp
             "freeze_at": workload.freeze_at, "online": online}
 
 
+def _warm_prior(args, model, tokenizer, all_problems, make_units, warm_problems: range, warm_domain: str,
+                gaps, budgets, pad_id: int, stop_ids: list[int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Learn the warm rows' prior (``learn_workload``), or load it from ``--warm-file`` when an earlier call saved
+    one there: a second call (another gap, more policies) then skips the warm-up. Returns results.json's ``warm``."""
+    hf_ropekv = _import_hf_ropekv()
+    workload = hf_ropekv.workload_statistics(model)
+    path = Path(args.warm_file) if args.warm_file else None
+    sidecar = path.with_suffix(".json") if path else None
+    if path is not None and path.exists():
+        warm = json.loads(sidecar.read_text())
+        wanted = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain,
+                  "online": parse_overrides(args.warm_online)}
+        differ = {k: (warm.get(k), v) for k, v in wanted.items() if warm.get(k) != v}
+        if differ:
+            raise ValueError(f"--warm-file {path} was learned with other settings (file, this call): {differ}; "
+                             "delete it or pass another path")
+        workload.load(path)
+        workload.freeze()
+        log(f"warm-up: {workload.tokens} tokens loaded from {path}")
+        return {**warm, "loaded_from": str(path)}
+    warm_units = make_units(tasks.select(all_problems, warm_problems), warm_domain)
+    first = gaps[0] if args.task == "gsm8k" else budgets[0] - max(len(u.prompt) for u in warm_units)
+    warm = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain,
+            **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        workload.save(path)
+        sidecar.write_text(json.dumps(warm, indent=1))
+    return warm
+
+
 def _too_long(unit: Unit, budget: int, policy: Policy, args: argparse.Namespace) -> bool:
     """A pinned prompt that leaves fewer than LONG_MIN_FREE budget tokens for the generation (long task only:
     a GSM8K budget is always its batch's longest prompt + G)."""
@@ -870,6 +901,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-online", default=None, metavar="KEY=VALUE,...",
                    help="with --warm: attributes of the warm-up caches' online statistics (as a policy's online.*), "
                         "e.g. prompt_weight=0: the workload learns the generations without their prompts")
+    p.add_argument("--warm-file", default=None, metavar="PATH.safetensors",
+                   help="with --warm: save the learned prior there (and its settings beside it, .json); a later "
+                        "call with the same warm settings loads it instead of running the warm-up again")
     p.add_argument("--warm-domain", choices=sorted(tasks.DOMAINS), default=None,
                    help="the prompts of the warm-up (default: --domain's): learn on one domain, evaluate another")
     p.add_argument("--peer-window", default=AUTO_WINDOW,
@@ -960,6 +994,8 @@ def warm_range(args: argparse.Namespace, evaluated: range) -> range | None:
             raise ValueError("--warm-only drops the cold rows of the warm comparison: it needs --warm")
         if args.warm_online:
             raise ValueError("--warm-online sets the warm-up's caches: it needs --warm")
+        if args.warm_file:
+            raise ValueError("--warm-file saves or loads the warm-up's prior: it needs --warm")
         return None
     warm = tasks.parse_range(args.warm_problems) if args.warm_problems else tasks.TUNE_RANGE
     if warm.start < tasks.TUNE_RANGE.start or warm.stop > tasks.TUNE_RANGE.stop:
@@ -1148,10 +1184,8 @@ def _run_plan(args, model, tokenizer, all_problems, units, policies, gaps, budge
             write_results(out, meta, rows)
             break
         if learning:
-            warm_units = make_units(tasks.select(all_problems, warm_problems), warm_domain)
-            first = gaps[0] if args.task == "gsm8k" else budgets[0] - max(len(u.prompt) for u in warm_units)
-            meta["warm"] = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain,
-                            **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
+            meta["warm"] = _warm_prior(args, model, tokenizer, all_problems, make_units, warm_problems, warm_domain,
+                                       gaps, budgets, pad_id, stop_ids, log)
         if setting is None:
             budget_of: Callable[[list[Unit]], int | None] = lambda batch: None
         elif args.task == "gsm8k":

@@ -508,6 +508,39 @@ def test_warm_online_sets_the_warm_up_caches(tmp_path: Path) -> None:
                            model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
 
 
+def test_warm_file_saves_the_prior_and_a_later_call_loads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--warm-file: the first call learns and saves the prior; a second call on a fresh copy of the model loads it
+    (no warm-up runs) and scores with the same statistics; other warm settings refuse the file."""
+    path = tmp_path / "prior.safetensors"
+    argv = ["--warm", "--warm-problems", "298-299", "--problems", "0-1", "--policies", "default:window=2",
+            "--gaps", "4", "--compress-every", "4", "--max-new-tokens", "4", "--batch-size", "1",
+            "--warm-online", "prompt_weight=0", "--warm-file", str(path)]
+    first_model, second_model = tiny_model("llama"), tiny_model("llama")
+    task_accuracy.main(["--out", str(tmp_path / "first"), *argv], model=first_model, tokenizer=CharTokenizer(),
+                       problems=fake_problems())
+    learned = json.loads((tmp_path / "first" / "results.json").read_text())["warm"]
+    assert path.is_file() and learned["tokens"] == 2 * 3 and "loaded_from" not in learned
+
+    def no_warm_up(*args, **kwargs):
+        raise AssertionError("the warm-up ran although --warm-file held a prior")
+
+    monkeypatch.setattr(task_accuracy, "learn_workload", no_warm_up)
+    task_accuracy.main(["--out", str(tmp_path / "second"), *argv], model=second_model, tokenizer=CharTokenizer(),
+                       problems=fake_problems())
+    loaded = json.loads((tmp_path / "second" / "results.json").read_text())["warm"]
+    assert loaded == {**learned, "loaded_from": str(path)}
+    first, second = (hf_ropekv.workload_statistics(m).prior() for m in (first_model, second_model))
+    assert second.frozen and second.tokens == first.tokens == 6
+    torch.testing.assert_close(second.means, first.means.float().double(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="learned with other settings"):
+        task_accuracy.main(["--out", str(tmp_path / "third"), *argv[:-4], "--warm-file", str(path)],
+                           model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+    with pytest.raises(ValueError, match="needs --warm"):
+        task_accuracy.main(["--out", str(tmp_path), "--warm-file", str(path), "--problems", "0-1",
+                            "--policies", "default"],
+                           model=tiny_model("llama"), tokenizer=CharTokenizer(), problems=fake_problems())
+
+
 def test_calibration_on_the_models_own_answers(tmp_path: Path) -> None:
     model, probs = tiny_model("llama"), fake_problems()
     task_accuracy.main(
