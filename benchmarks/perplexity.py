@@ -163,7 +163,7 @@ def make_cache(
     # The paper's operating point, pinned so that these regression figures keep their meaning when the
     # library's defaults move (selection="global" below unless the policy says per-layer).
     common = dict(compress_every=compress_every, protect_prompt=protect_prompt, seed=seed, window=0,
-                  stats_half_life=None)
+                  stats_half_life=None, stats_head_shrink=0)
     if policy == "full" or budget is None:
         return RopeKVCache(model, None, **common)
     if policy in ("rope-offline", "rope-code", "rope-offline-pl"):

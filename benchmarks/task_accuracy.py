@@ -106,7 +106,7 @@ CALIBRATED = "calibrated"  # the `stats` value that means "the statistics of --c
 # Every policy but "default" pins the RopeKVCache options it depends on, so its rows mean the same thing when
 # the library's defaults move. "paper" is the TriAttention operating point (hf_ropekv's default before
 # 2026-12-01, the "default" rows of benchmarks/results/task_accuracy_2026-12-01_a30dba5).
-_PAPER = {"selection": "global", "window": 0, "stats_half_life": None}
+_PAPER = {"selection": "global", "window": 0, "stats_half_life": None, "stats_head_shrink": 0}
 _PLAIN = {"window": 0}  # reference scorers: nothing protected but the pinned prompt
 BASE_POLICIES: dict[str, tuple[str | None, dict[str, Any]]] = {
     "full": (None, {}),

@@ -254,3 +254,9 @@ def fresh_dynamo():
     torch._dynamo.config.error_on_recompile = False
     torch._dynamo.reset()
     gc.collect()
+
+
+def head_shrunk(means: torch.Tensor, count: float, k: float) -> torch.Tensor:
+    """Online statistics' head shrinkage written out (``stats_head_shrink=k``): each query head's means
+    ``[..., H, F]`` over ``count`` queries, pulled toward the mean of its layer's heads by ``k`` pseudo-queries."""
+    return (count * means + k * means.mean(dim=-2, keepdim=True)) / (count + k)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cache_kw, padded_batch, tiny_model
+from conftest import cache_kw, head_shrunk, padded_batch, tiny_model
 from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
 from hf_ropekv.statistics.calibration import calibrate
 from hf_ropekv.model.geometry import describe
@@ -155,7 +155,8 @@ def test_generate_with_calibrated_and_online_statistics(arch: str) -> None:
 
 
 def test_online_statistics_of_the_prompt_are_each_rows_own() -> None:
-    """stats=None: after the prompt, each row's statistics are those of its own real (unpadded) queries."""
+    """stats=None: after the prompt, each row's statistics are those of its own real (unpadded) queries, each
+    head shrunk toward its layer's head average (the default ``stats_head_shrink``)."""
     model = tiny_model("qwen3")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 7))
     cache = RopeKVCache(model, budget=14, compress_every=4)
@@ -163,12 +164,22 @@ def test_online_statistics_of_the_prompt_are_each_rows_own() -> None:
         model(input_ids=ids, attention_mask=mask, **cache_kw(model, cache))
     online = cache._online.snapshot()
     assert online.tokens.tolist() == [12.0, 7.0]
+    k = cache.stats_head_shrink
+    assert k == 256
     for row, real in enumerate([ids[0, :], ids[1, 5:]]):
         offline = calibrate(model, None, [real.tolist()], progress=False)
+        n = len(real)
         for layer in range(model.config.num_hidden_layers):
             q_mean, q_abs = online.for_layer(layer)
-            torch.testing.assert_close(q_mean[row], offline.q_mean[layer], atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(q_abs[row], offline.q_abs_mean[layer], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(q_mean[row], head_shrunk(offline.q_mean[layer], n, k), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(q_abs[row], head_shrunk(offline.q_abs_mean[layer], n, k), atol=1e-5,
+                                       rtol=1e-4)
+    unshrunk = RopeKVCache(model, budget=14, compress_every=4, stats_head_shrink=0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **cache_kw(model, unshrunk))
+    offline = calibrate(model, None, [ids[0].tolist()], progress=False)
+    torch.testing.assert_close(unshrunk._online.snapshot().for_layer(0)[1][0], offline.q_abs_mean[0], atol=1e-5,
+                               rtol=1e-4)
 
 
 def test_every_compaction_scores_with_the_statistics_of_the_finished_forwards(caplog) -> None:

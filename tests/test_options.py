@@ -31,6 +31,10 @@ from conftest import tiny_model
         (dict(budget=64, selection="x"), "selection"),
         (dict(budget=64, protect_prompt="yes"), "protect_prompt"),
         (dict(budget=64, stats_half_life=0), "stats_half_life"),
+        (dict(budget=64, stats_head_shrink=-1), "stats_head_shrink must be a number of queries >= 0"),
+        (dict(budget=64, stats_head_shrink=True), "stats_head_shrink"),
+        (dict(budget=64, stats_head_shrink=float("nan")), "stats_head_shrink"),
+        (dict(budget=64, stats_head_shrink="256"), "stats_head_shrink"),
     ],
 )
 def test_a_bad_option_is_a_value_error_naming_it_before_anything_uses_it(options, named) -> None:
@@ -53,6 +57,11 @@ def test_options_resolve_the_default_window_and_enable_accepts_exactly_the_const
     assert set(OPTION_NAMES) == keywords
     cache = RopeKVCache(tiny_model("llama"), budget=64, window=5, sink=2)
     assert (cache.budget, cache.window, cache.sink, cache.compress_every) == (64, 5, 2, 128)
+    # The head shrinkage reaches the online statistics, the default and a chosen one
+    assert cache.stats_head_shrink == cache._online.shrink_heads == 256
+    assert RopeKVCache(tiny_model("llama"), budget=64, stats_head_shrink=0)._online.shrink_heads == 0
+    learning = RopeKVCache(tiny_model("llama"), budget=64, stats_head_shrink=8.5, learn_workload=True)
+    assert learning._online.shrink_heads == 8.5
 
 
 def _generate(model, cache, ids, new=4):

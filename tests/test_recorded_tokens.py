@@ -5,6 +5,10 @@ before the redesign of issue 25 moved any code. A refactor must reproduce them e
 scorers, both selections, guards, the static cache, padded batches, a sliding/hybrid model, beam search,
 sampling, ``enable()`` and a quantized model.
 
+The configurations that evict with online statistics were recorded again when head shrinkage became the default
+(``stats_head_shrink=256``, 2026-12-03; with 0 every one of them gave the tokens recorded before);
+``llama-unshrunk-padded`` keeps the earlier default's tokens (``llama-default-padded`` as first recorded).
+
 Record again only for a deliberate behaviour change, and say why in the commit:
 
     HF_ROPEKV_RECORD=1 python -m pytest tests/test_recorded_tokens.py
@@ -90,10 +94,11 @@ def _run(arch: str, *, batch: str = "padded", model_fn: Callable | None = None, 
 
 CONFIGS: dict[str, Callable[[], list[list[int]]]] = {
     "llama-default-padded": _run("llama", budget=BUDGET, compress_every=EVERY),
+    "llama-unshrunk-padded": _run("llama", budget=BUDGET, compress_every=EVERY, stats_head_shrink=0),
     "llama-default-single": _run("llama", batch="single", budget=BUDGET, compress_every=EVERY),
     "llama-global-padded": _run("llama", budget=BUDGET, compress_every=EVERY, selection="global"),
     "llama-paper-point": _run("llama", budget=BUDGET, compress_every=EVERY, selection="global", window=0,
-                              stats_half_life=None),
+                              stats_half_life=None, stats_head_shrink=0),
     "llama-guards-unpinned": _run("llama", budget=BUDGET, compress_every=EVERY, window=3, sink=2,
                                   protect_prompt=False),
     "llama-calibrated": _run("llama", budget=BUDGET, compress_every=EVERY, calibrated=True),

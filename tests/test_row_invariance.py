@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cache_kw, tiny_model
+from conftest import cache_kw, head_shrunk, tiny_model
 from hf_ropekv import (
     H2OScorer,
     KeyNormScorer,
@@ -91,7 +91,7 @@ def test_tokens_do_not_depend_on_padding_or_batch_mates(name: str) -> None:
 def test_online_statistics_are_per_row_and_follow_decoding(half_life: float | None) -> None:
     """Each row's statistics are the (recency-weighted) mean of its own real queries: prompt and every decoding
     step. With a half-life h, after k decoding steps a prompt query weighs 0.5 ** (k / h) and the query of step j
-    0.5 ** ((k - j) / h)."""
+    0.5 ** ((k - j) / h). Each head is then shrunk toward its layer's head average (``stats_head_shrink``)."""
     model = tiny_model("qwen3")
     gen = torch.Generator().manual_seed(2)
     rows = [torch.randint(3, 128, (9,), generator=gen), torch.randint(3, 128, (4,), generator=gen)]
@@ -117,6 +117,9 @@ def test_online_statistics_are_per_row_and_follow_decoding(half_life: float | No
             w = weight[real[b]].view(-1, 1, 1)
             pairs = torch.complex(q[..., :F], q[..., F : 2 * F])
             got_mean, got_abs = stats.for_layer(layer)
-            torch.testing.assert_close(got_mean[b].to(torch.complex128), (w * pairs).sum(0) / w.sum(), atol=1e-6, rtol=1e-5)
-            torch.testing.assert_close(got_abs[b].double(), (w * pairs.abs()).sum(0) / w.sum(), atol=1e-6, rtol=1e-5)
+            n, k = float(w.sum()), cache.stats_head_shrink
+            want_mean = head_shrunk((w * pairs).sum(0) / n, n, k)
+            want_abs = head_shrunk((w * pairs.abs()).sum(0) / n, n, k)
+            torch.testing.assert_close(got_mean[b].to(torch.complex128), want_mean, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got_abs[b].double(), want_abs, atol=1e-6, rtol=1e-5)
             assert float(stats.tokens[b]) == pytest.approx(float(weight[real[b]].sum()))

@@ -131,7 +131,8 @@ def test_policy_parsing() -> None:
     assert task_accuracy.parse_policy("random").scorer_kwargs == {"seed": 0}
     assert task_accuracy.parse_policy("streaming").cache_kwargs == {"window": 0, "sink": 4}
     # Named policies pin what they depend on, so their rows keep their meaning when the library's defaults move.
-    assert task_accuracy.parse_policy("paper").cache_kwargs == {"selection": "global", "window": 0, "stats_half_life": None}
+    assert task_accuracy.parse_policy("paper").cache_kwargs == {"selection": "global", "window": 0, "stats_half_life": None,
+                                                                 "stats_head_shrink": 0}
     assert task_accuracy.parse_policy("default").cache_kwargs == {}
     assert task_accuracy.parse_policy("random:scorer.seed=3").scorer_kwargs == {"seed": 3}
     with pytest.raises(ValueError, match="unknown policy"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_ropekv
-from conftest import cache_kw, tiny_model
+from conftest import cache_kw, head_shrunk, tiny_model
 from hf_ropekv import RopeKVCache, workload_statistics
 
 PROMPT, NEW = 12, 20
@@ -77,7 +77,8 @@ def test_the_workload_learns_every_real_query_and_a_second_cache_starts_from_it(
     torch.testing.assert_close(learned.q_abs_mean, expected.q_abs_mean, atol=1e-5, rtol=1e-4)
     assert learned.q_abs_mean.abs().sum() > 0
 
-    # The second cache blends the prior (weight w) with its own undecayed queries at its first compaction.
+    # The second cache blends the prior (weight w) with its own undecayed queries, shrunk toward the layer's head
+    # average by k pseudo-queries, at its first compaction.
     w = 40.0
     cache = RopeKVCache(model, budget=16, compress_every=8, stats_half_life=None, prior_tokens=w, learn_workload=True)
     assert cache.workload_prior_tokens == PROMPT + NEW - 1 and not cache.workload_prior_frozen
@@ -89,8 +90,9 @@ def test_the_workload_learns_every_real_query_and_a_second_cache_starts_from_it(
     own = _calibrated(model, second[:, :n])
     for layer in range(model.config.num_hidden_layers):
         q_mean, q_abs = stats.for_layer(layer)
-        blend_mean = (expected.q_mean[layer] * w + own.q_mean[layer] * n) / (w + n)
-        blend_abs = (expected.q_abs_mean[layer] * w + own.q_abs_mean[layer] * n) / (w + n)
+        k = cache.stats_head_shrink
+        blend_mean = (expected.q_mean[layer] * w + head_shrunk(own.q_mean[layer], n, k) * (n + k)) / (w + n + k)
+        blend_abs = (expected.q_abs_mean[layer] * w + head_shrunk(own.q_abs_mean[layer], n, k) * (n + k)) / (w + n + k)
         torch.testing.assert_close(q_mean[0], blend_mean, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(q_abs[0], blend_abs, atol=1e-5, rtol=1e-4)
         # ... which is neither the prior nor the row's own statistics alone.

@@ -82,9 +82,8 @@ class OnlineStatistics:
             ``0`` scores with the generation's own queries only, and the workload then learns no prompt either.
             The cache option ``stats_prompt_weight`` (default 1: the prompt counts like the generation).
         shrink_heads: a pseudo-count, in queries, pulling each query head's means toward the average of its layer's
-            heads (the row's own, weighted alike): ``(sums_h + k * pooled) / (count + k)``. A cold-start estimator
-            for rows with few queries (issue 26); experimental and off (0), not a cache option:
-            ``benchmarks/task_accuracy.py`` sets it (``online.shrink_heads=64``) to measure it.
+            heads (the row's own, weighted alike): ``(sums_h + k * pooled) / (count + k)``. The cache option
+            ``stats_head_shrink`` (default 256, measured on GSM8K; 0: every head on its own).
     """
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
