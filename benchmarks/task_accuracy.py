@@ -19,7 +19,7 @@ The task-accuracy entry point of ``benchmarks/README.md``: policies are judged h
 
 Policies (``--policies``, comma-separated; ``NAME:key=value,key=value`` overrides RopeKVCache arguments, and
 ``scorer.key=value`` the scorer's, ``online.key=value`` an attribute of the cache's online statistics, for
-experimental estimators such as ``online.shrink_heads=64``), e.g.
+experimental estimators such as ``online.shrink_within=kv_group``), e.g.
 ``default:selection=per_layer,window=16,compress_every=32``::
 
     full  default  paper  rope-global  rope-per-layer  rope-calibrated  rope-calibrated-per-layer  window16

@@ -254,6 +254,38 @@ def test_shrink_heads_pulls_each_head_toward_its_layers_head_average() -> None:
         OnlineStatistics(geometry, shrink_heads=-1.0)
 
 
+def test_shrink_within_a_kv_group_pulls_each_head_toward_its_groups_average() -> None:
+    """shrink_within="kv_group": the average is over the query heads that share a KV head (heads j*G .. j*G+G-1),
+    not over the layer's; the two differ, and the layer's is what the default computes."""
+    geometry = describe(family_model("llama"))
+    group = geometry.num_q_heads // geometry.num_kv_heads
+    assert group > 1 and geometry.num_kv_heads > 1  # else the two averages coincide and this proves nothing
+    pairs = geometry.rotary_dim // 2
+    g = torch.Generator().manual_seed(12)
+    queries = [torch.randn(2, 4, geometry.num_q_heads, geometry.head_dim, generator=g) for _ in range(geometry.num_layers)]
+    k = 5.0
+    snaps = {}
+    for within in ("kv_group", "layer"):
+        stats = OnlineStatistics(geometry, shrink_heads=k, shrink_within=within)
+        stats.begin_forward(None, 4)
+        for layer_idx, q in enumerate(queries):
+            stats.add(layer_idx, q)
+        stats.end_forward()
+        snaps[within] = stats.snapshot()
+    for layer_idx, q in enumerate(queries):
+        q = q.double()
+        moduli_sum = torch.hypot(q[..., :pairs], q[..., pairs : 2 * pairs]).sum(dim=1)  # [B, H, F]
+        for head in range(geometry.num_q_heads):
+            first = head // group * group
+            pooled = moduli_sum[:, first : first + group].mean(dim=1) / 4
+            expected = (moduli_sum[:, head] + k * pooled) / (4 + k)
+            torch.testing.assert_close(snaps["kv_group"].q_abs_mean[layer_idx][:, head], expected.float(),
+                                       rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(snaps["kv_group"].q_abs_mean[0], snaps["layer"].q_abs_mean[0])
+    with pytest.raises(ValueError, match="shrink_within must be one of"):
+        OnlineStatistics(geometry, shrink_within="model")
+
+
 def test_prompt_weight_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="prompt_weight must be a number >= 0"):
         OnlineStatistics(describe(family_model("llama")), prompt_weight=-1.0)

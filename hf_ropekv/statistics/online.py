@@ -84,12 +84,18 @@ class OnlineStatistics:
         shrink_heads: a pseudo-count, in queries, pulling each query head's means toward the average of its layer's
             heads (the row's own, weighted alike): ``(sums_h + k * pooled) / (count + k)``. The cache option
             ``stats_head_shrink`` (default 256, measured on GSM8K; 0: every head on its own).
+        shrink_within: the heads ``shrink_heads`` averages over: ``"layer"`` (every query head of the layer: the
+            default, what was measured) or ``"kv_group"`` (the query heads that share the KV head, whose keys
+            they score). Experimental, not a cache option: ``benchmarks/task_accuracy.py`` sets it
+            (``online.shrink_within=kv_group``) to measure it.
     """
+
+    SHRINK_WITHIN = ("layer", "kv_group")
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, *,
                  learn: WorkloadStatistics | None = None, prior: WorkloadPrior | None = None,
                  prior_tokens: float = 0, filler_ids: Iterable[int] = (), prompt_weight: float = 1.0,
-                 shrink_heads: float = 0) -> None:
+                 shrink_heads: float = 0, shrink_within: str = "layer") -> None:
         if half_life is not None and not half_life > 0:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
@@ -110,6 +116,9 @@ class OnlineStatistics:
         if not shrink_heads >= 0:
             raise ValueError(f"shrink_heads must be a number of queries >= 0; got {shrink_heads!r}.")
         self.shrink_heads = float(shrink_heads)
+        if shrink_within not in self.SHRINK_WITHIN:
+            raise ValueError(f"shrink_within must be one of {self.SHRINK_WITHIN}; got {shrink_within!r}.")
+        self.shrink_within = shrink_within
         self.reset()
         if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
             ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
@@ -389,8 +398,8 @@ class OnlineStatistics:
                 sums, counts = self._sums[device][index], counts_on[device]
                 if device in prompt_w:  # the prompt's part, kept apart
                     sums = sums + prompt_w[device].view(-1, 1, 1, 1) * self._prompt_sums[device][index]
-                if self.shrink_heads:  # toward the layer's head average: a pseudo-count of shrink_heads queries
-                    pooled = sums.mean(dim=2, keepdim=True) / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
+                if self.shrink_heads:  # toward the heads' average: a pseudo-count of shrink_heads queries
+                    pooled = self._head_average(sums) / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
                     sums, counts = sums + self.shrink_heads * pooled, counts + self.shrink_heads
                 if self.prior is None:
                     means = sums / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
@@ -544,6 +553,18 @@ class OnlineStatistics:
             rows = [row for row, learned in enumerate(self._live) if not learned]
             index = self._excluded[key] = torch.tensor(rows, dtype=torch.long, device=device)
         return index
+
+    def _head_average(self, sums: torch.Tensor) -> torch.Tensor:
+        """``sums [B, 3, H, F]`` averaged over the heads that ``shrink_within`` pools, broadcastable to them."""
+        if self.shrink_within == "layer":
+            return sums.mean(dim=2, keepdim=True)
+        if self.shrink_within != "kv_group":  # (set as an attribute after construction)
+            raise ValueError(f"shrink_within must be one of {self.SHRINK_WITHIN}; got {self.shrink_within!r}.")
+        # query heads j * G ... (j + 1) * G - 1 share KV head j (transformers' repeat_kv); H may be a shard's heads
+        group = self.geometry.num_q_heads // self.geometry.num_kv_heads
+        b, parts, heads, pairs = sums.shape
+        grouped = sums.view(b, parts, heads // group, group, pairs).mean(dim=3, keepdim=True)
+        return grouped.expand(-1, -1, -1, group, -1).reshape(b, parts, heads, pairs)
 
     def _layers_on(self, device: torch.device) -> tuple[int, ...]:
         """The layers of ``device``'s sums, in row order."""
