@@ -82,7 +82,8 @@ class RopeKVCache(Cache):
             queries per head are a noisy estimate, the layer's heads together a steadier one; with the default
             half-life a row counts at most ~185 queries, so 256 keeps more than half the weight on the layer
             average for good. 256 (the default) took GSM8K at G = 48 from 0.86 to 0.96 of the full cache's
-            accuracy on held-out problems (README, "Quality"); 0 scores every head on its own (before 2026-12-04).
+            accuracy on held-out problems (README, "Quality"); 0 scores every head on its own (the default until
+            2026-12-03). Statistics from ``stats=`` or the workload prior are never shrunk.
 
         selection: ``"per_layer"`` lets every layer rank its own keys; ``"global"`` ranks once per (row, KV
             head) with scores averaged over layers (the paper's operating point).
