@@ -652,10 +652,10 @@ def _warm_prior(args, model, tokenizer, all_problems, make_units, warm_problems:
     workload = hf_ropekv.workload_statistics(model)
     path = Path(args.warm_file) if args.warm_file else None
     sidecar = path.with_suffix(".json") if path else None
+    settings = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain}
     if path is not None and path.exists():
         warm = json.loads(sidecar.read_text())
-        wanted = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain,
-                  "online": parse_overrides(args.warm_online)}
+        wanted = {**settings, "online": parse_overrides(args.warm_online)}
         differ = {k: (warm.get(k), v) for k, v in wanted.items() if warm.get(k) != v}
         if differ:
             raise ValueError(f"--warm-file {path} was learned with other settings (file, this call): {differ}; "
@@ -666,8 +666,7 @@ def _warm_prior(args, model, tokenizer, all_problems, make_units, warm_problems:
         return {**warm, "loaded_from": str(path)}
     warm_units = make_units(tasks.select(all_problems, warm_problems), warm_domain)
     first = gaps[0] if args.task == "gsm8k" else budgets[0] - max(len(u.prompt) for u in warm_units)
-    warm = {"problems": f"{warm_problems.start}-{warm_problems.stop - 1}", "domain": warm_domain,
-            **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
+    warm = {**settings, **learn_workload(model, tokenizer, warm_units, max(first, 1), args, pad_id, stop_ids, log)}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         workload.save(path)

@@ -116,9 +116,7 @@ class OnlineStatistics:
         if not shrink_heads >= 0:
             raise ValueError(f"shrink_heads must be a number of queries >= 0; got {shrink_heads!r}.")
         self.shrink_heads = float(shrink_heads)
-        if shrink_within not in self.SHRINK_WITHIN:
-            raise ValueError(f"shrink_within must be one of {self.SHRINK_WITHIN}; got {shrink_within!r}.")
-        self.shrink_within = shrink_within
+        self.shrink_within = shrink_within  # (checked by its setter)
         self.reset()
         if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
             ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
@@ -128,6 +126,17 @@ class OnlineStatistics:
             # goes, and no other cache can take them before this runs)
             ending = weakref.finalize(self, learn.adopt_rows, self._learn_rows, self._learn_layers)
             ending.atexit = False
+
+    @property
+    def shrink_within(self) -> str:
+        return self._shrink_within
+
+    @shrink_within.setter
+    def shrink_within(self, value: str) -> None:  # checked here: benchmarks set it as an attribute too
+        if value not in self.SHRINK_WITHIN:
+            raise ValueError(f"shrink_within must be one of {self.SHRINK_WITHIN}; got {value!r}.")
+        self._shrink_within = value
+        self._snapshot = None
 
     def reset(self) -> None:
         if getattr(self, "_deferred", None) or getattr(self, "_learn_rows", None):
@@ -558,9 +567,7 @@ class OnlineStatistics:
         """``sums [B, 3, H, F]`` averaged over the heads that ``shrink_within`` pools, broadcastable to them."""
         if self.shrink_within == "layer":
             return sums.mean(dim=2, keepdim=True)
-        if self.shrink_within != "kv_group":  # (set as an attribute after construction)
-            raise ValueError(f"shrink_within must be one of {self.SHRINK_WITHIN}; got {self.shrink_within!r}.")
-        # query heads j * G ... (j + 1) * G - 1 share KV head j (transformers' repeat_kv); H may be a shard's heads
+        # "kv_group": query heads j * G ... (j + 1) * G - 1 share KV head j (transformers' repeat_kv); H may be a shard's heads
         group = self.geometry.num_q_heads // self.geometry.num_kv_heads
         b, parts, heads, pairs = sums.shape
         grouped = sums.view(b, parts, heads // group, group, pairs).mean(dim=3, keepdim=True)
