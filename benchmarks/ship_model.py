@@ -1,7 +1,7 @@
 """Carry the Qwen2.5-Coder-1.5B-Instruct GGUF to the GPU machine in pieces, and put it back together there.
 
 A device call carries at most 64 MiB (work tree included) and the machine forgets its files after ~30 s idle,
-so the 1.1 GB file goes in pieces of at most 48 MiB (the tracked tree is ~15 MiB of the 64), one per consecutive
+so the 1.1 GB file goes in pieces of at most 44 MiB (the tracked tree is ~16 MiB of the 64), one per consecutive
 call, each appended to one file there. Send the data files (GSM8K, wheels) with the last, smaller piece.
 
 Here (once; the pieces go to the git-ignored ``.models/qwen_parts/``)::
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PIECE_BYTES = 48 * 2**20
+PIECE_BYTES = 44 * 2**20
 MANIFEST = "manifest.json"
 EXIT_PROGRESS, EXIT_GAP, EXIT_CHECKSUM = 2, 3, 4
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("split", help="cut the assembled Qwen GGUF into pieces (here)")
     s.add_argument("--source", default=None, help="GGUF file (default: the offline Qwen2.5-Coder, assembled)")
     s.add_argument("--out", default=str(REPO / ".models" / "qwen_parts"))
-    s.add_argument("--piece-mib", type=int, default=48,
+    s.add_argument("--piece-mib", type=int, default=PIECE_BYTES >> 20,
                    help="piece size; the work tree travels with each piece, and a call carries 64 MiB in all")
     for name in ("append", "status"):
         a = sub.add_parser(name, help="append the next pieces (GPU machine)" if name == "append" else
