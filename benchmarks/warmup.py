@@ -18,13 +18,16 @@ Qwen3-8B, bf16, sdpa with cuDNN off: benchmarks/README.md). Every ``RopeKVCache`
   one run with host timers (``instrument.py``: the cache's host work, transformers' input preparation, the forward
   call, and the rest of generate's loop, per step) and one run under ``torch.profiler`` over ``--profile-steps``
   steps (GPU kernel time and GPU busy time per step, against the wall time).
-- ``overhead``: one process, batch 16, budget 2048, a 4K prompt: the compiled static cache's median step with the
-  workload statistics learning (``learn_workload=True``, ``freeze_at`` raised so it keeps learning), opted out
-  (``learn_workload=False``, the default) and frozen (``learn_workload=True`` after
-  ``workload_statistics(model).freeze()``); % against opted out. Off and on alternate round by round; after the
-  freeze (it cannot be undone) frozen alternates with opted-out runs. Besides the medians, each variant is
-  paired with the opted-out run of its own round (median of the per-round ratios): the host drifts by several
-  per cent within one run, which unpaired medians mistake for cost.
+- ``overhead``: one process, batch 16, budget 2048, a 4K prompt: what the query statistics cost the compiled static
+  cache's decoding step. Variants: ``file`` (``stats=`` a statistics file: nothing gathered in the step, the
+  reference), ``off`` (online statistics, ``learn_workload=False``: the default), ``on`` (they also feed the
+  workload, ``freeze_at`` raised so it keeps learning) and ``frozen`` (``learn_workload=True`` after
+  ``workload_statistics(model).freeze()``). ``--overhead-rounds`` rounds of short runs (``--overhead-new-tokens``)
+  alternate file / off / on in a rotating order; after the freeze (it cannot be undone) as many alternate file /
+  off / frozen. The host drifts by several per cent within a process, so each variant is also paired with the
+  reference run of its own round (median of the per-round ratios), and one run of each is profiled: GPU kernel
+  time per step (``torch.profiler``) and the cache's host time per step (timers), whose excess over ``file`` no
+  drift reaches.
 - ``e2e``: a 2,000-token generation at 4K, batch 1, end to end (cache construction, prefill, compile, decode): one
   process warms the on-disk caches (a few tokens of each variant), then each variant runs in a fresh process of
   its own: ``RopeKVCache(model, budget=2048)`` with its default ``static`` (its ``static`` and, if the attribute
@@ -86,7 +89,7 @@ SCRIPT = Path(__file__).resolve()
 PARTS = ("warmup", "profile", "overhead", "e2e")
 #: Minutes of device time each part is expected to take on an H200 with the default sizes, cold caches (the
 #: ``--max-minutes`` guard); a dry run's parts take a fraction of a minute each but ``warmup`` (inductor on the CPU).
-ESTIMATE_MIN = {"warmup": 4.5, "profile": 7.5, "overhead": 4.5, "e2e": 6.0}
+ESTIMATE_MIN = {"warmup": 4.5, "profile": 7.5, "overhead": 5.0, "e2e": 6.0}
 DRY_ESTIMATE_MIN = {"warmup": 2.0, "profile": 0.5, "overhead": 0.5, "e2e": 1.0}
 E2E_VARIANTS = ("ropekv_default", "ropekv_static", "dynamic")
 PROFILE_VARIANTS = ("dynamic", "static", "ropekv_static")
@@ -115,7 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-variants", default=",".join(PROFILE_VARIANTS), help="comma-separated subset")
     p.add_argument("--overhead-batch", type=int, default=16)
     p.add_argument("--overhead-context", type=int, default=4096)
-    p.add_argument("--overhead-new-tokens", type=int, default=256)
+    p.add_argument("--overhead-new-tokens", type=int, default=128, help="tokens of each overhead run")
+    p.add_argument("--overhead-rounds", type=int, default=4,
+                   help="overhead: rounds before and after the freeze, each one short run of every variant")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per variant (profile, overhead)")
     p.add_argument("--e2e-new-tokens", type=int, default=2000)
     p.add_argument("--cache-root", default=None, help="torch cache folders go here (default: a temporary folder)")
@@ -132,6 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.shape, args.budget, args.compress_every, args.context = "tiny", 32, 8, 48
         args.warmup_new_tokens, args.profile_contexts, args.profile_new_tokens, args.profile_steps = 4, "48,80", 24, 6
         args.overhead_batch, args.overhead_context, args.overhead_new_tokens, args.repeats = 2, 48, 16, 1
+        args.overhead_rounds = 1
         args.e2e_new_tokens = 40
     args.parts = [part for part in args.parts.split(",") if part]
     unknown = sorted(set(args.parts) - set(PARTS))
@@ -314,9 +320,11 @@ def child_warmup(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- child: profile
-def timed_run(child: Child, variant: str, prompt: torch.Tensor, new_tokens: int, max_len: int) -> dict[str, Any]:
-    """A generate with host timers on the cache and on generate's calls; per-step split (the first step left out)."""
-    cache = make_cache(child, variant, max_cache_len=max_len)
+def timed_run(child: Child, variant: str, prompt: torch.Tensor, new_tokens: int, max_len: int,
+              **options: Any) -> dict[str, Any]:
+    """A generate with host timers on the cache and on generate's calls; per-step split (the first step left out).
+    ``options`` go to the cache."""
+    cache = make_cache(child, variant, max_cache_len=max_len, **options)
     timers = instrument.HostTimers()
     is_compiled = compiled(variant, cache) and (child.device.type == "cuda" or child.compile_config is not None)
     instrument.instrument_cache(timers, cache, eager_update=not compiled(variant, cache))
@@ -343,8 +351,8 @@ def timed_run(child: Child, variant: str, prompt: torch.Tensor, new_tokens: int,
     )
 
 
-def profiled_run(child: Child, variant: str, prompt: torch.Tensor, max_len: int) -> dict[str, Any]:
-    cache = make_cache(child, variant, max_cache_len=max_len)
+def profiled_run(child: Child, variant: str, prompt: torch.Tensor, max_len: int, **options: Any) -> dict[str, Any]:
+    cache = make_cache(child, variant, max_cache_len=max_len, **options)
     steps = child.args.profile_steps
     clock = instrument.ProfilingClock(child.device, start=2, steps=steps)
     generate(child, cache, prompt, steps + 3, variant, clock=clock)
@@ -379,58 +387,102 @@ def child_profile(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- child: overhead
+#: The overhead part's variants of the compiled static cache, by the options they differ in: ``file`` scores with a
+#: statistics file (no query statistics gathered in the step: the reference), ``off`` gathers the online
+#: statistics (the default), ``on`` also feeds the workload, ``frozen`` reads a frozen workload prior.
+OVERHEAD_OPTIONS: dict[str, dict[str, Any]] = {"file": {}, "off": dict(learn_workload=False),
+                                               "on": dict(learn_workload=True), "frozen": dict(learn_workload=True)}
+#: Rounds before the freeze alternate these, rotating their order; after it, ``frozen`` takes ``on``'s place.
+OVERHEAD_BEFORE, OVERHEAD_AFTER = ("file", "off", "on"), ("file", "off", "frozen")
+
+
 def child_overhead(args: argparse.Namespace) -> None:
     child = child_setup(args)
     workload = child.hf_ropekv.workload_statistics(child.model)
     workload.freeze_at = 2**62  # "on" keeps learning through every run
     prompt = random_prompt(child, args.overhead_batch, args.overhead_context)
-    result: dict[str, Any] = dict(model_build_s=child.build_s, runs=[], warmup_s={})
+    max_len = args.overhead_context + args.overhead_new_tokens + 8
+    result: dict[str, Any] = dict(model_build_s=child.build_s, runs=[], warmup_s={}, profiled={}, host={})
+    stats: list[Any] = []  # the file variant's statistics, taken from the workload after "on" warmed up
 
-    def run(name: str, learn: bool, new_tokens: int, timed: bool, round_: int | None = None) -> None:
-        cache = make_cache(child, "ropekv_static", learn_workload=learn)
+    def options(name: str) -> dict[str, Any]:
+        return dict(stats=stats[0]) if name == "file" else dict(OVERHEAD_OPTIONS[name])
+
+    def run(name: str, new_tokens: int, round_: int | None = None) -> None:
+        cache = make_cache(child, "ropekv_static", **options(name))
         t0 = time.perf_counter()
         out = generate(child, cache, prompt, new_tokens, "ropekv_static")
-        if not timed:
+        if round_ is None:
             result["warmup_s"][name] = time.perf_counter() - t0
             return
         result["runs"].append(dict(variant=name, round=round_, **step_summary(out["steps_ms"][1:]),
-                                   wall_s=out["total_s"], prior_tokens=cache.workload_prior_tokens,
-                                   prior_frozen=cache.workload_prior_frozen, workload_tokens_after=workload.tokens,
-                                   steps_ms=out["steps_ms"][1:]))
+                                   wall_s=out["total_s"], prior_tokens=getattr(cache, "workload_prior_tokens", 0),
+                                   prior_frozen=getattr(cache, "workload_prior_frozen", False),
+                                   workload_tokens_after=workload.tokens, steps_ms=out["steps_ms"][1:]))
         write_child(args, result)
 
-    # The host's speed drifts by several per cent within a run (session 13: 32-step medians from 12.2 to 14.4 ms),
-    # so every variant alternates with an opted-out run of its own round, and the paired ratios are reported too.
-    run("off", False, 4, timed=False)
-    run("on", True, 4, timed=False)
-    for r in range(args.repeats):
-        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            run(name, name == "on", args.overhead_new_tokens, timed=True, round_=r)
+    def inspect(name: str) -> None:
+        """GPU kernel time per step (torch.profiler) and the host split (timers) of one run each."""
+        result["profiled"][name] = profiled_run(child, "ropekv_static", prompt, max_len, **options(name))
+        result["host"][name] = timed_run(child, "ropekv_static", prompt, args.overhead_new_tokens, max_len,
+                                         **options(name))
+        write_child(args, result)
+
+    def rounds(names: tuple[str, ...], first: int) -> None:
+        # The host's speed drifts by several per cent within a run (session 13: 32-step medians from 12.2 to
+        # 14.4 ms), so the variants alternate in short runs, rotating their order each round, and each is also
+        # paired with the reference runs of its own round.
+        for r in range(first, first + args.overhead_rounds):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                run(name, args.overhead_new_tokens, round_=r)
+
+    run("on", 4)  # compiles; and learns a little, for the file variant's statistics
+    stats.append(workload.to_stats())
+    for name in ("off", "file"):
+        run(name, 4)
+    rounds(OVERHEAD_BEFORE, 0)
+    for name in OVERHEAD_BEFORE:
+        inspect(name)
     workload.freeze()
-    run("frozen", True, 4, timed=False)
-    for r in range(args.repeats):
-        for name in (("off_after_frozen", "frozen") if r % 2 == 0 else ("frozen", "off_after_frozen")):
-            run(name, name == "frozen", args.overhead_new_tokens, timed=True, round_=r)
-    result["summary"] = overhead_summary(result["runs"])
+    run("frozen", 4)
+    rounds(OVERHEAD_AFTER, args.overhead_rounds)
+    inspect("frozen")
+    result["summary"] = overhead_summary(result["runs"], result["profiled"], result["host"])
     write_child(args, result)
 
 
-def overhead_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Median step per variant, against the opted-out runs, and the median of the per-round paired ratios
-    (``on`` against the ``off`` run of its round, ``frozen`` against ``off_after_frozen``)."""
+def overhead_summary(runs: list[dict[str, Any]], profiled: dict[str, dict[str, Any]] | None = None,
+                     host: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Per variant: the median step over all its runs, % against ``file`` and ``off`` unpaired and paired (the
+    median of the per-round ratios to the reference run of the same round), and, from one run each, GPU kernel
+    time and the cache's host time per step; ``decomposed_vs_file_pct``: their excess over ``file``'s, in % of
+    its step, which host drift does not reach."""
+    profiled, host = profiled or {}, host or {}
     summary: dict[str, dict[str, Any]] = {}
-    for name in ("off", "on", "off_after_frozen", "frozen"):
+    for name in OVERHEAD_OPTIONS:
         steps = [s for r in runs if r["variant"] == name for s in r["steps_ms"]]
-        summary[name] = dict(p50_ms=median(steps), steps=len(steps))
-    off = summary["off"]["p50_ms"]
-    for row in summary.values():
-        row["vs_off_pct"] = None if not off or row["p50_ms"] is None else 100.0 * (row["p50_ms"] / off - 1.0)
+        if steps:
+            summary[name] = dict(p50_ms=median(steps), steps=len(steps))
     by_round = {(r["variant"], r["round"]): r["p50_ms"] for r in runs}
-    for name, reference in (("on", "off"), ("frozen", "off_after_frozen")):
-        ratios = [by_round[(name, n)] / by_round[(reference, n)] for v, n in by_round
-                  if v == name and by_round.get((reference, n)) and by_round[(name, n)] is not None]
-        summary[name]["paired_pct"] = 100.0 * (median(ratios) - 1.0) if ratios else None
-        summary[name]["paired_rounds"] = [round(100.0 * (x - 1.0), 2) for x in ratios]
+    for reference in ("file", "off"):
+        base = summary.get(reference, {}).get("p50_ms")
+        for name, row in summary.items():
+            row[f"vs_{reference}_pct"] = None if not base else 100.0 * (row["p50_ms"] / base - 1.0)
+            ratios = [p50 / by_round[(reference, n)] for (v, n), p50 in by_round.items()
+                      if v == name and p50 is not None and by_round.get((reference, n))]
+            row[f"paired_vs_{reference}_pct"] = 100.0 * (median(ratios) - 1.0) if ratios else None
+            row[f"paired_vs_{reference}_rounds"] = [round(100.0 * (x - 1.0), 2) for x in ratios]
+    for name, row in summary.items():
+        row["kernel_ms"] = profiled.get(name, {}).get("kernel_ms_per_step")
+        row["kernels_per_step"] = profiled.get(name, {}).get("kernels_per_step")
+        row["cache_host_ms"] = host.get(name, {}).get("median", {}).get("cache_ms")
+    ref = summary.get("file", {})
+    for row in summary.values():
+        parts = (row["kernel_ms"], ref.get("kernel_ms"), row["cache_host_ms"], ref.get("cache_host_ms"),
+                 ref.get("p50_ms"))
+        row["decomposed_vs_file_pct"] = None if None in parts or not ref["p50_ms"] else 100.0 * (
+            (row["kernel_ms"] - ref["kernel_ms"]) + (row["cache_host_ms"] - ref["cache_host_ms"])) / ref["p50_ms"]
     return summary
 
 
@@ -641,19 +693,25 @@ def render_profile(part: dict[str, Any]) -> list[str]:
 
 
 def render_overhead(part: dict[str, Any]) -> list[str]:
-    lines = ["## Overhead of learning workload statistics (compiled static cache)", ""]
+    lines = ["## What query statistics cost the compiled decoding step", ""]
     summary = part.get("summary")
     if not summary:
         return lines + [f"Error: {str(part.get('error'))[:500]}", ""]
-    lines += ["| learn_workload | step p50 ms | steps | vs opted out | paired with its round's opted-out run "
-              "(median; per round) |", "|---|---|---|---|---|"]
-    names = {"off": "opted out (False)", "on": "learning (True)", "frozen": "frozen (True, after freeze())",
-             "off_after_frozen": "opted out, alternated with frozen"}
+    lines += ["| variant | step p50 ms | steps | vs file (unpaired) | vs file, paired (per round) | vs off, paired | "
+              "GPU kernels ms / step | cache host ms / step | kernels + host over file |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    names = {"file": "statistics file (`stats=`)", "off": "online, `learn_workload=False` (default)",
+             "on": "online + learning", "frozen": "online + frozen workload prior"}
+
+    def pct(value: Any) -> str:
+        return "n/a" if value is None else f"{value:+.2f} %"
+
     for key, row in summary.items():
-        paired = row.get("paired_pct")
-        paired = "" if paired is None else f"{paired:+.1f} % ({', '.join(f'{x:+.1f}' for x in row['paired_rounds'])})"
-        lines.append(f"| {names[key]} | {_f(row['p50_ms'])} | {row['steps']} | {_f(row['vs_off_pct'], '+.1f')} % "
-                     f"| {paired} |")
+        rounds = ", ".join(f"{x:+.1f}" for x in row["paired_vs_file_rounds"])
+        lines.append(f"| {names[key]} | {_f(row['p50_ms'])} | {row['steps']} | {pct(row['vs_file_pct'])} | "
+                     f"{pct(row['paired_vs_file_pct'])} ({rounds}) | {pct(row['paired_vs_off_pct'])} | "
+                     f"{_f(row['kernel_ms'], '.3f')} ({_f(row['kernels_per_step'], '.0f')}) | "
+                     f"{_f(row['cache_host_ms'], '.3f')} | {pct(row['decomposed_vs_file_pct'])} |")
     return lines + [""]
 
 
@@ -715,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
                     profile_contexts=args.profile_contexts, profile_new_tokens=args.profile_new_tokens,
                     profile_steps=args.profile_steps, overhead_batch=args.overhead_batch,
                     overhead_context=args.overhead_context, overhead_new_tokens=args.overhead_new_tokens,
+                    overhead_rounds=args.overhead_rounds,
                     repeats=args.repeats, e2e_new_tokens=args.e2e_new_tokens, warmup_new_tokens=args.warmup_new_tokens)
     result: dict[str, Any] = dict(meta=meta, settings=settings, parts={}, skipped=[], part_wall_s={})
     runner = Runner(args, argv, out_dir, log)

@@ -193,12 +193,16 @@ def test_warmup_dry_run_runs_every_part_in_fresh_processes(tmp_path: Path) -> No
             assert 0 <= split["cache_share"] < 1 and split["forward_call_ms"] > 0
         rope = entry["variants"]["ropekv_static"]["timed"][0]
         assert rope["compaction_steps"] >= 1 and rope["median"]["cache_ms"] > 0 and rope["kept"] <= 40
-    summary = result["parts"]["overhead"]["summary"]
-    assert set(summary) == {"off", "on", "frozen", "off_after_frozen"} and summary["off"]["vs_off_pct"] == 0
-    runs = result["parts"]["overhead"]["runs"]
-    assert all(r["prior_tokens"] == 0 for r in runs if r["variant"] == "off")
+    overhead = result["parts"]["overhead"]
+    summary = overhead["summary"]
+    assert set(summary) == {"file", "off", "on", "frozen"} and summary["file"]["vs_file_pct"] == 0
+    runs = overhead["runs"]
+    assert all(r["prior_tokens"] == 0 for r in runs if r["variant"] in ("off", "file"))
     assert all(r["prior_frozen"] for r in runs if r["variant"] == "frozen")
-    assert len(summary["on"]["paired_rounds"]) == len(summary["frozen"]["paired_rounds"]) == 1  # --dry-run: 1 round
+    assert {r["round"] for r in runs} == {0, 1}  # --dry-run: 1 round before the freeze, 1 after
+    for name, row in summary.items():
+        assert len(row["paired_vs_file_rounds"]) == (2 if name in ("file", "off") else 1), (name, row)
+        assert row["cache_host_ms"] > 0 and overhead["profiled"][name]["profiled_steps"] == 6
     e2e = result["parts"]["e2e"]["variants"]
     assert sorted(e2e) == ["dynamic", "ropekv_default", "ropekv_static"]
     for row in e2e.values():
@@ -209,8 +213,9 @@ def test_warmup_dry_run_runs_every_part_in_fresh_processes(tmp_path: Path) -> No
     assert_run_readme(tmp_path, "warmup.py")
 
 
-def test_overhead_pairs_each_run_with_the_opted_out_run_of_its_round() -> None:
-    """The host drifts within a run: the paired ratios see a variant's cost, unpaired medians see the drift."""
+def test_overhead_pairs_each_run_with_the_reference_runs_of_its_round() -> None:
+    """The host drifts within a run: the paired ratios see a variant's cost, unpaired medians see the drift; the
+    decomposed cost is the kernel and cache host time over the statistics file's, in % of its step."""
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     import warmup
@@ -218,14 +223,25 @@ def test_overhead_pairs_each_run_with_the_opted_out_run_of_its_round() -> None:
     def run(variant: str, round_: int, p50: float) -> dict:
         return dict(variant=variant, round=round_, p50_ms=p50, steps_ms=[p50] * 3)
 
-    # The host slows by 20 % from round 0 to round 1; learning costs 1 %, frozen 0 %.
-    runs = [run("off", 0, 10.0), run("on", 0, 10.1), run("on", 1, 12.12), run("off", 1, 12.0),
-            run("off_after_frozen", 0, 12.0), run("frozen", 0, 12.0), run("frozen", 1, 12.0),
-            run("off_after_frozen", 1, 12.0)]
-    summary = warmup.overhead_summary(runs)
-    assert summary["on"]["paired_rounds"] == [1.0, 1.0] and abs(summary["on"]["paired_pct"] - 1.0) < 1e-9
-    assert summary["frozen"]["paired_pct"] == 0.0
-    assert summary["frozen"]["vs_off_pct"] > 5  # unpaired, against the early opted-out runs: the drift
+    # The host slows by 20 % from round 0 to round 1 and stays there; online statistics cost 0.5 % over the file,
+    # learning 1 % more, frozen nothing more than online.
+    runs = [run("file", 0, 10.0), run("off", 0, 10.05), run("on", 0, 10.15),
+            run("on", 1, 12.18), run("file", 1, 12.0), run("off", 1, 12.06),
+            run("frozen", 2, 12.06), run("file", 2, 12.0), run("off", 2, 12.06)]
+    profiled = {name: dict(kernel_ms_per_step=k, kernels_per_step=100) for name, k in
+                (("file", 8.0), ("off", 8.02), ("on", 8.05), ("frozen", 8.02))}
+    host = {name: dict(median=dict(cache_ms=c)) for name, c in
+            (("file", 0.2), ("off", 0.21), ("on", 0.3), ("frozen", 0.21))}
+    summary = warmup.overhead_summary(runs, profiled, host)
+    on = summary["on"]
+    assert [round(x, 6) for x in on["paired_vs_file_rounds"]] == [1.5, 1.5]
+    assert abs(on["paired_vs_file_pct"] - 1.5) < 1e-9 and abs(on["paired_vs_off_pct"] - 100 * (10.15 / 10.05 - 1)) < 1e-9
+    assert abs(summary["frozen"]["paired_vs_off_pct"]) < 1e-9 and abs(summary["off"]["paired_vs_file_pct"] - 0.5) < 1e-9
+    assert abs(on["vs_file_pct"] - 1.5) > 5  # unpaired medians mix the two host speeds: the drift
+    # (8.05 - 8.0 + 0.3 - 0.2) / median file step 12.0
+    assert abs(on["decomposed_vs_file_pct"] - 100 * 0.15 / 12.0) < 1e-9
+    assert summary["file"]["decomposed_vs_file_pct"] == 0
+    assert warmup.overhead_summary(runs)["on"]["decomposed_vs_file_pct"] is None  # nothing profiled: no guess
 
 
 def test_host_timers_split_a_static_cache_step_and_leave_nothing_behind() -> None:
