@@ -250,6 +250,22 @@ def cache_counters(before: dict[str, dict[str, int]], after: dict[str, dict[str,
     return {f"{g}.{k}": after.get(g, {}).get(k, 0) - before.get(g, {}).get(k, 0) for g, k in keys}
 
 
+def compile_phases() -> dict[str, float]:
+    """torch's cumulative compile time by phase, in seconds (``entire_frame_compile``: dynamo's whole frame,
+    ``backend_compile``: AOT autograd and inductor within it, ``inductor_compile``, ...); {} where unavailable."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+    except ImportError:
+        return {}
+    return dict(calculate_time_spent())
+
+
+def phase_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The phases' seconds between two ``compile_phases`` snapshots, those that grew, largest first."""
+    grown = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 1e-4}
+    return dict(sorted(grown.items(), key=lambda kv: -kv[1]))
+
+
 def folder_bytes(path: str | None) -> int | None:
     if not path or not os.path.isdir(path):
         return None
@@ -291,7 +307,7 @@ def child_warmup(args: argparse.Namespace) -> None:
     prompt = random_prompt(child, 1, args.context)
     runs = []
     for call in range(2):  # the first call compiles; the second shows the compiled step's speed
-        before = counters()
+        before, phases_before = counters(), compile_phases()
         t_call = time.time()
         cache = make_cache(child, "ropekv_static")
         run = generate(child, cache, prompt, args.warmup_new_tokens, "ropekv_static")
@@ -306,6 +322,7 @@ def child_warmup(args: argparse.Namespace) -> None:
                                                                                              else 0)) / 1e3,
             later_steps=step_summary(steps[1:]),
             counters=cache_counters(before, counters()),
+            compile_phases_s=phase_deltas(phases_before, compile_phases()),
         ))
         if call == 0 and args.mode == "cold":
             t0 = time.perf_counter()
@@ -642,6 +659,14 @@ def render_warmup(part: dict[str, Any]) -> list[str]:
                       f"({kinds}) in {_f(cold.get('save_s'))} s; "
                       f"loaded by (c) in {_f(part.get('load', {}).get('load_s'))} s. Inductor cache folder after (a): "
                       f"{_f((cold.get('cache_dir_bytes_after') or 0) / 2**20, '.1f')} MiB."]
+    lines += ["", "torch's compile time by phase in the first call (`torch._dynamo.utils.calculate_time_spent`; "
+                  "phases nest: `entire_frame_compile` holds the others), seconds:", ""]
+    for key in names:
+        row = part.get(key)
+        if row and not row.get("error") and row.get("runs"):
+            phases = row["runs"][0].get("compile_phases_s") or {}
+            listed = ", ".join(f"{name} {seconds:.2f}" for name, seconds in list(phases.items())[:8])
+            lines.append(f"- {names[key]}: {listed or 'n/a'}")
     return lines + [""]
 
 

@@ -184,6 +184,9 @@ def test_warmup_dry_run_runs_every_part_in_fresh_processes(tmp_path: Path) -> No
     for key in ("warm", "load"):  # (b) reuses (a)'s folders; (c) starts empty but loads (a)'s artifacts
         assert counts[key]["inductor.fxgraph_cache_hit"] >= 1 and counts[key]["inductor.fxgraph_cache_miss"] == 0
     assert warm["load"]["loaded"]["artifacts"]["inductor"] >= 1 and warm["cold"]["saved"]["model"]["budget"] == 32
+    phases = {key: warm[key]["runs"][0]["compile_phases_s"] for key in ("cold", "warm")}
+    assert phases["cold"]["inductor_compile"] > 0 and "inductor_compile" not in phases["warm"]  # (b): a cache hit
+    assert phases["warm"]["entire_frame_compile"] > 0  # dynamo still traces the frame
     for entry in result["parts"]["profile"]["contexts"]:
         for key, row in entry["variants"].items():
             assert "error" not in row, (key, row.get("error"))
