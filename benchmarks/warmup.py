@@ -405,7 +405,8 @@ def child_profile(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------------- child: overhead
 #: The overhead part's variants of the compiled static cache, by the options they differ in: ``file`` scores with a
-#: statistics file (no query statistics gathered in the step: the reference), ``off`` gathers the online
+#: statistics file (``stats=``, learned by the process's first run, so not listed here; no query statistics are
+#: gathered in the step: the reference), ``off`` gathers the online
 #: statistics (the default), ``on`` also feeds the workload, ``frozen`` reads a frozen workload prior.
 OVERHEAD_OPTIONS: dict[str, dict[str, Any]] = {"file": {}, "off": dict(learn_workload=False),
                                                "on": dict(learn_workload=True), "frozen": dict(learn_workload=True)}
@@ -420,10 +421,10 @@ def child_overhead(args: argparse.Namespace) -> None:
     prompt = random_prompt(child, args.overhead_batch, args.overhead_context)
     max_len = args.overhead_context + args.overhead_new_tokens + 8
     result: dict[str, Any] = dict(model_build_s=child.build_s, runs=[], warmup_s={}, profiled={}, host={})
-    stats: list[Any] = []  # the file variant's statistics, taken from the workload after "on" warmed up
+    stats = None  # the file variant's statistics, taken from the workload after "on" warmed up
 
     def options(name: str) -> dict[str, Any]:
-        return dict(stats=stats[0]) if name == "file" else dict(OVERHEAD_OPTIONS[name])
+        return dict(stats=stats) if name == "file" else dict(OVERHEAD_OPTIONS[name])
 
     def run(name: str, new_tokens: int, round_: int | None = None) -> None:
         cache = make_cache(child, "ropekv_static", **options(name))
@@ -455,7 +456,7 @@ def child_overhead(args: argparse.Namespace) -> None:
                 run(name, args.overhead_new_tokens, round_=r)
 
     run("on", 4)  # compiles; and learns a little, for the file variant's statistics
-    stats.append(workload.to_stats())
+    stats = workload.to_stats()
     for name in ("off", "file"):
         run(name, 4)
     rounds(OVERHEAD_BEFORE, 0)

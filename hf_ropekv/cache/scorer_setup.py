@@ -44,17 +44,17 @@ def resolve_scorer(scorer: Scorer | None, stats: Any, options: CacheOptions, geo
         )
     from ..statistics.online import OnlineStatistics
 
+    # the estimator's options, the same whether or not the cache learns the workload
+    estimator = dict(half_life=options.stats_half_life, prompt_weight=options.stats_prompt_weight,
+                     shrink_heads=options.stats_head_shrink)
     if not options.learn_workload:
-        return FrequencyScorer(None), OnlineStatistics(geometry, half_life=options.stats_half_life,
-                                                       prompt_weight=options.stats_prompt_weight,
-                                                       shrink_heads=options.stats_head_shrink)
+        return FrequencyScorer(None), OnlineStatistics(geometry, **estimator)
     from ..statistics.workload import _for_model
 
     workload = _for_model(model, geometry)
     prior = workload.prior() if options.prior_tokens > 0 else None  # taken now: fixed while this cache runs
-    online = OnlineStatistics(geometry, half_life=options.stats_half_life, learn=workload, prior=prior,
-                              prior_tokens=options.prior_tokens, filler_ids=generation_filler_ids(model),
-                              prompt_weight=options.stats_prompt_weight, shrink_heads=options.stats_head_shrink)
+    online = OnlineStatistics(geometry, learn=workload, prior=prior, prior_tokens=options.prior_tokens,
+                              filler_ids=generation_filler_ids(model), **estimator)
     return FrequencyScorer(None), online
 
 
