@@ -11,7 +11,10 @@ already), for a tiny-width model of many layers (the trace's cost grows with the
 - ``StaticCache``: transformers' own compiled cache, the reference;
 - ``ropekv``: ``RopeKVCache(static=True)``, the default scorer (online query statistics gathered in the step);
 - ``ropekv_recency``: the same with ``RecencyScorer`` (no query statistics, no query capture in the step);
-- ``ropekv_plain_sdpa``: the default with transformers' sdpa instead of ``hf_ropekv_sdpa``.
+- ``ropekv_plain_sdpa``: the default with transformers' sdpa instead of ``hf_ropekv_sdpa``;
+- ``ropekv_static_batch``: the default with the batch dimension left static (the library marks it dynamic so that
+  one compiled step serves every batch size; here ``torch._dynamo.maybe_mark_dynamic`` is a no-op in the process):
+  what the symbolic batch size costs the trace.
 
 Each variant runs in a fresh process per repeat. Results: ``results.json`` and ``results.md`` in ``--out``.
 
@@ -31,7 +34,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-VARIANTS = ("static_cache", "ropekv", "ropekv_recency", "ropekv_plain_sdpa")
+VARIANTS = ("static_cache", "ropekv", "ropekv_recency", "ropekv_plain_sdpa", "ropekv_static_batch")
 
 
 def child(backend: str, variant: str, layers: int) -> dict:
@@ -39,6 +42,8 @@ def child(backend: str, variant: str, layers: int) -> dict:
     from transformers import CompileConfig, Qwen3Config, Qwen3ForCausalLM, StaticCache
 
     from hf_ropekv import RecencyScorer, RopeKVCache
+    if variant == "ropekv_static_batch":  # this process only: nothing is marked dynamic, the batch stays static
+        torch._dynamo.maybe_mark_dynamic = lambda *args, **kwargs: None
     from hf_ropekv._compat import cache_kwarg
 
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,

@@ -300,9 +300,10 @@ def test_warmup_starts_no_part_that_would_not_fit_in_max_minutes(tmp_path: Path)
 def test_trace_cost_runs_and_reports(tmp_path: Path) -> None:
     """benchmarks/trace_cost.py on two layers: every variant asked for traces one graph; the report is written."""
     out = tmp_path / "trace"
-    run_script("trace_cost.py", "--out", str(out), "--variants", "static_cache,ropekv_recency", "--commit", "test")
+    run_script("trace_cost.py", "--out", str(out), "--variants", "static_cache,ropekv_recency,ropekv_static_batch",
+               "--commit", "test")
     result = json.loads((out / "results.json").read_text())
-    assert set(result["rows"]) == {"static_cache", "ropekv_recency"}
+    assert set(result["rows"]) == {"static_cache", "ropekv_recency", "ropekv_static_batch"}
     for row in result["rows"].values():
         assert row["runs"][0]["graphs"] == 1 and row["runs"][0]["first_s"] > row["runs"][0]["again_s"] > 0
     assert "| ropekv_recency |" in (out / "results.md").read_text()
