@@ -44,6 +44,8 @@ subprocesses write ``parts/*.json`` and ``logs/*.log`` there as they finish.
     python benchmarks/warmup.py --parts profile --commit SHA --out warm_b --max-minutes 9.5           # ~7.5 min
     python benchmarks/warmup.py --parts e2e --commit SHA --out warm_c --max-minutes 9.5               # ~6 min
     python benchmarks/warmup.py --dry-run --out /tmp/warm_dry     # tiny shapes on the CPU: a code check (~2.5 min)
+    python benchmarks/warmup.py --parts warmup --warmup-modes cold,warm --dynamic-batch false ...  # the step
+                                                       # specialised to batch 1: what the dynamic batch costs
 
 All four parts together need about 22 minutes of an H200 (``ESTIMATE_MIN``, cold caches): more than one
 10-minute device call, hence the three commands.
@@ -126,6 +128,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-root", default=None, help="torch cache folders go here (default: a temporary folder)")
     p.add_argument("--keep-caches", action="store_true", help="leave --cache-root behind")
     p.add_argument("--recompile-limit", type=int, default=32)
+    p.add_argument("--dynamic-batch", choices=("true", "false"), default="true",
+                   help="RopeKVCache(dynamic_batch=...) for every RopeKVCache of the run (false: the compiled step is "
+                        "specialised to its batch size, a shorter trace)")
+    p.add_argument("--warmup-modes", default="cold,warm,load",
+                   help="the warm-up part's processes, from cold,warm,load (warm needs cold; load needs cold's file)")
     p.add_argument("--seed", type=int, default=0)
     # internal: one subprocess's job
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -133,6 +140,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.no_cudnn_sdpa = True  # always (benchmarks/README.md)
+    args.warmup_modes = [m for m in args.warmup_modes.split(",") if m]
+    if not args.warmup_modes or set(args.warmup_modes) - {"cold", "warm", "load"} or (
+            "cold" not in args.warmup_modes):
+        p.error("--warmup-modes: a subset of cold,warm,load that includes cold (the others start from its caches)")
     if args.dry_run:
         args.shape, args.budget, args.compress_every, args.context = "tiny", 32, 8, 48
         args.warmup_new_tokens, args.profile_contexts, args.profile_new_tokens, args.profile_steps = 4, "48,80", 24, 6
@@ -214,7 +225,7 @@ def make_cache(child: Child, variant: str, max_cache_len: int | None = None, **o
     elif variant != "ropekv_default":
         raise ValueError(variant)
     return child.hf_ropekv.RopeKVCache(child.model, budget=a.budget, compress_every=a.compress_every,
-                                       protect_prompt=False, **options)
+                                       protect_prompt=False, dynamic_batch=a.dynamic_batch == "true", **options)
 
 
 def compiled(variant: str, cache: Any) -> bool:
@@ -599,7 +610,10 @@ class Runner:
             shutil.rmtree(folder, ignore_errors=True)
         self.artifacts.unlink(missing_ok=True)
         out = dict(cold=self.child("warmup", "warmup_a_cold", "cold", self.warm_dir))
-        out["warm"] = self.child("warmup", "warmup_b_warm", "warm", self.warm_dir)
+        if "warm" in self.args.warmup_modes:
+            out["warm"] = self.child("warmup", "warmup_b_warm", "warm", self.warm_dir)
+        if "load" not in self.args.warmup_modes:
+            return out
         if self.artifacts.is_file():
             out["artifacts_bytes"] = self.artifacts.stat().st_size
             out["load"] = self.child("warmup", "warmup_c_load", "load", fresh)
@@ -637,8 +651,8 @@ def render_warmup(part: dict[str, Any]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     names = {"cold": "(a) cold", "warm": "(b) same machine again", "load": "(c) fresh machine + artifacts"}
     caches = {"cold": "empty", "warm": "(a)'s folders", "load": "empty + load_compile_artifacts"}
-    for key in ("cold", "warm", "load"):
-        row = part.get(key, {})
+    for key in [key for key in ("cold", "warm", "load") if key in part]:  # (--warmup-modes may leave some out)
+        row = part[key]
         if row.get("error") or not row.get("runs"):
             lines.append(f"| {names[key]} | {caches[key]} | error: {str(row.get('error', 'no result'))[:200]} |"
                          + " |" * 7)
@@ -774,7 +788,8 @@ def render(result: dict[str, Any]) -> str:
              f"- command: `{command}`",
              f"- torch {meta['torch']}, transformers {meta['transformers']}, triton {meta['triton']}",
              f"- budget {s['budget']}, compress_every {s['compress_every']}, protect_prompt=False; "
-             f"context {s['context']}", ""]
+             f"context {s['context']}; dynamic_batch={s.get('dynamic_batch', True)} (True: one compiled step for "
+             "every batch size, the default; False: specialised to the batch size)", ""]
     for part in s["parts"]:
         if part in result["parts"]:
             lines += RENDER[part](result["parts"][part])
@@ -800,7 +815,8 @@ def main(argv: list[str] | None = None) -> int:
                     profile_steps=args.profile_steps, overhead_batch=args.overhead_batch,
                     overhead_context=args.overhead_context, overhead_new_tokens=args.overhead_new_tokens,
                     overhead_rounds=args.overhead_rounds,
-                    repeats=args.repeats, e2e_new_tokens=args.e2e_new_tokens, warmup_new_tokens=args.warmup_new_tokens)
+                    repeats=args.repeats, e2e_new_tokens=args.e2e_new_tokens, warmup_new_tokens=args.warmup_new_tokens,
+                    dynamic_batch=args.dynamic_batch == "true", warmup_modes=args.warmup_modes)
     result: dict[str, Any] = dict(meta=meta, settings=settings, parts={}, skipped=[], part_wall_s={})
     runner = Runner(args, argv, out_dir, log)
     settings["cache_root"] = str(runner.cache_root)

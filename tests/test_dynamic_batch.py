@@ -85,6 +85,45 @@ def test_one_compile_for_every_batch_size_under_inductor(tmp_path, monkeypatch) 
     _one_graph_for((3, 2, 1, 5), "inductor")
 
 
+def _graphs_for(model, sizes: tuple[int, ...], dynamic_batch: bool) -> list[int]:
+    """Compiled generations of ``sizes`` on ``model``, each checked against the growing cache's tokens; the graph
+    count after each."""
+    graphs = []
+    for size in sizes:
+        ids, mask = _batch(size)
+        expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False), ids, mask,
+                            new=NEW)
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, dynamic_batch=dynamic_batch)
+        got = generate(model, cache, ids, mask, new=NEW, compile_config=compiled())
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        assert cache.num_compactions >= 2
+        graphs.append(counters["stats"]["unique_graphs"])
+        del cache
+        gc.collect()
+    return graphs
+
+
+def test_dynamic_batch_false_specialises_the_step_to_its_batch_size() -> None:
+    """``dynamic_batch=False`` leaves the batch size to torch: one graph while the size stays, a second one at the
+    first other size (torch's automatic dynamic shapes then make the dimension dynamic: the third size reuses it),
+    and the same tokens as the growing cache throughout. With the default, the same sizes share one graph."""
+    model = tiny_model("llama")
+    assert _graphs_for(model, (3, 3, 2, 5), dynamic_batch=False) == [1, 1, 2, 2]
+    torch._dynamo.reset()
+    counters.clear()
+    assert _graphs_for(tiny_model("llama"), (3, 3, 2, 5), dynamic_batch=True) == [1, 1, 1, 1]
+
+
+def test_dynamic_batch_can_change_between_caches_of_one_model() -> None:
+    """Caches of one model share its leased buffers (BufferPool); one that marked them dynamic before does not stop
+    a later ``dynamic_batch=False`` cache (or the reverse) from compiling and giving the growing cache's tokens."""
+    model = tiny_model("llama")
+    _graphs_for(model, (2,), dynamic_batch=True)
+    _graphs_for(model, (2, 4), dynamic_batch=False)
+    _graphs_for(model, (3,), dynamic_batch=True)
+    assert dict(counters["graph_break"]) == {}
+
+
 def test_another_budget_is_another_compile() -> None:
     """The arena's length is static: a budget with another arena (whole pages: 64 slots, then 128) compiles once
     more, and its batches share that graph."""

@@ -100,6 +100,13 @@ class RopeKVCache(Cache):
             ``auto_static.AUTO_STATIC_MIN_NEW_TOKENS`` new tokens with a cache that can be static; then static
             (``hf_ropekv.cache.auto_static``). ``cache.static`` says which it is, ``cache.static_reason`` why; the
             decision is logged once at INFO level.
+        dynamic_batch: for a static cache, mark the compiled decode step's batch dimension dynamic, so that one
+            compilation serves every batch size (an eval loop whose last batch is smaller does not compile
+            again). ``False`` leaves the batch size to torch: the step is compiled for the first batch size it
+            sees, which traces in about two thirds of the time (dynamo alone; with AOT autograd, less than half:
+            36-layer CPU measurement, README "Warm-up and shipping the compile cache"), and a later batch size
+            compiles again (torch then makes the dimension dynamic by itself, so at most once more, and batch 1
+            separately). For a process that serves one batch size, such as a notebook at batch 1.
 
     The defaults (per-layer selection, a recent window of 32, online statistics with a half-life of 128, shrunk
     toward the layer's head average by 256 queries) are the best of the variants measured on free-running GSM8K
@@ -128,10 +135,11 @@ class RopeKVCache(Cache):
         prior_tokens: float = 512,
         stats_prompt_weight: float = 1.0,
         stats_head_shrink: float = DEFAULT_HEAD_SHRINK,
+        dynamic_batch: bool = True,
     ) -> None:
         options = CacheOptions(budget, compress_every, page_size, window, sink, protect_prompt, selection, seed,
                                stats_half_life, static, learn_workload, prior_tokens,
-                               stats_prompt_weight, stats_head_shrink)  # validated before any is used
+                               stats_prompt_weight, stats_head_shrink, dynamic_batch)  # validated before any is used
         self.options = options
         self.geometry: ModelGeometry = describe(model_or_config)
         if isinstance(model_or_config, nn.Module):
@@ -232,6 +240,7 @@ class RopeKVCache(Cache):
     prior_tokens = property(lambda self: self.options.prior_tokens)
     stats_prompt_weight = property(lambda self: self.options.stats_prompt_weight)
     stats_head_shrink = property(lambda self: self.options.stats_head_shrink)
+    dynamic_batch = property(lambda self: self.options.dynamic_batch)
 
     @property
     def workload_prior_tokens(self) -> int:

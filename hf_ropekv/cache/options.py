@@ -53,6 +53,7 @@ class CacheOptions:
     prior_tokens: float = DEFAULT_PRIOR_TOKENS  # the workload prior's weight, in queries
     stats_prompt_weight: float = 1.0  # what the prompt's queries weigh against the generation's (0: left out)
     stats_head_shrink: float = DEFAULT_HEAD_SHRINK  # pseudo-count pulling each head toward its layer's average
+    dynamic_batch: bool = True  # a static cache's compiled step serves every batch size (False: the first one)
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -78,7 +79,7 @@ class CacheOptions:
                 f"static must be True (a fixed arena, compileable), False (a growing cache, eager) or \"auto\" (the "
                 f"default: compiled on CUDA for long generations, else eager); got {self.static!r}."
             )
-        for name in ("protect_prompt", "learn_workload"):
+        for name in ("protect_prompt", "learn_workload", "dynamic_batch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}.")
         if not _is_int(self.seed):

@@ -678,10 +678,11 @@ STEP_INPUT_BATCH_DIMS = {"input_ids": -2, "inputs_embeds": -3, "position_ids": -
 
 def _mark_batch_dynamic(args: tuple, kwargs: dict[str, Any]) -> bool:
     """Mark the batch dimension of a static cache's decode step dynamic: the step's inputs and the cache's leased
-    buffers (``BufferLease.batch_dims``). Returns False (nothing marked) for a forward without a static cache."""
+    buffers (``BufferLease.batch_dims``). Returns False (nothing marked) for a forward without a static cache, or
+    with one built with ``dynamic_batch=False`` (torch then specialises the step to its batch size)."""
     cache = _compat.cache_from_forward_kwargs(kwargs)
     lease = getattr(cache, "_lease", None)
-    if lease is None or not getattr(cache, "static", False):
+    if lease is None or not getattr(cache, "static", False) or not cache.options.dynamic_batch:
         return False
     for tensor, dim in lease.batch_dims():
         torch._dynamo.maybe_mark_dynamic(tensor, dim)

@@ -138,7 +138,8 @@ def enable(model: ModelT, budget: int | None = None, *, stats: Any = None, **opt
             online, from each call's prompt and decoding steps.
         **options: any other keyword of :class:`RopeKVCache`: ``compress_every``, ``page_size``, ``window``,
             ``sink``, ``protect_prompt``, ``scorer``, ``selection``, ``seed``, ``learn_workload``,
-            ``prior_tokens``, ``stats_half_life``, ``stats_prompt_weight``, ``stats_head_shrink``, ``static``
+            ``prior_tokens``, ``stats_half_life``, ``stats_prompt_weight``, ``stats_head_shrink``, ``static``,
+            ``dynamic_batch``
             (with ``learn_workload=True`` the calls of an enabled model learn its workload statistics: see
             ``hf_ropekv.workload_statistics``). ``scorer`` may be a scorer
             (shared by all calls) or a zero-argument callable returning one (called once per cache).
