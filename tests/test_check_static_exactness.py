@@ -169,3 +169,23 @@ def test_batch_sizes_share_one_compiled_step_on_cuda(deterministic_sdpa, fresh_d
         assert all(m <= F32_NEAR_TIE for m in margins), f"batch {size}: parted from eager at {margins}"
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [1] * len(graphs), f"graphs after each batch size: {graphs}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dynamic_batch_false_compiles_per_batch_size_on_cuda(deterministic_sdpa, fresh_dynamo) -> None:
+    """``dynamic_batch=False`` under inductor and CUDA graphs: batch 1 twice shares one graph, batch 4 compiles
+    another; each batch's tokens the eager cache's."""
+    model = _tiny_cuda("llama")
+    graphs = []
+    for size in (1, 1, 4):
+        lengths = tuple(4 + (3 * row) % 7 for row in range(size))
+        ids, mask = _batch_on_cuda(model.config.vocab_size, lengths, seed=size)
+        options = dict(budget=16, compress_every=4)
+        eager, scores = generate(model, RopeKVCache(model, **options), ids, mask, 32, None)
+        cache = RopeKVCache(model, **options, static=True, dynamic_batch=False)
+        got, _ = generate(model, cache, ids, mask, 32, CompileConfig(fullgraph=True))
+        margins = divergence_margins(eager, scores, got)
+        assert all(m <= F32_NEAR_TIE for m in margins), f"batch {size}: parted from eager at {margins}"
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 2], f"graphs after each batch size: {graphs}"
