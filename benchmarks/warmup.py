@@ -92,6 +92,8 @@ PARTS = ("warmup", "profile", "overhead", "e2e")
 #: Minutes of device time each part is expected to take on an H200 with the default sizes, cold caches (the
 #: ``--max-minutes`` guard); a dry run's parts take a fraction of a minute each but ``warmup`` (inductor on the CPU).
 ESTIMATE_MIN = {"warmup": 4.5, "profile": 7.5, "overhead": 5.0, "e2e": 6.0}
+#: The warm-up part's share per process (``--warmup-modes``): the cold compile is most of it.
+WARMUP_MODE_SHARE = {"cold": 0.5, "warm": 0.25, "load": 0.25}
 DRY_ESTIMATE_MIN = {"warmup": 2.0, "profile": 0.5, "overhead": 0.5, "e2e": 1.0}
 E2E_VARIANTS = ("ropekv_default", "ropekv_static", "dynamic")
 PROFILE_VARIANTS = ("dynamic", "static", "ropekv_static")
@@ -820,7 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = dict(meta=meta, settings=settings, parts={}, skipped=[], part_wall_s={})
     runner = Runner(args, argv, out_dir, log)
     settings["cache_root"] = str(runner.cache_root)
-    estimates = DRY_ESTIMATE_MIN if args.dry_run else ESTIMATE_MIN
+    estimates = dict(DRY_ESTIMATE_MIN if args.dry_run else ESTIMATE_MIN)
+    estimates["warmup"] = round(estimates["warmup"] * sum(WARMUP_MODE_SHARE[m] for m in args.warmup_modes), 2)
     try:
         for part in args.parts:
             left = runner.seconds_left()
