@@ -434,6 +434,28 @@ def test_a_copied_cache_feeds_the_same_workload() -> None:
     assert twin._online.learn is workload_statistics(model)
 
 
+def test_a_dropped_cache_hands_its_deferred_steps_over_as_it_goes() -> None:
+    """The hand-over (``WorkloadFeed.hand_over_at_end``) holds the feed's containers, never the statistics: a dropped
+    cache's statistics go at once, without the collector, and the workload adopts the steps they had deferred."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    workload = workload_statistics(model)
+    cache = RopeKVCache(model, budget=16, compress_every=8, learn_workload=True)
+    out = _generate(model, cache, _prompt(3))
+    online = weakref.ref(cache._online)
+    assert cache._online._deferred and workload._tokens < _forwarded(out).numel()  # (_tokens: read without a flush)
+    gc.collect()
+    gc.disable()
+    try:
+        del cache
+        assert online() is None
+        assert workload._tokens == _forwarded(out).numel()
+    finally:
+        gc.enable()
+
+
 @pytest.mark.slow
 def test_learned_statistics_do_not_cost_perplexity_on_smollm2(smollm2) -> None:
     """Decode conditions on real weights: text fed one token per forward after an unlike chat prompt, small budget.

@@ -19,14 +19,14 @@ undecayed, batch-summed parts into the model's workload sums (one more reduction
 ``prior`` set, a row's means start from the workload's, worth ``prior_tokens`` queries. A static cache's compiled
 decoding step adds its parts to undecayed per-row sums beside its own (the same pointwise update, which inductor
 fuses with it); they go into
-the workload, summed over rows, between steps (``_drain_learning``: whenever the statistics are read or handed
+the workload, summed over rows, between steps (``WorkloadFeed.drain``: whenever the statistics are read or handed
 back, before learning freezes, and when the cache is dropped). A batch's rows that have ended are left out of
-what the workload learns (``_rows_to_learn``).
+what the workload learns (``WorkloadFeed.rows_to_learn``). What is learned and when is kept apart, in
+``statistics.workload_feed``.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
@@ -36,6 +36,7 @@ from ..model.layouts import split_pairs
 from ..model.geometry import ModelGeometry
 from ..storage.buffers import mark_static  # the running sums: a static cache's compiled step updates them in place
 from .workload import WorkloadPrior, WorkloadStatistics
+from .workload_feed import WorkloadFeed
 
 
 def decay_then_add(total: torch.Tensor, factor: float | None, addend: torch.Tensor | float) -> None:
@@ -75,7 +76,7 @@ class OnlineStatistics:
         prior_tokens: the weight of ``prior``, in queries (it never decays).
         filler_ids: token ids ``generate()`` feeds a batch's finished rows (the model's pad and end-of-sequence
             ids); the ids a prompt is padded with are added as prompts come. A decoding step whose input is one
-            of them is not learned by the workload (see ``_rows_to_learn``).
+            of them is not learned by the workload (see ``WorkloadFeed.rows_to_learn``).
         prompt_weight: what the prompt's queries (those of the forwards before the first decoding step: the
             prompt, all its prefill chunks; decayed like the rest) weigh against the decoding steps' once decoding
             has begun (a row whose decoding steps have not counted yet still uses its prompt alone);
@@ -100,16 +101,12 @@ class OnlineStatistics:
             raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
         self.geometry = geometry
         self.half_life = half_life
-        self.learn = learn
-        self._deferred_layers: list[tuple[int, ...]] = [()]  # the layers of the deferred steps (one device)
-        if learn is not None:
-            learn.register(self)
         self.prior = prior if prior_tokens > 0 else None
         self.prior_tokens = float(prior_tokens)
         self._prior_on: dict[tuple[int, torch.device], torch.Tensor] = {}  # layer's prior means on its device
         self._layout = geometry.require_rotary_layout()  # how the model pairs dims (rotate_half / interleaved)
         self._pairs = geometry.rotary_dim // 2
-        self._filler: set[int] = {int(t) for t in filler_ids}
+        self._feed = WorkloadFeed(learn, filler_ids)  # what the workload statistics learn from this object
         if not prompt_weight >= 0:
             raise ValueError(f"prompt_weight must be a number >= 0; got {prompt_weight!r}.")
         self.prompt_weight = float(prompt_weight)
@@ -118,14 +115,13 @@ class OnlineStatistics:
         self.shrink_heads = float(shrink_heads)
         self.shrink_within = shrink_within  # (checked by its setter)
         self.reset()
-        if learn is not None:  # steps still deferred when this object goes (its cache was dropped) still count
-            ending = weakref.finalize(self, learn.adopt_steps, self._deferred, self._deferred_layers, self._layout,
-                                      self._pairs)
-            ending.atexit = False
-            # ... and so do a static cache's undecayed per-row sums (its buffers go back to the model's pool as it
-            # goes, and no other cache can take them before this runs)
-            ending = weakref.finalize(self, learn.adopt_rows, self._learn_rows, self._learn_layers)
-            ending.atexit = False
+        # while learning: the workload flushes this object before it reads, and adopts what it holds when it goes
+        self._feed.hand_over_at_end(self, self._deferred, self._layout, self._pairs)
+
+    @property
+    def learn(self) -> WorkloadStatistics | None:
+        """The model's workload statistics this object feeds (``None``: it learns nothing)."""
+        return self._feed.workload
 
     @property
     def shrink_within(self) -> str:
@@ -139,7 +135,7 @@ class OnlineStatistics:
         self._snapshot = None
 
     def reset(self) -> None:
-        if getattr(self, "_deferred", None) or getattr(self, "_learn_rows", None):
+        if getattr(self, "_deferred", None) or self._feed.rows:
             self.flush()  # finished forwards: the workload keeps them even though this object forgets them
         # Per device: float64 [L_device, B, 3, H_q, F] sums (real, imaginary, modulus) and [B] counts.
         self._sums: dict[torch.device, torch.Tensor] = {}
@@ -161,13 +157,7 @@ class OnlineStatistics:
         # Finished decoding steps not folded yet, [B, L_device, H, D] each. One list for the object's life: a cache
         # dropped with steps still here hands them to the workload statistics (see __init__).
         self._deferred: list[torch.Tensor] = getattr(self, "_deferred", [])
-        # A static cache's undecayed per-row sums for the workload, float64 [L_device, B, 3, H_q, F] per device, and
-        # the layers of their rows; one dict each for the object's life (see __init__), emptied here.
-        self._learn_rows: dict[torch.device, torch.Tensor] = getattr(self, "_learn_rows", {})
-        self._learn_layers: dict[torch.device, tuple[int, ...]] = getattr(self, "_learn_layers", {})
-        self._learn_rows.clear()
-        self._learn_layers.clear()
-        self._step_tokens = 0  # real tokens of the running static decoding step, counted for the workload at its end
+        self._feed.reset()  # (its per-row learning sums were drained by the flush above)
         # A static decoding step's queries, kept from layer to layer and folded at once at the last layer of their
         # device (one fold per step instead of one per layer: fewer launches, and a shorter trace to compile);
         # the layers of each device's sums in order, and the last of them.
@@ -175,11 +165,6 @@ class OnlineStatistics:
         self._static_layers: dict[torch.device, tuple[int, ...]] = {}
         self._static_last: dict[int, torch.device] = {}
         self._weights: dict[tuple, torch.Tensor] = {}  # the deferred steps' decay weights, by (device, steps)
-        # Which rows the workload learns this decoding step (None: every row), the previous step's, and the
-        # excluded rows' index per device (see _rows_to_learn).
-        self._live: tuple[bool, ...] | None = None
-        self._live_before: tuple[bool, ...] | None = None
-        self._excluded: dict[tuple, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ one forward
     def begin_forward(self, new_token_mask: torch.Tensor | None, new_tokens: int,
@@ -190,21 +175,15 @@ class OnlineStatistics:
         self._static_step = []
         self._mask, self._new = new_token_mask, new_tokens
         self._decoded = self._decoded or new_tokens == 1
-        self._step_tokens = 0  # (a static step that raised is not counted by the next forward)
-        self._live_before, self._live = self._live, self._rows_to_learn(input_ids, new_token_mask, new_tokens)
+        self._feed.begin_forward(input_ids, new_token_mask, new_tokens)
         if self._on_buffers and new_tokens == 1:
             # A static cache's decoding step: its queries are folded into the sums during the forward, at the last
             # layer of each device (_fold_static_step, inside the compiled step, so no query outlives it); the
             # counts move here, before it.
             self._decay_counts_and_add()
             self._snapshot = None
-            learner = self._learner()
-            if learner is not None:  # this step's fold adds its queries to the learning rows; counted when it ends
-                if self._live is not None and self._live != self._live_before:
-                    # rows stop (or resume) being learned: what their sums hold so far counts; end_forward zeroes
-                    # what the step adds to the rows not learned
-                    self._drain_learning()
-                self._step_tokens = self._real_tokens(next(iter(self._counts.values())).shape[0])
+            if self._feed.learner() is not None:  # the fold adds its queries to the learning rows; counted at its end
+                self._feed.begin_static_step(next(iter(self._counts.values())).shape[0], self._mask, self._new)
 
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Take one layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
@@ -241,16 +220,7 @@ class OnlineStatistics:
         """The forward finished: its queries now count."""
         for device in {q.device for _, q in self._static_step}:  # a step whose device's last layer gave no query
             self._fold_static_step(device)
-        if self._live is not None and self._on_buffers:  # a static step added every row: forget the filler's
-            for device, rows in self._learn_rows.items():
-                rows.index_fill_(1, self._excluded_rows(device), 0.0)
-        if self._step_tokens:  # a static decoding step: its queries are in the per-row learning sums
-            tokens, self._step_tokens = self._step_tokens, 0
-            learner = self._learner()
-            if learner is not None:
-                if tokens >= learner.room:  # this step freezes them: what was learned up to here goes in first
-                    self._drain_learning()
-                learner.count(tokens)
+        self._feed.end_forward(self._on_buffers)  # a static step's learning rows: the rows not learned, its tokens
         if self._step is not None:
             layers, stacked = self._step
             self._step = None
@@ -261,7 +231,7 @@ class OnlineStatistics:
             return
         self.flush()
         self._decay(self._new)
-        learner = self._learner()
+        learner = self._feed.learner()
         prompt = not self._decoded and bool(self._pending)  # (pending: multi-token forwards only)
         apart = prompt and self.prompt_weight != 1  # kept apart from the decoding steps' sums
         if prompt and self.prompt_weight == 0:
@@ -294,8 +264,7 @@ class OnlineStatistics:
             layers = tuple(layer_idx for layer_idx, _ in items)
             index = self._fold_index(device, layers, parts)
             if learner is not None:
-                learned = parts if self._live is None else parts.index_fill(0, self._excluded_rows(device), 0.0)
-                learner.add_layers(layers, learned.sum(dim=0, dtype=torch.float64))
+                learner.add_layers(layers, self._feed.learned(parts, device).sum(dim=0, dtype=torch.float64))
             sums = self._sums[device]
             parts = parts.transpose(0, 1)  # [L, B, 3, H, F], as the sums
             if index is None:  # the usual case: every layer of the device, in order
@@ -311,7 +280,7 @@ class OnlineStatistics:
         if learner is not None:
             any_sums = next(iter(self._pending.values()), None)
             batch = any_sums.shape[0] if any_sums is not None else self._stash[0][1].shape[0]
-            learner.count(self._real_tokens(batch))
+            learner.count(self._feed.real_tokens(batch, self._mask, self._new))
         self._pending, self._stash = {}, []
         self._snapshot = None
 
@@ -329,10 +298,10 @@ class OnlineStatistics:
         memo = self._fold_indices.get((device, layers))  # (index, rows) of the fold of exactly these layers
         every_layer_in_order = memo is not None and memo[0] is None and memo[1] == self._sums[device].shape[0]
         if self._mask is not None or self._new != 1 or len(self._sums) != 1 or not every_layer_in_order \
-                or self._live is not None:  # (a deferred step is learned from every row)
+                or self._feed.live is not None:  # (a deferred step is learned from every row)
             return False
         self._deferred.append(stacked)
-        self._deferred_layers[0] = layers
+        self._feed.deferred_layers[0] = layers
         self._snapshot = None
         if len(self._deferred) >= self.DEFER_STEPS or len(self._deferred) * stacked.nbytes > self.DEFER_BYTES:
             self.flush()
@@ -341,7 +310,7 @@ class OnlineStatistics:
     def flush(self) -> None:
         """Fold the deferred decoding steps: the sums decay by ``f`` and gain a step's parts, once per step in order,
         which is ``sums * f**n + sum_j f**(n-1-j) * parts_j`` (float64; the same up to its rounding)."""
-        self._drain_learning()
+        self._feed.drain()
         if not self._deferred:
             return
         steps = list(self._deferred)
@@ -350,7 +319,7 @@ class OnlineStatistics:
         parts = self._parts(torch.stack(steps))  # [n, B, L, 3, H, F]
         parts = parts.transpose(1, 2)  # [n, L, B, 3, H, F], as the sums
         sums, counts = self._sums[device], self._counts[device]
-        learner = self._learner()
+        learner = self._feed.learner()
         if learner is not None:  # the one extra reduction: every step and row, undecayed
             learner.add_layers(self._layers_on(device), parts.sum(dim=(0, 2), dtype=torch.float64))
             learner.count(n * parts.shape[2])  # deferred steps have no mask: every row's token is real
@@ -446,12 +415,7 @@ class OnlineStatistics:
                 table[device] = buffer.copy_(value)
         self._static_layers = {device: self._layers_on(device) for device in self._sums}
         self._static_last = {layers[-1]: device for device, layers in self._static_layers.items() if layers}
-        if self._learner() is not None:
-            for device, sums in self._sums.items():
-                rows = take(("online_learn_rows", device), tuple(sums.shape), sums.dtype,
-                            lambda v=sums: torch.zeros_like(v))
-                self._learn_rows[device] = rows  # zeroed by take
-                self._learn_layers[device] = self._static_layers[device]
+        self._feed.take_rows(take, self._sums, self._static_layers)
         self._on_buffers = True
         self._snapshot = None
 
@@ -467,7 +431,7 @@ class OnlineStatistics:
         if mask is not None:
             parts = torch.where(mask[:, :, None, None, None], parts, 0.0)
         parts = parts.transpose(0, 1)  # [L, B, 3, H, F], as the sums
-        rows = self._learn_rows.get(device)  # counted at the step's end; drained between steps
+        rows = self._feed.rows.get(device)  # the workload's: counted at the step's end; drained between steps
         # (not gated on the workload's freeze: inside a compiled step that check is a guard, and a freeze in
         # mid-generation would recompile the step; after the freeze the drain discards what this adds)
         factor = self._decay_factor(1)
@@ -490,13 +454,13 @@ class OnlineStatistics:
     def buffers(self) -> list[torch.Tensor]:
         """The running sums' tensors (a static cache gives them back to its lease on reset)."""
         self.flush()
-        return [*self._sums.values(), *self._counts.values(), *self._learn_rows.values()]
+        return [*self._sums.values(), *self._counts.values(), *self._feed.rows.values()]
 
     # ------------------------------------------------------------------ batch reshuffles (beam search, expansion)
     def select_batch(self, index: torch.Tensor) -> None:
         self.flush()
-        self._live = self._live_before = None  # in the old row order; the next step tells again
-        for table in (self._sums, self._counts, self._learn_rows,  # (the learning sums were drained: zeros)
+        self._feed.rows_reordered()
+        for table in (self._sums, self._counts, self._feed.rows,  # (the learning sums were drained: zeros)
                       self._prompt_sums, self._prompt_counts):
             for device, value in table.items():
                 dim = 1 if value.ndim > 1 else 0
@@ -504,65 +468,7 @@ class OnlineStatistics:
                 mark_static(table[device])
         self._snapshot = None
 
-
-    # ------------------------------------------------------------------ workload statistics
-    def _learner(self) -> WorkloadStatistics | None:
-        """The workload statistics to feed now (``None``: not learning, or they froze)."""
-        learn = self.learn
-        return None if learn is None or learn.frozen else learn
-
-    def _drain_learning(self) -> None:
-        """Add a static cache's undecayed per-row learning sums into the workload, summed over rows, and zero them
-        (the queries they hold were counted as their steps ended)."""
-        if not self._learn_rows:
-            return
-        learner = self._learner()
-        for device, rows in self._learn_rows.items():
-            if learner is not None:
-                learner.add_layers(self._learn_layers[device], rows.sum(dim=1))
-            rows.zero_()
-
-    def _real_tokens(self, batch: int) -> int:
-        """Real tokens of this forward over the rows the workload learns (a host sync only when it has a padding
-        mask)."""
-        if self._live is not None:  # a decoding step: one token per row
-            real = [True] * batch if self._mask is None else self._mask[:, -1].tolist()
-            return sum(1 for is_real, learned in zip(real, self._live) if is_real and learned)
-        if self._mask is None:
-            return batch * self._new
-        return int(self._mask.sum())
-
-    def _rows_to_learn(self, input_ids: torch.Tensor | None, mask: torch.Tensor | None,
-                       new: int) -> tuple[bool, ...] | None:
-        """The rows whose query of this decoding step the workload learns; ``None``: all of them.
-
-        In a batch, ``generate()`` keeps feeding a row that has ended (its end-of-sequence token, then the pad
-        token, attention mask 1) until the longest row ends: on GSM8K batches of 64 that was 27-38 % of all the
-        positions processed. Those queries are not text of the workload. A decoding step whose input id is a
-        filler id (the model's pad and end-of-sequence ids, and the ids prompts were padded with) is left out.
-        Costs a host sync per decoding step, only while learning and only for batches of more than one row."""
-        if self._learner() is None or input_ids is None:
-            return None
-        if new > 1:
-            if mask is not None and input_ids.shape[-1] == mask.shape[-1] and not bool(mask.all()):
-                self._filler.update(input_ids[~mask.to(input_ids.device)].unique().tolist())  # once per prompt
-            return None
-        if input_ids.shape[0] == 1 or not self._filler:
-            return None
-        live = tuple(token not in self._filler for token in input_ids[:, -1].tolist())
-        return None if all(live) else live
-
-    def _excluded_rows(self, device: torch.device) -> torch.Tensor:
-        """The rows this step does not learn, as an index on ``device``."""
-        key = (device, self._live)
-        index = self._excluded.get(key)
-        if index is None:
-            if len(self._excluded) > 64:  # rows end one by one: few distinct sets per generation
-                self._excluded.clear()
-            rows = [row for row, learned in enumerate(self._live) if not learned]
-            index = self._excluded[key] = torch.tensor(rows, dtype=torch.long, device=device)
-        return index
-
+    # ------------------------------------------------------------------ internals
     def _head_average(self, sums: torch.Tensor) -> torch.Tensor:
         """``sums [B, 3, H, F]`` averaged over the heads that ``shrink_within`` pools, broadcastable to them."""
         if self.shrink_within == "layer":
@@ -586,7 +492,6 @@ class OnlineStatistics:
             means = self._prior_on[key] = self.prior.means[layer_idx].to(device)
         return means
 
-    # ------------------------------------------------------------------ internals
     def _check_queries(self, queries: torch.Tensor) -> None:
         g = self.geometry
         shape = queries.shape  # (the rotary width is 2 * self._pairs: geometry.rotary_dim counts inv_freq each call)
