@@ -12,7 +12,9 @@ Qwen3-8B, bf16, sdpa with cuDNN off: benchmarks/README.md). Every ``RopeKVCache`
   ``hf_ropekv.load_compile_artifacts`` of the file (a) saved with ``save_compile_artifacts`` (a fresh machine
   given the file). Each reports the process's start-up, model build, the time to the first token (the prefill,
   eager), the first decode step (the compile), the whole first call, the same call again (compiled) and torch's
-  cache counters (``fxgraph_cache_hit``/``miss``, ``autograd_cache_hit``/``miss``).
+  cache counters (``fxgraph_cache_hit``/``miss``, ``autograd_cache_hit``/``miss``). ``--warmup-cache static``
+  compiles transformers' ``StaticCache`` instead (cold and warm only): the model's own compile, what the cache's
+  warm-up is compared with.
 - ``profile``: one process, batch 1, budget 2048, contexts 4K and 32K: ``DynamicCache`` eager, compiled
   ``StaticCache`` and compiled ``RopeKVCache(static=True)``, each warmed up then timed (median step). For each,
   one run with host timers (``instrument.py``: the cache's host work, transformers' input preparation, the forward
@@ -46,6 +48,7 @@ subprocesses write ``parts/*.json`` and ``logs/*.log`` there as they finish.
     python benchmarks/warmup.py --dry-run --out /tmp/warm_dry     # tiny shapes on the CPU: a code check (~2.5 min)
     python benchmarks/warmup.py --parts warmup --warmup-modes cold,warm --dynamic-batch false ...  # the step
                                                        # specialised to batch 1: what the dynamic batch costs
+    python benchmarks/warmup.py --parts warmup --warmup-modes cold,warm --warmup-cache static ...  # the baseline
 
 All four parts together need about 22 minutes of an H200 (``ESTIMATE_MIN``, cold caches): more than one
 10-minute device call, hence the three commands.
@@ -97,6 +100,7 @@ WARMUP_MODE_SHARE = {"cold": 0.5, "warm": 0.25, "load": 0.25}
 DRY_ESTIMATE_MIN = {"warmup": 2.0, "profile": 0.5, "overhead": 0.5, "e2e": 1.0}
 E2E_VARIANTS = ("ropekv_default", "ropekv_static", "dynamic")
 PROFILE_VARIANTS = ("dynamic", "static", "ropekv_static")
+WARMUP_CACHES = ("ropekv_static", "static")  # what the warm-up part compiles (static: transformers' StaticCache)
 LABELS = {
     "dynamic": "DynamicCache eager",
     "static": "StaticCache compiled",
@@ -135,6 +139,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "specialised to its batch size, a shorter trace)")
     p.add_argument("--warmup-modes", default="cold,warm,load",
                    help="the warm-up part's processes, from cold,warm,load (warm needs cold; load needs cold's file)")
+    p.add_argument("--warmup-cache", choices=WARMUP_CACHES, default="ropekv_static",
+                   help="the warm-up part's cache: ropekv_static, or static (transformers' compiled StaticCache "
+                        "sized to the prompt and new tokens: the model's own compile, the baseline; no artifacts, so "
+                        "no load mode)")
     p.add_argument("--seed", type=int, default=0)
     # internal: one subprocess's job
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -146,6 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.warmup_modes or set(args.warmup_modes) - {"cold", "warm", "load"} or (
             "cold" not in args.warmup_modes):
         p.error("--warmup-modes: a subset of cold,warm,load that includes cold (the others start from its caches)")
+    if args.warmup_cache == "static" and "load" in args.warmup_modes:
+        p.error("--warmup-cache static saves no artifacts (save_compile_artifacts takes a RopeKVCache): leave load "
+                "out of --warmup-modes")
     if args.dry_run:
         args.shape, args.budget, args.compress_every, args.context = "tiny", 32, 8, 48
         args.warmup_new_tokens, args.profile_contexts, args.profile_new_tokens, args.profile_steps = 4, "48,80", 24, 6
@@ -318,12 +329,13 @@ def child_warmup(args: argparse.Namespace) -> None:
         info = child.hf_ropekv.load_compile_artifacts(artifacts, strict=False, model=child.model)
         result.update(load_s=time.perf_counter() - t0, loaded=None if info is None else dataclasses.asdict(info))
     prompt = random_prompt(child, 1, args.context)
+    variant = args.warmup_cache
     runs = []
     for call in range(2):  # the first call compiles; the second shows the compiled step's speed
         before, phases_before = counters(), compile_phases()
         t_call = time.time()
-        cache = make_cache(child, "ropekv_static")
-        run = generate(child, cache, prompt, args.warmup_new_tokens, "ropekv_static")
+        cache = make_cache(child, variant, max_cache_len=args.context + args.warmup_new_tokens)
+        run = generate(child, cache, prompt, args.warmup_new_tokens, variant)
         steps = run["steps_ms"]
         runs.append(dict(
             call=call,
@@ -337,7 +349,7 @@ def child_warmup(args: argparse.Namespace) -> None:
             counters=cache_counters(before, counters()),
             compile_phases_s=phase_deltas(phases_before, compile_phases()),
         ))
-        if call == 0 and args.mode == "cold":
+        if call == 0 and args.mode == "cold" and variant == "ropekv_static":
             t0 = time.perf_counter()
             info = child.hf_ropekv.save_compile_artifacts(
                 artifacts, model=child.model, cache=cache,
@@ -644,8 +656,9 @@ def _f(value: Any, spec: str = ".2f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def render_warmup(part: dict[str, Any]) -> list[str]:
-    lines = ["## Warm-up: the first generate() with RopeKVCache(static=True)", "",
+def render_warmup(part: dict[str, Any], cache: str = "ropekv_static") -> list[str]:
+    title = "RopeKVCache(static=True)" if cache == "ropekv_static" else "transformers' StaticCache (the baseline)"
+    lines = [f"## Warm-up: the first generate() with {title}", "",
              "Each row is a fresh process. Times from the process's start (spawn) unless said; the compile is the "
              "first call's wall time minus the second's.", "",
              "| process | caches | model build s | TTFT s (first call) | first decode step s | process start → first "
@@ -793,7 +806,9 @@ def render(result: dict[str, Any]) -> str:
              f"context {s['context']}; dynamic_batch={s.get('dynamic_batch', True)} (True: one compiled step for "
              "every batch size, the default; False: specialised to the batch size)", ""]
     for part in s["parts"]:
-        if part in result["parts"]:
+        if part == "warmup" and part in result["parts"]:
+            lines += render_warmup(result["parts"][part], s.get("warmup_cache", "ropekv_static"))
+        elif part in result["parts"]:
             lines += RENDER[part](result["parts"][part])
     for skipped in result["skipped"]:
         lines.append(f"Not run: {skipped}.")
@@ -818,7 +833,8 @@ def main(argv: list[str] | None = None) -> int:
                     overhead_context=args.overhead_context, overhead_new_tokens=args.overhead_new_tokens,
                     overhead_rounds=args.overhead_rounds,
                     repeats=args.repeats, e2e_new_tokens=args.e2e_new_tokens, warmup_new_tokens=args.warmup_new_tokens,
-                    dynamic_batch=args.dynamic_batch == "true", warmup_modes=args.warmup_modes)
+                    dynamic_batch=args.dynamic_batch == "true", warmup_modes=args.warmup_modes,
+                    warmup_cache=args.warmup_cache)
     result: dict[str, Any] = dict(meta=meta, settings=settings, parts={}, skipped=[], part_wall_s={})
     runner = Runner(args, argv, out_dir, log)
     settings["cache_root"] = str(runner.cache_root)

@@ -297,6 +297,26 @@ def test_warmup_starts_no_part_that_would_not_fit_in_max_minutes(tmp_path: Path)
     assert_run_readme(tmp_path, "warmup.py")
 
 
+def test_warmup_baseline_compiles_transformers_static_cache(tmp_path: Path) -> None:
+    """--warmup-cache static: the cold process compiles transformers' StaticCache (the model's own compile, the
+    baseline of the cache's warm-up); it saves no artifacts, so a load process is refused."""
+    run_script("warmup.py", "--out", str(tmp_path), "--parts", "warmup", "--warmup-modes", "cold",
+               "--warmup-cache", "static", timeout=600)
+    result = json.loads((tmp_path / "results.json").read_text())
+    cold = result["parts"]["warmup"]["cold"]
+    assert "error" not in cold and "saved" not in cold and result["settings"]["warmup_cache"] == "static"
+    assert cold["runs"][0]["counters"]["inductor.fxgraph_cache_miss"] >= 1  # it compiled
+    assert cold["runs"][1]["counters"]["inductor.fxgraph_cache_miss"] == 0  # once
+    assert cold["compile_s"] > 0 and "warm" not in result["parts"]["warmup"]
+    assert "with transformers' StaticCache (the baseline)" in (tmp_path / "results.md").read_text()
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import warmup
+
+    with pytest.raises(SystemExit):
+        warmup.parse_args(["--warmup-cache", "static", "--warmup-modes", "cold,load"])
+
+
 def test_trace_cost_runs_and_reports(tmp_path: Path) -> None:
     """benchmarks/trace_cost.py on two layers: every variant asked for traces one graph; the report is written."""
     out = tmp_path / "trace"
