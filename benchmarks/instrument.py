@@ -29,8 +29,8 @@ from torch import nn
 
 from common import StepClock
 
-#: hf_ropekv's mark on the generate methods it wraps (``hooks.attach._WRAPPED_MARK``): copied onto a timer that
-#: wraps one of them, so that the next cache does not wrap the timer again.
+#: hf_ropekv's mark on the generate methods it wraps (``hooks.generate_methods._WRAPPED_MARK``): copied onto a timer
+#: that wraps one of them, so that the next cache does not wrap the timer again.
 _HF_ROPEKV_MARK = "_hf_ropekv_continuation_check"
 
 

@@ -161,8 +161,8 @@ def test_a_cache_freed_during_a_compile_leaves_its_hooks_until_the_next_forward(
     """The garbage collector may free a cache while dynamo compiles (its finalizer then runs mid-compile); taking
     the rotary pass-through out then would change a function dynamo guards on. The idle hooks wait for the next
     forward that is not compiled, and go then."""
-    import hf_ropekv.hooks.attach as attach
-    from hf_ropekv.hooks.attach import SharedHooks
+    import hf_ropekv.hooks.shared_hooks as shared_hooks
+    from hf_ropekv.hooks.shared_hooks import SharedHooks
 
     model = tiny_model("llama")
     ids = torch.randint(3, model.config.vocab_size, (1, 6))
@@ -172,10 +172,10 @@ def test_a_cache_freed_during_a_compile_leaves_its_hooks_until_the_next_forward(
     cache = RopeKVCache(model, budget=12, compress_every=4)
     model(input_ids=ids, **cache_kw(model, cache))
     assert attention.forward != plain_forward  # the query capture wraps the attention forwards
-    monkeypatch.setattr(attach, "_dynamo_compiling", lambda: True)
+    monkeypatch.setattr(shared_hooks, "_dynamo_compiling", lambda: True)
     del cache
     assert len(model._forward_pre_hooks) == hooks_before + 1 and attention.forward != plain_forward
-    monkeypatch.setattr(attach, "_dynamo_compiling", lambda: False)
+    monkeypatch.setattr(shared_hooks, "_dynamo_compiling", lambda: False)
     model(input_ids=ids)  # no cache: the next plain forward takes the idle hooks out
     assert len(model._forward_pre_hooks) == hooks_before and attention.forward == plain_forward
     assert SharedHooks._BY_MODEL.get(model) is None

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from hf_ropekv import RopeKVCache
 from hf_ropekv.model import rotary
 from hf_ropekv._compat import cache_kwarg
-from hf_ropekv.hooks.attach import SharedHooks
+from hf_ropekv.hooks.shared_hooks import SharedHooks
 from hf_ropekv.model.capture import _Frame, _frame_of
 from hf_ropekv.warnings import HfRopeKVWarning
 from hf_ropekv.model.geometry import describe

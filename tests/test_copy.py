@@ -16,7 +16,7 @@ import torch
 from conftest import padded_batch, tiny_model
 from transformers import DynamicCache
 
-from hf_ropekv.hooks.attach import SharedHooks
+from hf_ropekv.hooks.shared_hooks import SharedHooks
 from hf_ropekv import RopeKVCache, _compat
 
 PROMPT_LEN = 16

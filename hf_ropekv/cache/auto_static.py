@@ -6,7 +6,7 @@ for later calls, which reuse the compiled step). It pays only on CUDA and for ge
 warm-up back; a notebook on the CPU or a short answer must never be slower than eager.
 
 So an ``"auto"`` cache is built growing (eager) and decides once, when ``generate()`` asks whether it may compile
-its forward (``_valid_auto_compile_criteria``, wrapped per model by ``hooks.attach``; the same call on
+its forward (``_valid_auto_compile_criteria``, wrapped per model by ``hooks.generate_methods``; the same call on
 transformers 5.17 through 5.24, made before the first forward of ``_sample``). The cache goes static (its layers
 rebuilt by ``RopeKVCache._assemble``) when all of these hold, and stays eager otherwise:
 

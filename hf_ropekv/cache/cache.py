@@ -208,7 +208,7 @@ class RopeKVCache(Cache):
         auto_static.log_decision(self)
 
     def _auto_compile_criteria(self, criteria: Any, model_kwargs: dict, generation_config: Any) -> bool:
-        """generate() asks whether it may compile its forward (``hooks.attach`` wraps the question): an
+        """generate() asks whether it may compile its forward (``hooks.generate_methods`` wraps the question): an
         ``"auto"`` cache not settled yet decides its mode here (``auto_static.decide``)."""
         if not self._static_pending:
             return criteria(model_kwargs, generation_config)

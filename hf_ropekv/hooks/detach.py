@@ -17,7 +17,8 @@ from torch import nn
 from ..model.attention import restore_attention
 from ..model.capture import _CopiedForward
 from ..storage.buffers import release_static_buffers
-from .attach import SharedHooks, _drop_copied_hooks, _ModelMethod
+from .generate_methods import _ModelMethod
+from .shared_hooks import SharedHooks, _drop_copied_hooks
 from .enable import _generating_model, disable
 
 ModelT = TypeVar("ModelT", bound=nn.Module)

@@ -57,7 +57,7 @@ from transformers.utils import logging
 
 from .. import _compat
 from ..warnings import warn
-from .attach import _WRAPPED_MARK, ModelMethodWrapper, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
+from .generate_methods import _WRAPPED_MARK, ModelMethodWrapper, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
 from ..cache.cache import RopeKVCache
 from ..cache.options import OPTION_NAMES, CacheOptions
 from ..model.geometry import ModelGeometry, describe

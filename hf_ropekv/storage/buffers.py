@@ -35,7 +35,7 @@ WINDOW_VALUES = "window_values"
 
 #: Every purpose a static cache leases a buffer for (the first item of its purpose key), and the dimension of that
 #: buffer that runs over the batch rows (None: it has none). A compiled decode step marks these dimensions dynamic
-#: (``hooks.attach``), so one compilation serves every batch size: a purpose missing here cannot be leased.
+#: (``hooks.generate_methods``), so one compilation serves every batch size: a purpose missing here cannot be leased.
 BATCH_DIMS: dict[str, int | None] = {
     "keys": 0,  # an arena's keys of one layer, [B, kv_heads, slots, head_dim] (storage.static)
     "values": 0,  # its values, [B, kv_heads, slots, head_dim]
