@@ -623,7 +623,7 @@ class Runner:
         for folder in (self.warm_dir, fresh):
             shutil.rmtree(folder, ignore_errors=True)
         self.artifacts.unlink(missing_ok=True)
-        out = dict(cold=self.child("warmup", "warmup_a_cold", "cold", self.warm_dir))
+        out = dict(cache=self.args.warmup_cache, cold=self.child("warmup", "warmup_a_cold", "cold", self.warm_dir))
         if "warm" in self.args.warmup_modes:
             out["warm"] = self.child("warmup", "warmup_b_warm", "warm", self.warm_dir)
         if "load" not in self.args.warmup_modes:
@@ -656,7 +656,8 @@ def _f(value: Any, spec: str = ".2f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def render_warmup(part: dict[str, Any], cache: str = "ropekv_static") -> list[str]:
+def render_warmup(part: dict[str, Any]) -> list[str]:
+    cache = part.get("cache", "ropekv_static")  # (absent from runs before --warmup-cache)
     title = "RopeKVCache(static=True)" if cache == "ropekv_static" else "transformers' StaticCache (the baseline)"
     lines = [f"## Warm-up: the first generate() with {title}", "",
              "Each row is a fresh process. Times from the process's start (spawn) unless said; the compile is the "
@@ -806,9 +807,7 @@ def render(result: dict[str, Any]) -> str:
              f"context {s['context']}; dynamic_batch={s.get('dynamic_batch', True)} (True: one compiled step for "
              "every batch size, the default; False: specialised to the batch size)", ""]
     for part in s["parts"]:
-        if part == "warmup" and part in result["parts"]:
-            lines += render_warmup(result["parts"][part], s.get("warmup_cache", "ropekv_static"))
-        elif part in result["parts"]:
+        if part in result["parts"]:
             lines += RENDER[part](result["parts"][part])
     for skipped in result["skipped"]:
         lines.append(f"Not run: {skipped}.")
