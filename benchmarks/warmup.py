@@ -94,6 +94,8 @@ SCRIPT = Path(__file__).resolve()
 PARTS = ("warmup", "profile", "overhead", "e2e")
 #: Minutes of device time each part is expected to take on an H200 with the default sizes, cold caches (the
 #: ``--max-minutes`` guard); a dry run's parts take a fraction of a minute each but ``warmup`` (inductor on the CPU).
+#: --dynamic-batch: RopeKVCache(dynamic_batch=...)
+DYNAMIC_BATCH = {"true": True, "false": False, "auto": "auto"}
 ESTIMATE_MIN = {"warmup": 4.5, "profile": 7.5, "overhead": 5.0, "e2e": 6.0}
 #: The warm-up part's share per process (``--warmup-modes``): the cold compile is most of it.
 WARMUP_MODE_SHARE = {"cold": 0.5, "warm": 0.25, "load": 0.25}
@@ -134,9 +136,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-root", default=None, help="torch cache folders go here (default: a temporary folder)")
     p.add_argument("--keep-caches", action="store_true", help="leave --cache-root behind")
     p.add_argument("--recompile-limit", type=int, default=32)
-    p.add_argument("--dynamic-batch", choices=("true", "false"), default="true",
-                   help="RopeKVCache(dynamic_batch=...) for every RopeKVCache of the run (false: the compiled step is "
-                        "specialised to its batch size, a shorter trace)")
+    p.add_argument("--dynamic-batch", choices=tuple(DYNAMIC_BATCH), default="auto",
+                   help="RopeKVCache(dynamic_batch=...) for every RopeKVCache of the run (true: one compiled step for "
+                        "every batch size; false: specialised to its batch size, a shorter trace; auto, the "
+                        "library's default: specialised while the model has compiled only batch 1)")
     p.add_argument("--warmup-modes", default="cold,warm,load",
                    help="the warm-up part's processes, from cold,warm,load (warm needs cold; load needs cold's file)")
     p.add_argument("--warmup-cache", choices=WARMUP_CACHES, default="ropekv_static",
@@ -238,7 +241,7 @@ def make_cache(child: Child, variant: str, max_cache_len: int | None = None, **o
     elif variant != "ropekv_default":
         raise ValueError(variant)
     return child.hf_ropekv.RopeKVCache(child.model, budget=a.budget, compress_every=a.compress_every,
-                                       protect_prompt=False, dynamic_batch=a.dynamic_batch == "true", **options)
+                                       protect_prompt=False, dynamic_batch=DYNAMIC_BATCH[a.dynamic_batch], **options)
 
 
 def compiled(variant: str, cache: Any) -> bool:
@@ -804,8 +807,9 @@ def render(result: dict[str, Any]) -> str:
              f"- command: `{command}`",
              f"- torch {meta['torch']}, transformers {meta['transformers']}, triton {meta['triton']}",
              f"- budget {s['budget']}, compress_every {s['compress_every']}, protect_prompt=False; "
-             f"context {s['context']}; dynamic_batch={s.get('dynamic_batch', True)} (True: one compiled step for "
-             "every batch size, the default; False: specialised to the batch size)", ""]
+             f"context {s['context']}; dynamic_batch={s.get('dynamic_batch', True)!r} (True: one compiled step for "
+             "every batch size; False: specialised to the batch size; 'auto', the default since 2026-12-04: "
+             "specialised while the model has compiled only batch 1; runs before that default say True)", ""]
     for part in s["parts"]:
         if part in result["parts"]:
             lines += RENDER[part](result["parts"][part])
@@ -832,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
                     overhead_context=args.overhead_context, overhead_new_tokens=args.overhead_new_tokens,
                     overhead_rounds=args.overhead_rounds,
                     repeats=args.repeats, e2e_new_tokens=args.e2e_new_tokens, warmup_new_tokens=args.warmup_new_tokens,
-                    dynamic_batch=args.dynamic_batch == "true", warmup_modes=args.warmup_modes,
+                    dynamic_batch=DYNAMIC_BATCH[args.dynamic_batch], warmup_modes=args.warmup_modes,
                     warmup_cache=args.warmup_cache)
     result: dict[str, Any] = dict(meta=meta, settings=settings, parts={}, skipped=[], part_wall_s={})
     runner = Runner(args, argv, out_dir, log)

@@ -153,39 +153,28 @@ def test_query_free_scorers_compiled_on_cuda(name: str, deterministic_sdpa, fres
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_batch_sizes_share_one_compiled_step_on_cuda(deterministic_sdpa, fresh_dynamo) -> None:
-    """Batches of 3, 2, 5, 1, 16 and 64 rows at one budget: one dynamo graph (the batch dimension is dynamic), each
-    batch's tokens the eager cache's."""
+@pytest.mark.parametrize("dynamic_batch, sizes, expected", [
+    ("auto", (3, 2, 5, 1, 16, 64), [1] * 6),
+    (True, (1, 4, 2), [1] * 3),
+    ("auto", (1, 1, 4, 2, 1, 8), [1, 1, 2, 2, 2, 2]),
+    (False, (1, 1, 4), [1, 1, 2]),
+])
+def test_compiles_per_batch_size_on_cuda(dynamic_batch, sizes, expected, deterministic_sdpa, fresh_dynamo) -> None:
+    """The dynamo graphs after each batch size at one budget, under inductor and CUDA graphs; each batch's tokens
+    are the eager cache's. The batch dimension dynamic (``True``, or the default ``"auto"`` once a batch has had
+    more than one row): one graph for 1 to 64 rows. ``"auto"`` from batch 1: that graph static, then one more at the
+    first larger batch, which every later size (batch 1 included) reuses. ``False``: one graph per size until torch
+    makes the dimension dynamic."""
     model = _tiny_cuda("llama")
     graphs = []
-    for size in (3, 2, 5, 1, 16, 64):
+    for size in sizes:
         lengths = tuple(4 + (3 * row) % 7 for row in range(size))
         ids, mask = _batch_on_cuda(model.config.vocab_size, lengths, seed=size)
         options = dict(budget=16, compress_every=4)
         eager, scores = generate(model, RopeKVCache(model, **options), ids, mask, 32, None)
-        cache = RopeKVCache(model, **options, static=True)
+        cache = RopeKVCache(model, **options, static=True, dynamic_batch=dynamic_batch)
         got, _ = generate(model, cache, ids, mask, 32, CompileConfig(fullgraph=True))
         margins = divergence_margins(eager, scores, got)
         assert all(m <= F32_NEAR_TIE for m in margins), f"batch {size}: parted from eager at {margins}"
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs == [1] * len(graphs), f"graphs after each batch size: {graphs}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_dynamic_batch_false_compiles_per_batch_size_on_cuda(deterministic_sdpa, fresh_dynamo) -> None:
-    """``dynamic_batch=False`` under inductor and CUDA graphs: batch 1 twice shares one graph, batch 4 compiles
-    another; each batch's tokens the eager cache's."""
-    model = _tiny_cuda("llama")
-    graphs = []
-    for size in (1, 1, 4):
-        lengths = tuple(4 + (3 * row) % 7 for row in range(size))
-        ids, mask = _batch_on_cuda(model.config.vocab_size, lengths, seed=size)
-        options = dict(budget=16, compress_every=4)
-        eager, scores = generate(model, RopeKVCache(model, **options), ids, mask, 32, None)
-        cache = RopeKVCache(model, **options, static=True, dynamic_batch=False)
-        got, _ = generate(model, cache, ids, mask, 32, CompileConfig(fullgraph=True))
-        margins = divergence_margins(eager, scores, got)
-        assert all(m <= F32_NEAR_TIE for m in margins), f"batch {size}: parted from eager at {margins}"
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs == [1, 1, 2], f"graphs after each batch size: {graphs}"
+    assert graphs == expected, f"graphs after each batch size: {graphs}"

@@ -1,6 +1,7 @@
 """One compilation of a static cache's decode step for every batch size (issue 27, item 3).
 
-generate's compiled forward marks the batch dimension dynamic: the step's inputs and every buffer the cache leased
+With ``dynamic_batch=True`` (and under the default ``"auto"`` once the model has compiled a step of more than one
+row), generate's compiled forward marks the batch dimension dynamic: the step's inputs and every buffer the cache leased
 (``hf_ropekv.storage.buffers.BATCH_DIMS``), with batch 1 not specialised (``_compat.batch_one_not_specialised``).
 Without that, on torch 2.13 (CPU, dynamo's "eager" backend) batches 3, 2, 5, 1, 16 cost 3 compilations (batch 3;
 batch 2, after which dynamo's automatic dynamic shapes take over; batch 1, which dynamic shapes specialise); with
@@ -39,14 +40,14 @@ def _batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return padded_batch(128, lengths=lengths, seed=size)
 
 
-def _one_graph_for(sizes: tuple[int, ...], backend: str) -> None:
+def _one_graph_for(sizes: tuple[int, ...], backend: str, dynamic_batch: bool | str = True) -> None:
     model = tiny_model("llama")
     graphs = []
     for size in sizes:
         ids, mask = _batch(size)
         expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False), ids, mask,
                             new=NEW)
-        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, dynamic_batch=dynamic_batch)
         got = generate(model, cache, ids, mask, new=NEW, compile_config=compiled(backend))
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
         assert cache.num_compactions >= 2
@@ -59,9 +60,16 @@ def _one_graph_for(sizes: tuple[int, ...], backend: str) -> None:
 
 @pytest.mark.parametrize("sizes", [(3, 2, 5, 1, 16), (1, 4, 2)])
 def test_one_compile_for_every_batch_size(sizes: tuple[int, ...]) -> None:
-    """One budget, batches of several sizes (batch 1 first or late): one graph, no recompilation; each batch's
-    tokens are the growing (eager) cache's."""
+    """``dynamic_batch=True``: one budget, batches of several sizes (batch 1 first or late): one graph, no
+    recompilation; each batch's tokens are the growing (eager) cache's."""
     _one_graph_for(sizes, "eager")
+
+
+@pytest.mark.parametrize("sizes", [(3, 2, 5, 1, 16), (1, 1, 1)])
+def test_auto_compiles_once_unless_batch_one_came_first(sizes: tuple[int, ...]) -> None:
+    """The default ``dynamic_batch="auto"``: an eval loop that starts with its largest batch (its last batch smaller,
+    then 1) compiles once; so does a process of batch 1 alone, with the batch left static."""
+    _one_graph_for(sizes, "eager", dynamic_batch="auto")
 
 
 def _has_cpp_compiler() -> bool:
@@ -82,10 +90,10 @@ def test_one_compile_for_every_batch_size_under_inductor(tmp_path, monkeypatch) 
     if not _has_cpp_compiler():
         pytest.skip("inductor on the CPU needs a C++ compiler")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    _one_graph_for((3, 2, 1, 5), "inductor")
+    _one_graph_for((3, 2, 1, 5), "inductor", dynamic_batch="auto")
 
 
-def _graphs_for(model, sizes: tuple[int, ...], dynamic_batch: bool) -> list[int]:
+def _graphs_for(model, sizes: tuple[int, ...], dynamic_batch: bool | str) -> list[int]:
     """Compiled generations of ``sizes`` on ``model``, each checked against the growing cache's tokens; the graph
     count after each."""
     graphs = []
@@ -112,6 +120,37 @@ def test_dynamic_batch_false_specialises_the_step_to_its_batch_size() -> None:
     torch._dynamo.reset()
     counters.clear()
     assert _graphs_for(tiny_model("llama"), (3, 3, 2, 5), dynamic_batch=True) == [1, 1, 1, 1]
+
+
+def test_auto_keeps_batch_one_static_until_a_larger_batch() -> None:
+    """``dynamic_batch="auto"``: batch 1 compiles with the batch static (the short warm-up); the model's first
+    larger batch compiles once more, with the batch dynamic, and every size after it, batch 1 included, reuses a
+    graph. With ``dynamic_batch=True`` the same sizes share one graph; with ``False`` batch 1 keeps a graph of its
+    own after the dimension turned dynamic (3 graphs). Tokens are the growing cache's throughout."""
+    model = tiny_model("llama")
+    assert _graphs_for(model, (1, 1, 4, 1, 2, 5), dynamic_batch="auto") == [1, 1, 2, 2, 2, 2]
+    # the batch-1 graph was compiled with the batch static: its guard pins the size to 1 (a graph compiled with
+    # the batch dynamic guards it only against 0, or not at all)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+    counters.clear()
+    assert _graphs_for(tiny_model("llama"), (1, 4, 1, 2), dynamic_batch=True) == [1, 1, 1, 1]
+    torch._dynamo.reset()
+    counters.clear()
+    assert _graphs_for(tiny_model("llama"), (1, 4, 1, 2), dynamic_batch=False) == [1, 2, 2, 2]
+
+
+def test_auto_is_per_model() -> None:
+    """What ``"auto"`` has seen belongs to one model: a second model's batch-1 steps are not marked dynamic because
+    the first one decoded batch 4 (dynamo may still reuse the first model's graph for them: it guards the
+    parameters' shapes, not the module), and both give the growing cache's tokens."""
+    first, second = tiny_model("llama"), tiny_model("llama")
+    _graphs_for(first, (4,), dynamic_batch="auto")
+    _graphs_for(second, (1,), dynamic_batch="auto")
+    assert first.get_compiled_call.batch_above_one_seen
+    assert not second.get_compiled_call.batch_above_one_seen
+    _graphs_for(second, (2,), dynamic_batch="auto")
+    assert second.get_compiled_call.batch_above_one_seen
 
 
 def test_dynamic_batch_can_change_between_caches_of_one_model() -> None:

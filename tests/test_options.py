@@ -35,7 +35,8 @@ from conftest import tiny_model
         (dict(budget=64, stats_head_shrink=True), "stats_head_shrink"),
         (dict(budget=64, stats_head_shrink=float("nan")), "stats_head_shrink"),
         (dict(budget=64, stats_head_shrink="256"), "stats_head_shrink"),
-        (dict(budget=64, dynamic_batch="no"), "dynamic_batch must be True or False"),
+        (dict(budget=64, dynamic_batch="no"), "dynamic_batch must be True .* False .* or \"auto\""),
+        (dict(budget=64, dynamic_batch=1), "dynamic_batch must be True"),
     ],
 )
 def test_a_bad_option_is_a_value_error_naming_it_before_anything_uses_it(options, named) -> None:

@@ -100,13 +100,16 @@ class RopeKVCache(Cache):
             ``auto_static.AUTO_STATIC_MIN_NEW_TOKENS`` new tokens with a cache that can be static; then static
             (``hf_ropekv.cache.auto_static``). ``cache.static`` says which it is, ``cache.static_reason`` why; the
             decision is logged once at INFO level.
-        dynamic_batch: for a static cache, mark the compiled decode step's batch dimension dynamic, so that one
-            compilation serves every batch size (an eval loop whose last batch is smaller does not compile
-            again). ``False`` leaves the batch size to torch: the step is compiled for the first batch size it
-            sees, which traces in about two thirds of the time (dynamo alone; with AOT autograd, less than half:
-            36-layer CPU measurement, README "Warm-up and shipping the compile cache"), and a later batch size
-            compiles again (torch then makes the dimension dynamic by itself, so at most once more, and batch 1
-            separately). For a process that serves one batch size, such as a notebook at batch 1.
+        dynamic_batch: for a static cache, whether the compiled decode step's batch dimension is dynamic. ``True``:
+            one compilation serves every batch size (an eval loop whose last batch is smaller does not compile
+            again), but a symbolic batch roughly doubles the warm-up (H200, Qwen3-8B shape: 65-97 s against
+            36-50 s cold, 19 against 8-9 s in a second process; README "Warm-up and shipping the compile
+            cache"). ``False``: compiled for the first batch size the step sees; a later size compiles again (torch
+            then makes the dimension dynamic by itself, so at most once more, and batch 1 separately). ``"auto"``
+            (the default): static while the model's compiled steps have had one row (a notebook, a batch-1
+            server: the short warm-up), dynamic from its first compiled step of more rows on (an eval loop
+            compiles once for all its batch sizes). Only a process that compiles batch 1 first and then a larger
+            batch compiles twice.
 
     The defaults (per-layer selection, a recent window of 32, online statistics with a half-life of 128, shrunk
     toward the layer's head average by 256 queries) are the best of the variants measured on free-running GSM8K
@@ -135,7 +138,7 @@ class RopeKVCache(Cache):
         prior_tokens: float = 512,
         stats_prompt_weight: float = 1.0,
         stats_head_shrink: float = DEFAULT_HEAD_SHRINK,
-        dynamic_batch: bool = True,
+        dynamic_batch: bool | str = "auto",
     ) -> None:
         options = CacheOptions(budget, compress_every, page_size, window, sink, protect_prompt, selection, seed,
                                stats_half_life, static, learn_workload, prior_tokens,

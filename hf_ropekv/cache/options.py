@@ -53,7 +53,9 @@ class CacheOptions:
     prior_tokens: float = DEFAULT_PRIOR_TOKENS  # the workload prior's weight, in queries
     stats_prompt_weight: float = 1.0  # what the prompt's queries weigh against the generation's (0: left out)
     stats_head_shrink: float = DEFAULT_HEAD_SHRINK  # pseudo-count pulling each head toward its layer's average
-    dynamic_batch: bool = True  # a static cache's compiled step serves every batch size (False: the first one)
+    # a static cache's compiled step serves every batch size (False: the first one; "auto": batch 1 alone until
+    # the model compiles a step of more rows)
+    dynamic_batch: bool | str = "auto"
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -79,9 +81,15 @@ class CacheOptions:
                 f"static must be True (a fixed arena, compileable), False (a growing cache, eager) or \"auto\" (the "
                 f"default: compiled on CUDA for long generations, else eager); got {self.static!r}."
             )
-        for name in ("protect_prompt", "learn_workload", "dynamic_batch"):
+        for name in ("protect_prompt", "learn_workload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}.")
+        if not (isinstance(self.dynamic_batch, bool) or self.dynamic_batch == "auto"):
+            raise ValueError(
+                f"dynamic_batch must be True (one compiled step for every batch size), False (compiled for the "
+                f"first batch size) or \"auto\" (the default: static while the model has compiled only batch 1, "
+                f"dynamic from its first batch of more rows); got {self.dynamic_batch!r}."
+            )
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an int; got {self.seed!r}.")
         half_life = self.stats_half_life

@@ -94,10 +94,18 @@ class _GetCompiledCall(_ModelMethod):
     The decode step's batch dimension is marked dynamic (the step's inputs and every buffer the cache leased,
     ``storage.buffers.BATCH_DIMS``), with batch 1 not specialised (``_compat.batch_one_not_specialised``; on
     transformers 5.17 also in the rotary embedding, ``_compat.rotary_batch_folded``): one compilation serves
-    every batch size, so an eval loop whose last batch is smaller does not compile again.
+    every batch size, so an eval loop whose last batch is smaller does not compile again. With the cache's
+    ``dynamic_batch="auto"`` (the default) it is marked once this model has compiled a step of more than one row,
+    and not before: a symbolic batch doubles the compile (README, "Warm-up"), which a process that only ever
+    decodes one row (a notebook) need not pay.
     """
 
     name = "get_compiled_call"
+
+    def __init__(self, model: nn.Module, previous: Any = None) -> None:
+        super().__init__(model, previous)
+        #: ``dynamic_batch="auto"``: a compiled decode step of this model has had more than one row.
+        self.batch_above_one_seen = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, original = self._model_and_original()
@@ -107,12 +115,28 @@ class _GetCompiledCall(_ModelMethod):
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
             if _is_static_multi_token_forward(call_args, call_kwargs):
                 return model(*call_args, **call_kwargs)
-            if _mark_batch_dynamic(call_args, call_kwargs):
+            if self._batch_dynamic(call_kwargs):
+                _mark_batch_dynamic(call_args, call_kwargs)
                 with _compat.batch_one_not_specialised(), _compat.rotary_batch_folded(rotaries):
                     return compiled(*call_args, **call_kwargs)
             return compiled(*call_args, **call_kwargs)
 
         return forward
+
+    def _batch_dynamic(self, kwargs: dict[str, Any]) -> bool:
+        """Whether this decode step compiles with its batch dimension dynamic: a static cache's, by its
+        ``dynamic_batch`` (``"auto"``: from this model's first compiled step of more than one row on). False for a
+        forward without a static cache (torch then specialises the step to its batch size)."""
+        cache = _compat.cache_from_forward_kwargs(kwargs)
+        lease = getattr(cache, "_lease", None)
+        if lease is None or not getattr(cache, "static", False):
+            return False
+        setting = cache.options.dynamic_batch
+        if setting != "auto":
+            return setting
+        if not self.batch_above_one_seen:
+            self.batch_above_one_seen = any(tensor.shape[dim] > 1 for tensor, dim in lease.batch_dims())
+        return self.batch_above_one_seen
 
 
 class _ValidAutoCompileCriteria(_ModelMethod):
@@ -160,14 +184,10 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 STEP_INPUT_BATCH_DIMS = {"input_ids": -2, "inputs_embeds": -3, "position_ids": -2}
 
 
-def _mark_batch_dynamic(args: tuple, kwargs: dict[str, Any]) -> bool:
+def _mark_batch_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
     """Mark the batch dimension of a static cache's decode step dynamic: the step's inputs and the cache's leased
-    buffers (``BufferLease.batch_dims``). Returns False (nothing marked) for a forward without a static cache, or
-    with one built with ``dynamic_batch=False`` (torch then specialises the step to its batch size)."""
-    cache = _compat.cache_from_forward_kwargs(kwargs)
-    lease = getattr(cache, "_lease", None)
-    if lease is None or not getattr(cache, "static", False) or not cache.options.dynamic_batch:
-        return False
+    buffers (``BufferLease.batch_dims``)."""
+    lease = _compat.cache_from_forward_kwargs(kwargs)._lease
     for tensor, dim in lease.batch_dims():
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
     inputs = dict(kwargs)
@@ -191,7 +211,6 @@ def _mark_batch_dynamic(args: tuple, kwargs: dict[str, Any]) -> bool:
     positions = inputs.get("cache_position")
     if isinstance(positions, torch.Tensor) and positions.ndim == 1:
         torch._dynamo.mark_static(positions, 0)
-    return True
 
 
 def _is_static_multi_token_forward(args: tuple, kwargs: dict[str, Any]) -> bool:
