@@ -99,6 +99,7 @@ DYNAMIC_BATCH = {"true": True, "false": False, "auto": "auto"}
 ESTIMATE_MIN = {"warmup": 4.5, "profile": 7.5, "overhead": 5.0, "e2e": 6.0}
 #: The warm-up part's share per process (``--warmup-modes``): the cold compile is most of it.
 WARMUP_MODE_SHARE = {"cold": 0.5, "warm": 0.25, "load": 0.25}
+E2E_WARM_SHARE = 0.4  # of ESTIMATE_MIN["e2e"]: the warming process; each timed variant a third of the rest
 DRY_ESTIMATE_MIN = {"warmup": 2.0, "profile": 0.5, "overhead": 0.5, "e2e": 1.0}
 E2E_VARIANTS = ("ropekv_default", "ropekv_static", "dynamic")
 PROFILE_VARIANTS = ("dynamic", "static", "ropekv_static")
@@ -133,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="overhead: rounds before and after the freeze, each one short run of every variant")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per variant (profile, overhead)")
     p.add_argument("--e2e-new-tokens", type=int, default=2000)
+    p.add_argument("--e2e-variants", default=",".join(E2E_VARIANTS),
+                   help="comma-separated subset timed end to end (the warming process runs all of them)")
     p.add_argument("--cache-root", default=None, help="torch cache folders go here (default: a temporary folder)")
     p.add_argument("--keep-caches", action="store_true", help="leave --cache-root behind")
     p.add_argument("--recompile-limit", type=int, default=32)
@@ -175,6 +178,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.profile_variants) - set(PROFILE_VARIANTS)
     if unknown:
         p.error(f"--profile-variants: unknown {sorted(unknown)}; choose from {','.join(PROFILE_VARIANTS)}")
+    args.e2e_variants = [v for v in args.e2e_variants.split(",") if v]
+    if not args.e2e_variants or set(args.e2e_variants) - set(E2E_VARIANTS):
+        p.error(f"--e2e-variants: a non-empty subset of {','.join(E2E_VARIANTS)}")
     return args
 
 
@@ -646,7 +652,7 @@ class Runner:
 
     def e2e(self) -> dict[str, Any]:
         out = dict(warm=self.child("e2e", "e2e_warm", "warm", self.warm_dir), variants={})
-        for variant in E2E_VARIANTS:
+        for variant in self.args.e2e_variants:
             out["variants"][variant] = self.child("e2e", f"e2e_{variant}", variant, self.warm_dir)
         dyn = out["variants"].get("dynamic", {}).get("total_s")
         out["vs_dynamic_total"] = {v: dyn / r["total_s"] for v, r in out["variants"].items()
@@ -843,6 +849,8 @@ def main(argv: list[str] | None = None) -> int:
     settings["cache_root"] = str(runner.cache_root)
     estimates = dict(DRY_ESTIMATE_MIN if args.dry_run else ESTIMATE_MIN)
     estimates["warmup"] = round(estimates["warmup"] * sum(WARMUP_MODE_SHARE[m] for m in args.warmup_modes), 2)
+    variant_share = (1 - E2E_WARM_SHARE) / len(E2E_VARIANTS)
+    estimates["e2e"] = round(estimates["e2e"] * (E2E_WARM_SHARE + variant_share * len(args.e2e_variants)), 2)
     try:
         for part in args.parts:
             left = runner.seconds_left()
