@@ -9,12 +9,13 @@ and the FX nodes of each traced graph, a count that does not drift with the host
 already), for a tiny-width model of many layers (the trace's cost grows with the layers, not their width):
 
 - ``StaticCache``: transformers' own compiled cache, the reference;
-- ``ropekv``: ``RopeKVCache(static=True)``, the default scorer (online query statistics gathered in the step);
-- ``ropekv_recency``: the same with ``RecencyScorer`` (no query statistics, no query capture in the step);
-- ``ropekv_plain_sdpa``: the default with transformers' sdpa instead of ``hf_ropekv_sdpa``;
-- ``ropekv_static_batch``: the default with the batch dimension left static (the library marks it dynamic so that
-  one compiled step serves every batch size; here ``torch._dynamo.maybe_mark_dynamic`` is a no-op in the process):
-  what the symbolic batch size costs the trace.
+- ``ropekv``: ``RopeKVCache(static=True)``, the defaults (online query statistics gathered in the step;
+  ``dynamic_batch="auto"``: at batch 1 the batch dimension stays static, at a larger ``--batch`` it is dynamic);
+- ``ropekv_dynamic_batch``: the same with ``dynamic_batch=True`` (the batch dimension dynamic at any batch: one
+  compiled step for every batch size; the default until ``18e15bc``): what the symbolic batch size costs the trace;
+- ``ropekv_static_batch``: the same with ``dynamic_batch=False`` (the batch dimension static at any batch);
+- ``ropekv_recency``: the defaults with ``RecencyScorer`` (no query statistics, no query capture in the step);
+- ``ropekv_plain_sdpa``: the defaults with transformers' sdpa instead of ``hf_ropekv_sdpa``.
 
 Each variant runs in a fresh process per repeat. Results: ``results.json`` and ``results.md`` in ``--out``.
 
@@ -34,23 +35,23 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-VARIANTS = ("static_cache", "ropekv", "ropekv_recency", "ropekv_plain_sdpa", "ropekv_static_batch")
+VARIANTS = ("static_cache", "ropekv", "ropekv_dynamic_batch", "ropekv_static_batch", "ropekv_recency",
+            "ropekv_plain_sdpa")
+DYNAMIC_BATCH = {"ropekv_dynamic_batch": True, "ropekv_static_batch": False}  # the others: the default
 
 
-def child(backend: str, variant: str, layers: int) -> dict:
+def child(backend: str, variant: str, layers: int, batch: int) -> dict:
     import torch
     from transformers import CompileConfig, Qwen3Config, Qwen3ForCausalLM, StaticCache
 
     from hf_ropekv import RecencyScorer, RopeKVCache
-    if variant == "ropekv_static_batch":  # this process only: nothing is marked dynamic, the batch stays static
-        torch._dynamo.maybe_mark_dynamic = lambda *args, **kwargs: None
     from hf_ropekv._compat import cache_kwarg
 
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_sliding_window=False)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).eval()
-    ids = torch.randint(3, 100, (1, 64))
+    ids = torch.randint(3, 100, (batch, 64))
     nodes: list[int] = []
 
     def counting_eager(gm, example_inputs):  # dynamo's eager backend, counting the traced graph's FX nodes
@@ -65,6 +66,8 @@ def child(backend: str, variant: str, layers: int) -> dict:
         if variant == "static_cache":
             return StaticCache(config=config, max_cache_len=64 + 8)
         options = dict(budget=48, compress_every=16, static=True, protect_prompt=False)
+        if variant in DYNAMIC_BATCH:
+            options["dynamic_batch"] = DYNAMIC_BATCH[variant]
         if variant == "ropekv_recency":
             options["scorer"] = RecencyScorer()
         cache = RopeKVCache(model, **options)
@@ -92,6 +95,7 @@ def main() -> int:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--backend", default="eager")
     p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--batch", type=int, default=1, help="rows of the generation")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--dry-run", action="store_true", help="2 layers, 1 repeat: a code check")
@@ -100,7 +104,7 @@ def main() -> int:
     if args.dry_run:
         args.layers, args.repeats = 2, 1
     if args.child:
-        print(json.dumps(child(args.backend, args.child, args.layers)))
+        print(json.dumps(child(args.backend, args.child, args.layers, args.batch)))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,7 +113,7 @@ def main() -> int:
         runs = []
         for _ in range(args.repeats):
             command = [sys.executable, __file__, "--out", args.out, "--backend", args.backend, "--layers",
-                       str(args.layers), "--child", variant]
+                       str(args.layers), "--batch", str(args.batch), "--child", variant]
             proc = subprocess.run(command, capture_output=True, text=True, check=True)
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(variant, runs[-1], flush=True)
@@ -120,11 +124,12 @@ def main() -> int:
     meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=args.commit,
                 device=f"CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
                        f"transformers {transformers.__version__}",
-                backend=args.backend, layers=args.layers, repeats=args.repeats,
+                backend=args.backend, layers=args.layers, batch=args.batch, repeats=args.repeats,
                 command="python benchmarks/trace_cost.py " + " ".join(sys.argv[1:]))
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     reference = rows.get("static_cache", {}).get("trace_s_median")
-    lines = [f"# Trace cost of the compiled decode step ({args.backend} backend, {args.layers} layers)", "",
+    lines = [f"# Trace cost of the compiled decode step ({args.backend} backend, {args.layers} layers, batch "
+             f"{args.batch})", "",
              *(f"- {k}: {v}" for k, v in meta.items()), "",
              "| variant | trace s (median) | runs (first call / again) | vs StaticCache | FX nodes per graph |",
              "|---|---|---|---|---|"]

@@ -320,10 +320,11 @@ def test_warmup_baseline_compiles_transformers_static_cache(tmp_path: Path) -> N
 def test_trace_cost_runs_and_reports(tmp_path: Path) -> None:
     """benchmarks/trace_cost.py on two layers: every variant asked for traces one graph; the report is written."""
     out = tmp_path / "trace"
-    run_script("trace_cost.py", "--out", str(out), "--variants", "static_cache,ropekv_recency,ropekv_static_batch",
-               "--commit", "test")
+    run_script("trace_cost.py", "--out", str(out), "--variants", "static_cache,ropekv_recency,ropekv_dynamic_batch",
+               "--batch", "2", "--commit", "test")
     result = json.loads((out / "results.json").read_text())
-    assert set(result["rows"]) == {"static_cache", "ropekv_recency", "ropekv_static_batch"}
+    assert set(result["rows"]) == {"static_cache", "ropekv_recency", "ropekv_dynamic_batch"}
+    assert result["meta"]["batch"] == 2
     for row in result["rows"].values():
         assert row["runs"][0]["graphs"] == 1 and row["runs"][0]["first_s"] > row["runs"][0]["again_s"] > 0
     assert "| ropekv_recency |" in (out / "results.md").read_text()
