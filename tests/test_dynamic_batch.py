@@ -140,6 +140,20 @@ def test_auto_keeps_batch_one_static_until_a_larger_batch() -> None:
     assert _graphs_for(tiny_model("llama"), (1, 4, 1, 2), dynamic_batch=False) == [1, 2, 2, 2]
 
 
+def test_auto_says_once_why_a_larger_batch_compiles_again(caplog) -> None:
+    """The second compile ``"auto"`` costs (batch 1 first, then more rows) is logged once at INFO level, naming the
+    setting that avoids it; a model whose first batch has more rows compiles once and logs nothing."""
+    import logging
+
+    model = tiny_model("llama")
+    with caplog.at_level(logging.INFO, logger="hf_ropekv.hooks.generate_methods"):
+        _graphs_for(model, (1, 3, 2), dynamic_batch="auto")
+        _graphs_for(tiny_model("llama"), (4, 1), dynamic_batch="auto")
+    lines = [r.getMessage() for r in caplog.records if r.name == "hf_ropekv.hooks.generate_methods"]
+    assert len(lines) == 1, lines
+    assert "3 rows" in lines[0] and "LlamaForCausalLM" in lines[0] and "dynamic_batch=True" in lines[0]
+
+
 def test_auto_is_per_model() -> None:
     """What ``"auto"`` has seen belongs to one model: a second model's batch-1 steps are not marked dynamic because
     the first one decoded batch 4 (dynamo may still reuse the first model's graph for them: it guards the

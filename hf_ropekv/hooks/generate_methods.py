@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from .. import _compat
 from .attach import ModelAttachment
+
+logger = logging.get_logger(__name__)
 
 _WRAPPED_MARK = "_hf_ropekv_continuation_check"  # on every generate() method this module wraps
 WRAPPED_METHODS = ("prepare_inputs_for_generation", "get_compiled_call", "_valid_auto_compile_criteria")
@@ -106,6 +109,8 @@ class _GetCompiledCall(_ModelMethod):
         super().__init__(model, previous)
         #: ``dynamic_batch="auto"``: a compiled decode step of this model has had more than one row.
         self.batch_above_one_seen = False
+        #: ``dynamic_batch="auto"``: one of batch 1 ran before, compiled with the batch static.
+        self._batch_one_compiled = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, original = self._model_and_original()
@@ -135,7 +140,16 @@ class _GetCompiledCall(_ModelMethod):
         if setting != "auto":
             return setting
         if not self.batch_above_one_seen:
-            self.batch_above_one_seen = any(tensor.shape[dim] > 1 for tensor, dim in lease.batch_dims())
+            rows = max(tensor.shape[dim] for tensor, dim in lease.batch_dims())
+            self.batch_above_one_seen = rows > 1
+            if rows > 1 and self._batch_one_compiled:  # the second compile this model pays: say why, once
+                logger.info(
+                    "hf_ropekv: the first compiled decode step of %d rows on this %s compiles once more, with the batch "
+                    "dimension dynamic (dynamic_batch='auto' compiled batch 1 with it static); every batch size reuses "
+                    "that step from now on. dynamic_batch=True compiles once for all sizes from the start.",
+                    rows, type(self._model_ref()).__name__,
+                )
+            self._batch_one_compiled = rows == 1
         return self.batch_above_one_seen
 
 
