@@ -50,7 +50,6 @@ import types
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
-import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging
@@ -59,9 +58,18 @@ from .. import _compat
 from ..warnings import warn
 from .generate_methods import _WRAPPED_MARK, ModelMethodWrapper, WRAPPED_METHODS as ATTACH_WRAPPED_METHODS
 from ..cache.cache import RopeKVCache
-from ..cache.options import OPTION_NAMES, CacheOptions
-from ..model.geometry import ModelGeometry, describe
+from ..model.geometry import ModelGeometry
 from ..cache.summary import CacheSummary
+from .enable_checks import (
+    GENERATION_HOOK,
+    EnableConfig,
+    describe_options,
+    is_scorer_factory,
+    keep_transformers_cache,
+    validated_options,
+    warn_many_rows,
+    warn_risky,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -70,21 +78,11 @@ __all__ = ["enable", "disable", "enabled", "is_enabled", "last_cache", "last_sum
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
 _STATE_ATTR = "_hf_ropekv_enablement"
-_HOOK_ATTR = "_prepare_cache_for_generation"
+_HOOK_ATTR = GENERATION_HOOK
 _GENERATE_ATTR = "generate"
 #: The instance attributes ``enable`` replaces by its wrappers, and ``disable`` restores.
 _WRAPPED_ATTRS = (_HOOK_ATTR, _GENERATE_ATTR)
 
-#: Options of ``RopeKVCache(model, ...)`` that ``enable`` forwards (``budget`` and ``stats`` are named arguments).
-_CACHE_OPTIONS = OPTION_NAMES
-#: ``cache_implementation`` values that mean "transformers' default dynamic cache": enable replaces those.
-_DYNAMIC_IMPLEMENTATIONS = (None, "dynamic")
-#: Generation modes that crop the cache (roll it back), impossible once tokens were evicted.
-_CROPPING_MODES = ("assisted_generation", "dola_generation", "contrastive_search")
-#: Batch rows (batch x beams / returned sequences) from which the per-row budget is worth a warning.
-_MANY_ROWS = 64
-#: Budgets below this are small for a prompt plus a useful answer (the prompt is pinned and counts).
-_SMALL_BUDGET = 256
 
 
 class _Enablement:
@@ -102,7 +100,7 @@ class _Enablement:
     def new_cache(self, model: nn.Module) -> RopeKVCache:
         options = dict(self.options)
         scorer = options.get("scorer")
-        if _is_scorer_factory(scorer):
+        if is_scorer_factory(scorer):
             options["scorer"] = scorer()  # one scorer per cache
         self.caches_created += 1
         return RopeKVCache(model, **options)
@@ -152,8 +150,8 @@ def enable(model: ModelT, budget: int | None = None, *, stats: Any = None, **opt
         ValueError: an option is invalid, the model is not supported, or ``stats`` do not fit the model.
     """
     target = _generating_model(model)
-    config = _validated_options(target, budget, stats, options)
-    _warn_risky(target, config)
+    config = validated_options(target, budget, stats, options)
+    warn_risky(target, config)
     _install(target, config)
     return model
 
@@ -201,7 +199,7 @@ def enabled(model: ModelT, budget: int | None = None, *, stats: Any = None, **op
         else:
             state = target.__dict__.get(_STATE_ATTR)
             if state is None:  # disabled inside the block: enable again with the outer options
-                _install(target, _Config(previous_options, previous.geometry))
+                _install(target, EnableConfig(previous_options, previous.geometry))
             else:
                 state.options = previous_options
 
@@ -255,110 +253,10 @@ def last_cache(model: nn.Module) -> RopeKVCache:
     return cache
 
 
-# --------------------------------------------------------------------------- validation and warnings
-
-
-class _Config:
-    def __init__(self, options: dict[str, Any], geometry: ModelGeometry):
-        self.options = options
-        self.geometry = geometry
-
-
-def _validated_options(model: nn.Module, budget: Any, stats: Any, options: dict[str, Any]) -> _Config:
-    """Check everything ``RopeKVCache(model, ...)`` would check, once, without building a cache."""
-    if not isinstance(model, nn.Module) or not callable(getattr(model, _HOOK_ATTR, None)):
-        raise TypeError(
-            f"hf_ropekv.enable needs a transformers model with generate() (a GenerationMixin); got "
-            f"{type(model).__name__}."
-        )
-    unknown = sorted(set(options) - set(_CACHE_OPTIONS))
-    if unknown:
-        raise TypeError(f"hf_ropekv.enable got unknown option(s) {unknown}; RopeKVCache accepts {list(_CACHE_OPTIONS)}.")
-    CacheOptions(budget=budget, **{name: value for name, value in options.items() if name != "scorer"})
-    geometry = describe(model)  # raises ValueError for models the cache cannot hold
-    scorer = options.get("scorer")
-    if scorer is not None:
-        probe = scorer() if _is_scorer_factory(scorer) else scorer
-        if not callable(getattr(probe, "score", None)):
-            raise TypeError(
-                "scorer must have a `score(keys, ctx)` method (see hf_ropekv.scorers), or be a zero-argument callable "
-                f"returning such a scorer; got {type(scorer).__name__}."
-            )
-        if stats is not None:
-            raise ValueError("Pass `stats` to the FrequencyScorer you build, or omit `scorer`; not both.")
-        if options.get("static") is True:  # ("auto" stays eager with such a scorer, as RopeKVCache does)
-            # Refused now, not at the first generate() call, where the cache would be built.
-            from ..cache.model_checks import static_scorer_error
-
-            error = static_scorer_error(probe)
-            if error is not None:
-                raise ValueError(error)
-    if stats is not None:
-        from ..statistics.frequency_stats import FrequencyStats
-
-        stats = FrequencyStats.resolve(stats, geometry, model)  # loaded once; every cache shares the object
-    return _Config({"budget": budget, "stats": stats, **options}, geometry)
-
-
-def _warn_risky(model: nn.Module, config: _Config) -> None:
-    options = config.options
-    budget = options["budget"]
-    name = type(model).__name__
-    if budget is None:
-        logger.info("hf_ropekv.enable(%s, budget=None): nothing is evicted; outputs equal DynamicCache's.", name)
-    else:
-        if budget < _SMALL_BUDGET:
-            warn(
-                f"hf_ropekv.enable: budget={budget} is small. The prompt is pinned and counts toward the budget "
-                "(a longer prompt raises), and little room is left for the answer: expect degraded outputs. "
-                f"Budgets of 1024-4096 tokens are typical."
-            )
-        compress_every = options.get("compress_every", 128)
-        if compress_every > budget:
-            warn(
-                f"hf_ropekv.enable: compress_every={compress_every} exceeds budget={budget}; the cache grows to "
-                f"{budget + compress_every} tokens before each compaction, more than twice the budget."
-            )
-        if options.get("stats") is None and options.get("scorer") is None:
-            logger.info(
-                "hf_ropekv.enable: no calibrated statistics; query statistics are gathered online from each "
-                "generate() call's prompt and decoding steps. Short prompts give noisy statistics at first: see "
-                "hf_ropekv.calibrate."
-            )
-        mode = _cropping_mode(getattr(model, "generation_config", None))
-        if mode is not None:
-            warn(
-                f"hf_ropekv.enable: {name}.generation_config asks for {mode}, which rolls the cache back; a cache "
-                "that evicted tokens cannot. Such calls get transformers' DynamicCache instead of RopeKVCache."
-            )
-    implementation = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
-    if implementation not in (*_DYNAMIC_IMPLEMENTATIONS, "hybrid"):
-        warn(
-            f"hf_ropekv.enable: {name}.generation_config.cache_implementation={implementation!r} is set; while it "
-            "is, generate() builds that cache and not RopeKVCache. Set it to None to use RopeKVCache."
-        )
-
-
-def _cropping_mode(generation_config: Any) -> str | None:
-    """Name of a cache-cropping decoding mode a generation config asks for, if any."""
-    if generation_config is None:
-        return None
-    if getattr(generation_config, "prompt_lookup_num_tokens", None) or getattr(
-        generation_config, "assistant_early_exit", None
-    ):
-        return "assisted decoding"
-    if getattr(generation_config, "dola_layers", None) is not None:
-        return "DoLa decoding"
-    penalty_alpha, top_k = getattr(generation_config, "penalty_alpha", None), getattr(generation_config, "top_k", None)
-    if penalty_alpha is not None and penalty_alpha > 0 and top_k is not None and top_k > 1:
-        return "contrastive search"
-    return None
-
-
 # --------------------------------------------------------------------------- the hook
 
 
-def _install(model: nn.Module, config: _Config) -> None:
+def _install(model: nn.Module, config: EnableConfig) -> None:
     state = model.__dict__.get(_STATE_ATTR)
     if state is not None and _is_our_wrapper(model.__dict__.get(_HOOK_ATTR), model):
         state.options = config.options
@@ -380,7 +278,7 @@ def _install(model: nn.Module, config: _Config) -> None:
     object.__setattr__(model, _STATE_ATTR, state)
     setattr(model, _HOOK_ATTR, _PrepareCacheHook(model, previous[_HOOK_ATTR]))
     setattr(model, _GENERATE_ATTR, _GenerateWrapper(model, previous[_GENERATE_ATTR]))
-    logger.info("hf_ropekv enabled on %s: %s", type(model).__name__, _describe_options(config.options))
+    logger.info("hf_ropekv enabled on %s: %s", type(model).__name__, describe_options(config.options))
 
 
 class _EnableWrapper(ModelMethodWrapper):
@@ -407,7 +305,7 @@ class _PrepareCacheHook(_EnableWrapper):
         if call is None:
             return original(*args, **kwargs)
         generation_config, model_kwargs, mode, batch_size = call
-        reason = _keep_transformers_cache(state, generation_config, model_kwargs, mode)
+        reason = keep_transformers_cache(state.options, generation_config, model_kwargs, mode)
         result = original(*args, **kwargs)
         if reason is not None:
             logger.debug("hf_ropekv: generate() keeps transformers' cache (%s).", reason)
@@ -416,7 +314,7 @@ class _PrepareCacheHook(_EnableWrapper):
             if type(model_kwargs.get(name)) is DynamicCache:
                 cache = model_kwargs[name] = state.new_cache(model)
                 _note_new_cache(model, cache)
-                _warn_many_rows(state, generation_config, batch_size)
+                warn_many_rows(state.options, state.geometry, generation_config, batch_size)
                 break
         return result
 
@@ -507,54 +405,6 @@ def _prepare_cache_call(original: Callable[..., Any], args: tuple, kwargs: dict)
     return generation_config, model_kwargs, getattr(mode, "value", mode), bound.get("batch_size")
 
 
-def _keep_transformers_cache(state: _Enablement, generation_config: Any, model_kwargs: dict, mode: Any) -> str | None:
-    """Why this call must keep the cache transformers prepares, or ``None`` to use a RopeKVCache."""
-    if any(model_kwargs.get(name) is not None for name in _compat.CACHE_KWARGS):
-        return "the caller passed a cache"
-    if getattr(generation_config, "use_cache", True) is False:
-        return "use_cache=False"
-    implementation = getattr(generation_config, "cache_implementation", None)
-    if implementation not in _DYNAMIC_IMPLEMENTATIONS:
-        warn(
-            f"hf_ropekv: generate() was asked for cache_implementation={implementation!r}; that cache is used "
-            "instead of RopeKVCache for these calls."
-        )
-        return f"cache_implementation={implementation!r}"
-    if getattr(generation_config, "is_assistant", False):
-        return "assistant model (its cache is rolled back)"
-    if mode in _CROPPING_MODES:
-        # Without a budget RopeKVCache would only equal DynamicCache, so nothing is lost by keeping it.
-        if state.options.get("budget") is not None:
-            warn(
-                f"hf_ropekv: {mode} rolls the cache back, which a cache that evicted tokens cannot do; these calls "
-                "use transformers' DynamicCache (no memory bound). Use greedy/sampling/beam search for a bounded cache."
-            )
-        return mode
-    return None
-
-
-def _warn_many_rows(state: _Enablement, generation_config: Any, batch_size: Any) -> None:
-    budget = state.options.get("budget")
-    if budget is None or not isinstance(batch_size, int):
-        return
-    expand = max(getattr(generation_config, "num_beams", 1) or 1, getattr(generation_config, "num_return_sequences", 1) or 1)
-    rows = batch_size * expand
-    if rows >= _MANY_ROWS:
-        compress_every = state.options.get("compress_every", 128)
-        per_token = state.geometry.kv_bytes_per_token(torch.bfloat16)
-        estimate = rows * (budget + compress_every) * per_token / 2**30
-        warn(
-            f"hf_ropekv: {rows} rows (batch {batch_size} x {expand} beams/sequences) each keep up to "
-            f"budget + compress_every = {budget + compress_every} tokens: about {estimate:.1f} GiB of KV in 16-bit. "
-            "The budget is per row: lower it, or the batch / num_beams, if memory is tight."
-        )
-
-
-def _describe_options(options: dict[str, Any]) -> str:
-    shown = {k: (type(v).__name__ if k in ("stats", "scorer") and v is not None else v) for k, v in options.items()}
-    return ", ".join(f"{k}={v}" for k, v in shown.items())
-
-
 def _generating_model(model: Any) -> Any:
     """The model whose ``generate`` does the work: wrappers such as PEFT's ``PeftModel`` delegate ``generate`` to
     ``get_base_model()``, so the hook must sit on that model, not on the wrapper."""
@@ -568,11 +418,6 @@ def _generating_model(model: Any) -> Any:
         if isinstance(base, nn.Module) and base is not model:
             return base
     return model
-
-
-def _is_scorer_factory(scorer: Any) -> bool:
-    """A scorer class, or a zero-argument callable that is not itself a scorer."""
-    return isinstance(scorer, type) or (callable(scorer) and not hasattr(scorer, "score"))
 
 
 def _restore(model: nn.Module, attr: str, previous: Any) -> None:
