@@ -120,7 +120,7 @@ class _GetCompiledCall(_ModelMethod):
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
             if _is_static_multi_token_forward(call_args, call_kwargs):
                 return model(*call_args, **call_kwargs)
-            if self._batch_dynamic(call_kwargs):
+            if self._batch_dynamic(call_args, call_kwargs):
                 _mark_batch_dynamic(call_args, call_kwargs)
                 with _compat.batch_one_not_specialised(), _compat.rotary_batch_folded(rotaries):
                     return compiled(*call_args, **call_kwargs)
@@ -128,7 +128,7 @@ class _GetCompiledCall(_ModelMethod):
 
         return forward
 
-    def _batch_dynamic(self, kwargs: dict[str, Any]) -> bool:
+    def _batch_dynamic(self, args: tuple, kwargs: dict[str, Any]) -> bool:
         """Whether this decode step compiles with its batch dimension dynamic: a static cache's, by its
         ``dynamic_batch`` (``"auto"``: from this model's first compiled step of more than one row on). False for a
         forward without a static cache (torch then specialises the step to its batch size)."""
@@ -140,7 +140,7 @@ class _GetCompiledCall(_ModelMethod):
         if setting != "auto":
             return setting
         if not self.batch_above_one_seen:
-            rows = max(tensor.shape[dim] for tensor, dim in lease.batch_dims())
+            rows = cache.batch_size or _step_input(args, kwargs).shape[0]  # known once the prefill ran
             self.batch_above_one_seen = rows > 1
             if rows > 1 and self._batch_one_compiled:  # the second compile this model pays: say why, once
                 logger.info(
@@ -227,11 +227,15 @@ def _mark_batch_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
         torch._dynamo.mark_static(positions, 0)
 
 
+def _step_input(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """A forward's ``input_ids`` ([B, S]), else its ``inputs_embeds`` ([B, S, D]); None if it has neither."""
+    source = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs.get("inputs_embeds") if source is None else source
+
+
 def _is_static_multi_token_forward(args: tuple, kwargs: dict[str, Any]) -> bool:
     attachment = getattr(_compat.cache_from_forward_kwargs(kwargs), "_attachment", None)
     if not (isinstance(attachment, ModelAttachment) and attachment.static):
         return False
-    source = kwargs.get("input_ids", args[0] if args else None)
-    if source is None:
-        source = kwargs.get("inputs_embeds")
+    source = _step_input(args, kwargs)
     return isinstance(source, torch.Tensor) and source.ndim >= 2 and source.shape[1] > 1
