@@ -92,10 +92,10 @@ import instrument
 
 SCRIPT = Path(__file__).resolve()
 PARTS = ("warmup", "profile", "overhead", "e2e")
-#: Minutes of device time each part is expected to take on an H200 with the default sizes, cold caches (the
-#: ``--max-minutes`` guard); a dry run's parts take a fraction of a minute each but ``warmup`` (inductor on the CPU).
 #: --dynamic-batch: RopeKVCache(dynamic_batch=...)
 DYNAMIC_BATCH = {"true": True, "false": False, "auto": "auto"}
+#: Minutes of device time each part is expected to take on an H200 with the default sizes, cold caches (the
+#: ``--max-minutes`` guard); a dry run's parts take a fraction of a minute each but ``warmup`` (inductor on the CPU).
 ESTIMATE_MIN = {"warmup": 4.5, "profile": 7.5, "overhead": 5.0, "e2e": 6.0}
 #: The warm-up part's share per process (``--warmup-modes``): the cold compile is most of it.
 WARMUP_MODE_SHARE = {"cold": 0.5, "warm": 0.25, "load": 0.25}
@@ -178,6 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.profile_variants) - set(PROFILE_VARIANTS)
     if unknown:
         p.error(f"--profile-variants: unknown {sorted(unknown)}; choose from {','.join(PROFILE_VARIANTS)}")
+    args.dynamic_batch = DYNAMIC_BATCH[args.dynamic_batch]  # the option's value, for every RopeKVCache of the run
     args.e2e_variants = [v for v in args.e2e_variants.split(",") if v]
     if not args.e2e_variants or set(args.e2e_variants) - set(E2E_VARIANTS):
         p.error(f"--e2e-variants: a non-empty subset of {','.join(E2E_VARIANTS)}")
@@ -247,7 +248,7 @@ def make_cache(child: Child, variant: str, max_cache_len: int | None = None, **o
     elif variant != "ropekv_default":
         raise ValueError(variant)
     return child.hf_ropekv.RopeKVCache(child.model, budget=a.budget, compress_every=a.compress_every,
-                                       protect_prompt=False, dynamic_batch=DYNAMIC_BATCH[a.dynamic_batch], **options)
+                                       protect_prompt=False, dynamic_batch=a.dynamic_batch, **options)
 
 
 def compiled(variant: str, cache: Any) -> bool:
@@ -842,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
                     overhead_context=args.overhead_context, overhead_new_tokens=args.overhead_new_tokens,
                     overhead_rounds=args.overhead_rounds,
                     repeats=args.repeats, e2e_new_tokens=args.e2e_new_tokens, warmup_new_tokens=args.warmup_new_tokens,
-                    dynamic_batch=DYNAMIC_BATCH[args.dynamic_batch], warmup_modes=args.warmup_modes,
+                    dynamic_batch=args.dynamic_batch, warmup_modes=args.warmup_modes,
                     warmup_cache=args.warmup_cache)
     result: dict[str, Any] = dict(meta=meta, settings=settings, parts={}, skipped=[], part_wall_s={})
     runner = Runner(args, argv, out_dir, log)
