@@ -102,10 +102,11 @@ class RopeKVCache(Cache):
             decision is logged once at INFO level.
         dynamic_batch: for a static cache, whether the compiled decode step's batch dimension is dynamic. ``True``:
             one compilation serves every batch size (an eval loop whose last batch is smaller does not compile
-            again), but a symbolic batch roughly doubles the warm-up (H200, Qwen3-8B shape: 65-97 s against
-            36-50 s cold, 19 against 8-9 s in a second process; README "Warm-up and shipping the compile
-            cache"). ``False``: compiled for the first batch size the step sees; a later size compiles again (torch
-            then makes the dimension dynamic by itself, so at most once more, and batch 1 separately). ``"auto"``
+            again), but a symbolic batch lengthens the warm-up (H200, Qwen3-8B shape, batch 1, three leases: cold
+            64.9-100.4 s against 35.9-61.1 s, 1.6-2.6x within a lease; 16.5-19.4 against 8.1-13.5 s in a second
+            process, 1.2-2.4x; README "Warm-up and shipping the compile cache"). ``False``: compiled for the first
+            batch size the step sees; a later size compiles again (torch then makes the dimension dynamic by itself,
+            so at most once more, and batch 1 separately). ``"auto"``
             (the default): static while the model's compiled steps have had one row (a notebook, a batch-1
             server: the short warm-up), dynamic from its first compiled step of more rows on (an eval loop
             compiles once for all its batch sizes). Only a process that compiles batch 1 first and then a larger
