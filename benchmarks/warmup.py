@@ -149,6 +149,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the warm-up part's cache: ropekv_static, or static (transformers' compiled StaticCache "
                         "sized to the prompt and new tokens: the model's own compile, the baseline; no artifacts, so "
                         "no load mode)")
+    p.add_argument("--bytecode-cache", default=None, metavar="DIR",
+                   help="Python bytecode of every installed module compiled into DIR before the first process "
+                        "(PYTHONPYCACHEPREFIX), as pip install leaves it; without it, an environment with "
+                        "PYTHONDONTWRITEBYTECODE=1 (the GPU machine's) compiles every module each process imports, "
+                        "dynamo's and inductor's included, inside the timings")
     p.add_argument("--seed", type=int, default=0)
     # internal: one subprocess's job
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -661,6 +666,35 @@ class Runner:
         return out
 
 
+def prepare_bytecode(args: argparse.Namespace, log: Progress) -> dict[str, Any]:
+    """How this run's processes get Python bytecode; with ``--bytecode-cache``, compile it first, untimed.
+
+    pip compiles every module's bytecode at install time, and Python writes it on a first import where it may. The
+    GPU machine sets ``PYTHONDONTWRITEBYTECODE=1`` and ships none, so each of its processes compiles every module it
+    imports from source: several seconds for torch, dynamo and inductor, paid only by the variants that compile.
+    """
+    if args.bytecode_cache is None:
+        written = not (sys.flags.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"))
+        return dict(mode="environment's", written=written, prefix=sys.pycache_prefix)
+    folder = str(Path(args.bytecode_cache).resolve())
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = folder  # the subprocesses inherit both
+    import importlib.util
+    import sysconfig
+
+    roots = [sysconfig.get_paths()["purelib"]]
+    spec = importlib.util.find_spec("hf_ropekv")
+    if spec is not None and spec.origin:
+        roots.append(str(Path(spec.origin).parent))
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *roots], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, check=False)
+    seconds = time.perf_counter() - t0
+    log(f"bytecode of {', '.join(roots)} compiled into {folder} in {seconds:.1f} s (not timed)")
+    return dict(mode="compiled before the first process (--bytecode-cache)", written=True, prefix=folder,
+                roots=roots, compile_s=seconds)
+
+
 # ---------------------------------------------------------------------------------------------- report
 def _f(value: Any, spec: str = ".2f") -> str:
     return "n/a" if value is None else format(value, spec)
@@ -804,6 +838,17 @@ def render_e2e(part: dict[str, Any]) -> list[str]:
 RENDER = {"warmup": render_warmup, "profile": render_profile, "overhead": render_overhead, "e2e": render_e2e}
 
 
+def bytecode_line(bytecode: dict[str, Any] | None) -> str:
+    if bytecode is None:
+        return "not recorded (runs before 2026-12-04's --bytecode-cache: none written on the GPU machine)"
+    if bytecode.get("compile_s") is not None:
+        return (f"compiled into `{bytecode['prefix']}` before the first process ({bytecode['compile_s']:.0f} s, "
+                "untimed), as pip install leaves it")
+    if not bytecode["written"]:
+        return "none cached (PYTHONDONTWRITEBYTECODE): each process compiles every module it imports, in the timings"
+    return "the environment's (written on first import)"
+
+
 def render(result: dict[str, Any]) -> str:
     s = result["settings"]
     meta = result["meta"]
@@ -816,7 +861,8 @@ def render(result: dict[str, Any]) -> str:
              f"- budget {s['budget']}, compress_every {s['compress_every']}, protect_prompt=False; "
              f"context {s['context']}; dynamic_batch={s.get('dynamic_batch', True)!r} (True: one compiled step for "
              "every batch size; False: specialised to the batch size; 'auto', the default since 2026-12-04: "
-             "specialised while the model has compiled only batch 1; runs before that default say True)", ""]
+             "specialised while the model has compiled only batch 1; runs before that default say True)",
+             f"- Python bytecode: {bytecode_line(s.get('python_bytecode'))}", ""]
     for part in s["parts"]:
         if part in result["parts"]:
             lines += RENDER[part](result["parts"][part])
@@ -846,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
                     dynamic_batch=args.dynamic_batch, warmup_modes=args.warmup_modes,
                     warmup_cache=args.warmup_cache)
     result: dict[str, Any] = dict(meta=meta, settings=settings, parts={}, skipped=[], part_wall_s={})
+    settings["python_bytecode"] = prepare_bytecode(args, log)
     runner = Runner(args, argv, out_dir, log)
     settings["cache_root"] = str(runner.cache_root)
     estimates = dict(DRY_ESTIMATE_MIN if args.dry_run else ESTIMATE_MIN)
