@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from common import (  # first: sets the hub defaults before transformers is imported
     Progress,
@@ -666,7 +666,7 @@ class Runner:
         return out
 
 
-def prepare_bytecode(args: argparse.Namespace, log: Progress) -> dict[str, Any]:
+def prepare_bytecode(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     """How this run's processes get Python bytecode; with ``--bytecode-cache``, compile it first, untimed.
 
     pip compiles every module's bytecode at install time, and Python writes it on a first import where it may. The

@@ -328,3 +328,46 @@ def test_trace_cost_runs_and_reports(tmp_path: Path) -> None:
     for row in result["rows"].values():
         assert row["runs"][0]["graphs"] == 1 and row["runs"][0]["first_s"] > row["runs"][0]["again_s"] > 0
     assert "| ropekv_recency |" in (out / "results.md").read_text()
+
+
+def test_warmup_bytecode_cache_compiles_first_and_hands_the_folder_to_its_processes(tmp_path: Path, monkeypatch) -> None:
+    """--bytecode-cache: site-packages' bytecode is compiled into the folder before any timed process, and the
+    processes get it (PYTHONPYCACHEPREFIX) with bytecode writing back on; without it the environment's is recorded."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import sysconfig
+
+    import warmup
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "some_module.py").write_text("VALUE = 1\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"purelib": str(site)})
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "/nowhere")  # restored after the test
+    messages: list[str] = []
+    args = warmup.parse_args(["--dry-run", "--bytecode-cache", str(tmp_path / "pyc")])
+    bytecode = warmup.prepare_bytecode(args, messages.append)
+    assert os.environ["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pyc") and "PYTHONDONTWRITEBYTECODE" not in os.environ
+    assert str(site) in bytecode["roots"] and bytecode["compile_s"] > 0 and messages
+    compiled = list((tmp_path / "pyc").rglob("some_module.*.pyc"))
+    assert len(compiled) == 1 and site.name in compiled[0].parts  # the prefix mirrors the source's path
+    assert "compiled into" in warmup.bytecode_line(bytecode)
+
+    environment = warmup.prepare_bytecode(warmup.parse_args(["--dry-run"]), messages.append)
+    assert environment["mode"] == "environment's" and "compile_s" not in environment
+    assert "none cached" in warmup.bytecode_line(dict(environment, written=False))
+
+
+def test_prefill_profile_dry_run_times_every_cache_and_profiles_the_first_call(tmp_path: Path) -> None:
+    """benchmarks/prefill_profile.py on a tiny model: every variant timed in every round, the first RopeKVCache
+    call under cProfile, a later one under torch.profiler."""
+    run_script("prefill_profile.py", "--out", str(tmp_path), "--rounds", "2", "--tag", "t", "--commit", "test")
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert [(r["round"], r["variant"]) for r in result["runs"]] == [
+        (round_, variant) for round_ in range(2) for variant in ("dynamic", "ropekv", "ropekv_eager")]
+    for run in result["runs"]:
+        assert run["generate_ms"] >= run["logits_synced_ms"] >= run["logits_unsynced_ms"] > 0
+    assert "function calls" in (tmp_path / "t_cprofile_cumulative.txt").read_text()
+    assert "aten::" in (tmp_path / "t_torch_profile.txt").read_text()
+    assert result["traced"]["variant"] == "ropekv"
