@@ -34,7 +34,8 @@ Qwen3-8B, bf16, sdpa with cuDNN off: benchmarks/README.md). Every ``RopeKVCache`
   process warms the on-disk caches (a few tokens of each variant), then each variant runs in a fresh process of
   its own: ``RopeKVCache(model, budget=2048)`` with its default ``static`` (its ``static`` and, if the attribute
   exists, ``static_reason`` are recorded), explicit ``static=True``, and ``DynamicCache`` eager. Ratios against
-  DynamicCache.
+  DynamicCache. ``--e2e-rounds N`` runs the variants N times, the order reversed every other round, and gives each
+  round's ratio (the host drifts between processes: a ratio is taken between runs close in time).
 
 All parts share one folder of torch caches (``--cache-root``/warm, a temporary folder by default; the ``warmup``
 part's (a) and (b) use it too, so parts after it in one command start warm); (c) uses ``--cache-root``/fresh.
@@ -136,6 +137,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--e2e-new-tokens", type=int, default=2000)
     p.add_argument("--e2e-variants", default=",".join(E2E_VARIANTS),
                    help="comma-separated subset timed end to end (the warming process runs all of them)")
+    p.add_argument("--e2e-rounds", type=int, default=1,
+                   help="rounds of the timed e2e variants, each variant a fresh process per round, the order reversed "
+                        "every other round (A B, B A, ...): the host's speed drifts between processes, so each "
+                        "round's ratio pairs runs that were close in time")
     p.add_argument("--cache-root", default=None, help="torch cache folders go here (default: a temporary folder)")
     p.add_argument("--keep-caches", action="store_true", help="leave --cache-root behind")
     p.add_argument("--recompile-limit", type=int, default=32)
@@ -187,6 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.e2e_variants = [v for v in args.e2e_variants.split(",") if v]
     if not args.e2e_variants or set(args.e2e_variants) - set(E2E_VARIANTS):
         p.error(f"--e2e-variants: a non-empty subset of {','.join(E2E_VARIANTS)}")
+    if args.e2e_rounds < 1:
+        p.error("--e2e-rounds: at least 1")
     return args
 
 
@@ -657,12 +664,15 @@ class Runner:
         return self.child("overhead", "overhead", None, self.warm_dir)
 
     def e2e(self) -> dict[str, Any]:
-        out = dict(warm=self.child("e2e", "e2e_warm", "warm", self.warm_dir), variants={})
-        for variant in self.args.e2e_variants:
-            out["variants"][variant] = self.child("e2e", f"e2e_{variant}", variant, self.warm_dir)
-        dyn = out["variants"].get("dynamic", {}).get("total_s")
-        out["vs_dynamic_total"] = {v: dyn / r["total_s"] for v, r in out["variants"].items()
-                                   if dyn and r.get("total_s")}
+        out: dict[str, Any] = dict(warm=self.child("e2e", "e2e_warm", "warm", self.warm_dir), rounds=[])
+        rounds = self.args.e2e_rounds
+        for round_ in range(rounds):
+            order = self.args.e2e_variants if round_ % 2 == 0 else self.args.e2e_variants[::-1]
+            suffix = f"_r{round_}" if rounds > 1 else ""
+            out["rounds"].append({v: self.child("e2e", f"e2e_{v}{suffix}", v, self.warm_dir) for v in order})
+        out["variants"] = out["rounds"][0]  # the first round under the keys of single-round runs
+        out["round_ratios"] = [vs_dynamic(r) for r in out["rounds"]]
+        out["vs_dynamic_total"] = out["round_ratios"][0]
         return out
 
 
@@ -693,6 +703,12 @@ def prepare_bytecode(args: argparse.Namespace, log: Callable[[str], None]) -> di
     log(f"bytecode of {', '.join(roots)} compiled into {folder} in {seconds:.1f} s (not timed)")
     return dict(mode="compiled before the first process (--bytecode-cache)", written=True, prefix=folder,
                 roots=roots, compile_s=seconds)
+
+
+def vs_dynamic(variants: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each variant's speed-up over ``DynamicCache`` end to end (its total time over theirs), within one round."""
+    dyn = variants.get("dynamic", {}).get("total_s")
+    return {v: dyn / r["total_s"] for v, r in variants.items() if dyn and r.get("total_s")}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -816,22 +832,30 @@ def render_overhead(part: dict[str, Any]) -> list[str]:
 
 
 def render_e2e(part: dict[str, Any]) -> list[str]:
+    rounds = part.get("rounds") or [part.get("variants", {})]  # runs before --e2e-rounds kept one round
+    ratios = part.get("round_ratios") or [part.get("vs_dynamic_total", {})]
     lines = ["## End to end: one generate() of the e2e tokens at batch 1, after another process warmed the caches",
-             "", "| cache | static (reason) | total s | tokens/s | TTFT s | first decode step s | later step p50 ms | "
-                 "fxgraph hit / miss | DynamicCache total / this |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    ratios = part.get("vs_dynamic_total", {})
-    for variant, row in part.get("variants", {}).items():
-        if row.get("error") or row.get("total_s") is None:
-            lines.append(f"| {LABELS[variant]} | error: {str(row.get('error'))[:200]} |" + " |" * 7)
-            continue
-        c = row["counters"]
-        lines.append(
-            f"| {row['label']} | {row['static']} ({row['static_reason']}) | {_f(row['total_s'], '.1f')} | "
-            f"{_f(row['tokens_per_s'], '.1f')} | {_f(row['time_to_first_token_s'])} | "
-            f"{_f(row['first_decode_step_s'])} | {_f(row['later_steps']['p50_ms'])} | "
-            f"{c['inductor.fxgraph_cache_hit']} / {c['inductor.fxgraph_cache_miss']} | "
-            f"{_f(ratios.get(variant))}× |")
+             "", "| round | cache | static (reason) | total s | tokens/s | TTFT s | first decode step s | "
+                 "later step p50 ms | fxgraph hit / miss | DynamicCache total / this (same round) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for round_, (variants, ratio) in enumerate(zip(rounds, ratios)):
+        for variant, row in variants.items():
+            if row.get("error") or row.get("total_s") is None:
+                lines.append(f"| {round_} | {LABELS[variant]} | error: {str(row.get('error'))[:200]} |" + " |" * 7)
+                continue
+            c = row["counters"]
+            lines.append(
+                f"| {round_} | {row['label']} | {row['static']} ({row['static_reason']}) | "
+                f"{_f(row['total_s'], '.1f')} | {_f(row['tokens_per_s'], '.1f')} | "
+                f"{_f(row['time_to_first_token_s'])} | {_f(row['first_decode_step_s'])} | "
+                f"{_f(row['later_steps']['p50_ms'])} | "
+                f"{c['inductor.fxgraph_cache_hit']} / {c['inductor.fxgraph_cache_miss']} | {_f(ratio.get(variant))}× |")
+    if len(rounds) > 1:
+        for variant in rounds[0]:
+            values = [r[variant] for r in ratios if variant in r]
+            if values and variant != "dynamic":
+                lines += ["", f"{LABELS[variant]} against DynamicCache, round by round: "
+                          + ", ".join(f"{v:.2f}×" for v in values) + f" (median {median(values):.2f}×)"]
     return lines + [""]
 
 
@@ -898,7 +922,8 @@ def main(argv: list[str] | None = None) -> int:
     estimates = dict(DRY_ESTIMATE_MIN if args.dry_run else ESTIMATE_MIN)
     estimates["warmup"] = round(estimates["warmup"] * sum(WARMUP_MODE_SHARE[m] for m in args.warmup_modes), 2)
     variant_share = (1 - E2E_WARM_SHARE) / len(E2E_VARIANTS)
-    estimates["e2e"] = round(estimates["e2e"] * (E2E_WARM_SHARE + variant_share * len(args.e2e_variants)), 2)
+    timed = len(args.e2e_variants) * args.e2e_rounds
+    estimates["e2e"] = round(estimates["e2e"] * (E2E_WARM_SHARE + variant_share * timed), 2)
     try:
         for part in args.parts:
             left = runner.seconds_left()

@@ -371,3 +371,20 @@ def test_prefill_profile_dry_run_times_every_cache_and_profiles_the_first_call(t
     assert "function calls" in (tmp_path / "t_cprofile_cumulative.txt").read_text()
     assert "aten::" in (tmp_path / "t_torch_profile.txt").read_text()
     assert result["traced"]["variant"] == "ropekv"
+
+
+def test_warmup_e2e_rounds_alternate_the_order_and_give_each_round_its_ratio(tmp_path: Path) -> None:
+    """--e2e-rounds 2: each variant runs once per round in a process of its own, the second round in reverse
+    order (A B, B A), and each round's ratio divides that round's own DynamicCache total."""
+    run_script("warmup.py", "--out", str(tmp_path), "--parts", "e2e", "--e2e-variants", "ropekv_default,dynamic",
+               "--e2e-rounds", "2")
+    part = json.loads((tmp_path / "results.json").read_text())["parts"]["e2e"]
+    assert [list(r) for r in part["rounds"]] == [["ropekv_default", "dynamic"], ["dynamic", "ropekv_default"]]
+    for variants, ratios in zip(part["rounds"], part["round_ratios"]):
+        assert ratios["ropekv_default"] == variants["dynamic"]["total_s"] / variants["ropekv_default"]["total_s"]
+    assert part["variants"] == part["rounds"][0] and part["vs_dynamic_total"] == part["round_ratios"][0]
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["e2e_dynamic_r0.log", "e2e_dynamic_r1.log", "e2e_ropekv_default_r0.log",
+                    "e2e_ropekv_default_r1.log", "e2e_warm.log"]
+    markdown = (tmp_path / "results.md").read_text()
+    assert "round by round" in markdown and markdown.count("| 1 | ") == 2
