@@ -57,19 +57,16 @@ class FirstTokenStop:
 def make_cache(model: Any, variant: str, budget: int) -> Any:
     from transformers import DynamicCache
 
-    import hf_ropekv
-
     if variant == "dynamic":
         return DynamicCache(config=model.config)
     options = dict(static=False) if variant == "ropekv_eager" else {}
-    return hf_ropekv.RopeKVCache(model, budget=budget, protect_prompt=False, **options)
+    return common.import_hf_ropekv().RopeKVCache(model, budget=budget, protect_prompt=False, **options)
 
 
 def first_token(model: Any, variant: str, prompt: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import StoppingCriteriaList
 
     from hf_ropekv._compat import cache_kwarg
-
     from hf_ropekv.model.attention import GROUPED_SDPA
 
     if variant == "dynamic" and model.config._attn_implementation == GROUPED_SDPA:
@@ -103,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.shape, args.budget, args.context = "tiny", 32, 64
     common.apply_run_args(args)
+    common.import_hf_ropekv()  # the installed package, or this checkout's (before anything imports from it)
     device = common.run_device(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)
