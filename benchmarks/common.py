@@ -446,6 +446,15 @@ def run_generate(
 
 
 # ---------------------------------------------------------------------------------------------- model calls
+def stock_sdpa(model: torch.nn.Module) -> None:
+    """Give ``model`` transformers' own sdpa back: a static RopeKVCache switches an sdpa model to hf_ropekv's
+    grouped-query sdpa (``hf_ropekv.model.attention``) for the model's lifetime, which other caches must not get."""
+    from hf_ropekv.model.attention import GROUPED_SDPA
+
+    if model.config._attn_implementation == GROUPED_SDPA:
+        model.config._attn_implementation = "sdpa"
+
+
 def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any, kwarg: str) -> torch.Tensor:
     """One forward over ``input_ids`` with ``cache``; returns the next greedy token of every row, ``[B, 1]``."""
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})

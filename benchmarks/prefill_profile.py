@@ -67,10 +67,9 @@ def first_token(model: Any, variant: str, prompt: torch.Tensor, args: argparse.N
     from transformers import StoppingCriteriaList
 
     from hf_ropekv._compat import cache_kwarg
-    from hf_ropekv.model.attention import GROUPED_SDPA
 
-    if variant == "dynamic" and model.config._attn_implementation == GROUPED_SDPA:
-        model.config._attn_implementation = "sdpa"  # a static RopeKVCache switched it; DynamicCache gets the stock one
+    if variant == "dynamic":
+        common.stock_sdpa(model)
     stop = FirstTokenStop(prompt.device)
     sync = torch.cuda.synchronize if prompt.device.type == "cuda" else (lambda: None)
     sync()

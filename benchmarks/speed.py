@@ -87,7 +87,6 @@ import common
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import RopeKVCache  # noqa: E402
 from hf_ropekv._compat import cache_kwarg  # noqa: E402
-from hf_ropekv.model.attention import GROUPED_SDPA  # noqa: E402  (the name a static cache switches sdpa to)
 
 STEM = "speed"
 ALL_VARIANTS = "dynamic,static,ropekv,ropekv_static"
@@ -140,8 +139,7 @@ def _stock_sdpa(make: Callable[[Bench, int], Any]) -> Callable[[Bench, int], Any
     sdpa (``hf_ropekv.model.attention``), which the other variants must not get."""
 
     def make_with_stock_sdpa(bench: Bench, prompt_len: int) -> Any:
-        if bench.model.config._attn_implementation == GROUPED_SDPA:
-            bench.model.config._attn_implementation = "sdpa"
+        common.stock_sdpa(bench.model)
         return make(bench, prompt_len)
 
     return make_with_stock_sdpa

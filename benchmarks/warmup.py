@@ -237,23 +237,15 @@ def child_setup(args: argparse.Namespace, batch_backend: str = "eager") -> Child
     return Child(args, device, dtype, model, cache_kwarg(model), build_s, compile_config, hf_ropekv)
 
 
-def stock_sdpa(child: Child) -> None:
-    """A static RopeKVCache switched the model to hf_ropekv's grouped sdpa: other caches get transformers' own."""
-    from hf_ropekv.model.attention import GROUPED_SDPA
-
-    if child.model.config._attn_implementation == GROUPED_SDPA:
-        child.model.config._attn_implementation = "sdpa"
-
-
 def make_cache(child: Child, variant: str, max_cache_len: int | None = None, **options: Any) -> Any:
     from transformers import DynamicCache, StaticCache
 
     a = child.args
     if variant == "dynamic":
-        stock_sdpa(child)
+        common.stock_sdpa(child.model)
         return DynamicCache(config=child.model.config)
     if variant == "static":
-        stock_sdpa(child)
+        common.stock_sdpa(child.model)
         return StaticCache(config=child.model.config, max_cache_len=max_cache_len)
     if variant == "ropekv_static":
         options = dict(options, static=True)
