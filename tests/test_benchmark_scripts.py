@@ -388,3 +388,42 @@ def test_warmup_e2e_rounds_alternate_the_order_and_give_each_round_its_ratio(tmp
                     "e2e_ropekv_default_r1.log", "e2e_warm.log"]
     markdown = (tmp_path / "results.md").read_text()
     assert "round by round" in markdown and markdown.count("| 1 | ") == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_graphed_step_probe_sees_one_input_signature_for_every_decode_step(arch: str) -> None:
+    """``graphed_step_probe.py`` replays one CUDA graph per input signature and cache. That is sound only while a
+    static cache's decode steps all come with the same signature (shapes, strides, the mask's structure, every
+    non-tensor value), also across compactions and with sliding-window layers: otherwise it would record a graph
+    every step (the probe's first H200 run did, until the per-layer-type mask dict was flattened). Checked here
+    on the CPU through the same chain as on the GPU (the cache's ``get_compiled_call`` wrapper, then the probe's)."""
+    import torch
+    from transformers import CompileConfig
+
+    import hf_ropekv
+    from conftest import cache_kw, tiny_model
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import graphed_step_probe as probe
+
+    model = tiny_model(arch, attn_implementation="eager" if arch == "gemma2" else None)
+    seen: list[tuple] = []
+
+    def step(*args, **kwargs):  # stands in for GraphedForward: records the signature, runs the step eagerly
+        seen.append((probe.signature(args, kwargs), len(probe.tensors(args, kwargs))))
+        static_args, static_kwargs = probe.clone_inputs(args, kwargs)
+        assert [t.data_ptr() for t in probe.tensors(static_args, static_kwargs)] != [
+            t.data_ptr() for t in probe.tensors(args, kwargs)]
+        return model(*args, **kwargs)
+
+    model.get_compiled_call = lambda *a, **k: step  # set before the cache: its wrapper chains to it
+    cache = hf_ropekv.RopeKVCache(model, budget=16, compress_every=4, static=True, protect_prompt=False)
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True
+    ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                   compile_config=config, **cache_kw(model, cache))
+    assert len(seen) == 11 and cache.num_compactions >= 2
+    assert len({signature for signature, _ in seen}) == 1, "a decode step changed its input signature"
+    assert seen[0][1] >= 3  # ids, positions and the slot mask are tensors the graph copies in
