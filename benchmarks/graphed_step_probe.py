@@ -13,9 +13,10 @@ How the probe wires it (no library change): before the cache is built, ``model.g
 it where they would call the compiled forward (multi-token forwards stay eager, as with compile). It runs
 ``model(...)`` with ``model.forward`` swapped for the replay, so the model's hooks (the cache's step preparation)
 run eagerly each step, as they do around a compiled step. The first step of a new input signature or cache runs
-eagerly (its real result) and is then recorded with ``torch.compiler.is_compiling`` reporting True, so that the
-library and transformers take their compile-time paths (device scalars for the clock, no host syncs, no eager-only
-checks).
+eagerly (its real result) and is then recorded. During the capture hf_ropekv takes its compile-time paths (device
+scalars for the step clock, no eager-only checks: ``hf_ropekv.storage.buffers.step_is_recorded`` sees the capture),
+and transformers' mask code treats a capturing stream as tracing. The first runs (``--patch-is-compiling``) made
+``torch.compiler.is_compiling`` report True during the capture instead, process-wide.
 
 One process, in order: eager static steps (the reference tokens), graphed steps (same tokens?, step time),
 compiled static steps (generate's inductor + CUDA graphs, cold unless torch's caches are warm), and end to end,
@@ -48,8 +49,9 @@ _MISSING = object()
 class GraphedForward:
     """Replays a model's decode steps from CUDA graphs of its eager forward, one graph per input signature and cache."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, patch_is_compiling: bool = False) -> None:
         self.model = model
+        self.patch_is_compiling = patch_is_compiling
         self.graphs: dict[Any, Any] = {}
         self.recorded = 0
         self.record_s: list[float] = []
@@ -95,8 +97,9 @@ class GraphedForward:
             static_args, static_kwargs = clone_inputs(args, kwargs)
         graph = torch.cuda.CUDAGraph()
         is_compiling = torch.compiler.is_compiling
-        torch.compiler.is_compiling = lambda: True  # the library's and transformers' traced paths
-        try:
+        if self.patch_is_compiling:  # every torch.compile path of hf_ropekv and transformers, process-wide
+            torch.compiler.is_compiling = lambda: True
+        try:  # else hf_ropekv sees the capture itself (storage.buffers.step_is_recorded), transformers' masks too
             with torch.cuda.graph(graph, stream=stream):
                 static_output = real(*static_args, **static_kwargs)
         finally:
@@ -154,6 +157,9 @@ def main() -> int:
     p.add_argument("--e2e-tokens", type=int, default=2000)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--parts", default="eager,graphed,compiled,e2e")
+    p.add_argument("--patch-is-compiling", action="store_true",
+                   help="record with torch.compiler.is_compiling() reporting True (the first runs' way; since "
+                        "the library asks storage.buffers.step_is_recorded, which sees a capture, not needed)")
     p.add_argument("--commit", default=None)
     args = p.parse_args()
     out = Path(args.out)
@@ -210,7 +216,7 @@ def main() -> int:
     reference = None
     if "eager" in parts:  # the static cache's step without compile: the reference tokens
         reference = run("ropekv_static_eager", ropekv(), args.tokens, disable_compile=True)
-    graphed = GraphedForward(model)
+    graphed = GraphedForward(model, patch_is_compiling=args.patch_is_compiling)
     model.get_compiled_call = lambda *a, **k: graphed  # the cache's get_compiled_call wrapper chains to it
     if "graphed" in parts:
         tokens = run("ropekv_static_graphed", ropekv(), args.tokens)

@@ -433,3 +433,35 @@ def test_temporary_arena_hides_no_garbage(monkeypatch) -> None:
     monkeypatch.setattr(torch, "empty", poisoned)
     out = generate(model, RopeKVCache(model, **options, static=True), ids, mask, new=20)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_a_step_captured_into_a_cuda_graph_reads_the_clock_like_a_compiled_one(monkeypatch) -> None:
+    """A decode step recorded as a CUDA graph of the eager forward (``benchmarks/graphed_step_probe.py``) replays
+    whatever host values its recording read: it must get the step clock's device scalars, as a compiled step
+    does, and skip the eager announce check (its eager run consumed the announce). The capture is simulated
+    here (CPU): ``step_is_recorded`` is what every such branch of the library asks."""
+    from hf_ropekv.storage import buffers
+
+    model = tiny_model("qwen3")
+    cache = RopeKVCache(model, budget=16, compress_every=4, static=True, protect_prompt=False)
+    ids = torch.randint(3, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    generate(model, cache, ids, torch.ones_like(ids), new=6, disable_compile=True)
+    seen = cache.get_seq_length()
+    assert not buffers.step_is_recorded() and isinstance(seen, int) and isinstance(cache.get_query_offset(), int)
+    assert torch.compile(buffers.step_is_recorded, backend="eager", fullgraph=True)() is True
+
+    monkeypatch.setattr(buffers, "_CUDA_BUILT", True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert buffers.step_is_recorded()
+    first_slot, seen_before = cache._static_driver.clock_on_first_device()
+    assert cache.get_seq_length() is seen_before and cache.get_query_offset() is first_slot
+    # The capture's run of the forward comes after the eager run consumed the announce: not refused as another
+    # model's forward (what the check says of an unannounced forward while a model runs).
+    from hf_ropekv.cache import forward as coordination
+
+    monkeypatch.setattr(coordination, "_running_model_class", lambda: type(model))
+    cache.coordinator.announced = False
+    layer = cache.coordinator.full_layers[0]
+    k = torch.randn(1, model.config.num_key_value_heads, 1, model.config.head_dim)
+    layer.update(k, torch.randn_like(k))

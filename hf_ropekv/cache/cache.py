@@ -20,7 +20,7 @@ from ..eviction.compactor import Compactor
 from ..hooks.attach import ModelAttachment
 from ..model.geometry import ModelGeometry, describe, shared_geometry
 from ..scorers.base import Scorer
-from ..storage.buffers import BufferLease, BufferPool
+from ..storage.buffers import BufferLease, BufferPool, step_is_recorded
 from .forward import ForwardCoordinator
 from . import auto_static, footprint
 from .layers import CANNOT_CROP, BudgetedLayer, make_layers
@@ -477,19 +477,20 @@ class RopeKVCache(Cache):
     # ------------------------------------------------------------------ static: the compiled step's clock
     def get_query_offset(self, layer_idx: int = 0) -> Any:
         """The first new token's slot in the arena (static; its position in the mask's causal part), else the
-        tokens seen. A compiled step gets a device scalar, so it never specialises on a changing int."""
+        tokens seen. A compiled step gets a device scalar, so it never specialises on a changing int; so does a step
+        captured into a CUDA graph, which would otherwise bake this step's int into every replay."""
         driver = self._static_driver
         if driver is None:
             return self.get_seq_length(layer_idx)
         layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
         if isinstance(layer, StaticWindowLayer):
             return layer.query_offset()  # its part of the mask: a constant from one decoding step to the next
-        if torch.compiler.is_compiling():
+        if step_is_recorded():
             return driver.clock_on_first_device()[0]
         return driver.query_offset
 
     def get_seq_length(self, layer_idx: int = 0) -> Any:
-        if self._static_driver is not None and torch.compiler.is_compiling():
+        if self._static_driver is not None and step_is_recorded():
             return self._static_driver.clock_on_first_device()[1]  # a device scalar: see get_query_offset
         attachment = self._attachment
         if attachment is not None and attachment.detached:  # hf_ropekv.detach(model) took its hooks off

@@ -15,6 +15,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .. import _compat
 from ..model.geometry import FULL, ModelGeometry
+from ..storage.buffers import step_is_recorded
 from ..storage.paged import PagedKV
 from ..storage.static import StaticKV
 from .window import StaticWindowLayer
@@ -158,8 +159,9 @@ class StaticBudgetedLayer(BudgetedLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # A forward the cache's model did not announce (another model runs it) is refused here, eagerly: a compiled
         # step skips the check (is_compiling() folds to a constant, so it adds no guard on the flag), and the
-        # model's pre-hook, which runs eagerly before every compiled step, announced that one.
-        if not torch.compiler.is_compiling() and self._cache.coordinator.full_layers[0] is self:
+        # model's pre-hook, which runs eagerly before every compiled step, announced that one. (A step recorded as a
+        # CUDA graph skips it too: the hook announced it, and its eager run consumed the announce.)
+        if not step_is_recorded() and self._cache.coordinator.full_layers[0] is self:
             self._cache.coordinator.check_announced()
         if not self.is_initialized:  # the cache could not allocate before the forward: the arena's shape is known now
             self.initialize(key_states, value_states, self.kv_length)

@@ -142,6 +142,18 @@ def static_buffer(lease: BufferLease | None, purpose: Hashable, shape: tuple[int
     return tensor
 
 
+_CUDA_BUILT = torch.backends.cuda.is_built()  # a CPU-only torch has no capture to ask about (its call raises)
+
+
+def step_is_recorded() -> bool:
+    """Whether the running forward is recorded to be replayed, not run once: traced by ``torch.compile``, or
+    captured into a CUDA graph. Such a step must read its per-step values from the static buffers (a host int
+    would be baked in) and skip the eager checks of host state. Asks about a capture only where CUDA is in use."""
+    if torch.compiler.is_compiling():
+        return True
+    return _CUDA_BUILT and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def mark_static(*tensors: torch.Tensor) -> None:
     """Mark tensors that a compiled step mutates in place as static addresses: CUDA graphs are used only when
     every tensor a step mutates is one (marking is an eager-time act; inside a trace it is skipped)."""
