@@ -18,8 +18,11 @@ scalars for the step clock, no eager-only checks: ``hf_ropekv.storage.buffers.st
 and transformers' mask code treats a capturing stream as tracing. The first runs (``--patch-is-compiling``) made
 ``torch.compiler.is_compiling`` report True during the capture instead, process-wide.
 
+The library now has the executor itself (``RopeKVCache(..., cuda_graphs=True)``,
+``hf_ropekv.hooks.graphed_step``); the parts ``graphed_lib`` and ``e2e_lib`` run it.
+
 One process, in order: eager static steps (the reference tokens), graphed steps (same tokens?, step time),
-compiled static steps (generate's inductor + CUDA graphs, cold unless torch's caches are warm), and end to end,
+the library's option, compiled static steps (generate's inductor + CUDA graphs, cold unless torch's caches are warm), and end to end,
 ``--e2e-tokens`` with the graphed step against ``DynamicCache`` eager.
 
     python benchmarks/graphed_step_probe.py --out DIR [--shape qwen3-8b] [--tokens 256] [--e2e-tokens 2000]
@@ -156,7 +159,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256, help="new tokens of the eager / graphed / compiled comparison")
     p.add_argument("--e2e-tokens", type=int, default=2000)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--parts", default="eager,graphed,compiled,e2e")
+    p.add_argument("--parts", default="eager,graphed,compiled,e2e",
+                   help="of eager, graphed (the probe's executor), graphed_lib (RopeKVCache(cuda_graphs=True)), "
+                        "e2e (graphed and DynamicCache), e2e_lib (static='auto', cuda_graphs=True), compiled")
     p.add_argument("--patch-is-compiling", action="store_true",
                    help="record with torch.compiler.is_compiling() reporting True (the first runs' way; since "
                         "the library asks storage.buffers.step_is_recorded, which sees a capture, not needed)")
@@ -230,6 +235,19 @@ def main() -> int:
             if tokens2 is not None:
                 result["runs"]["ropekv_static_graphed_second_cache"].update(
                     recorded=graphed.recorded, tokens_equal_first=bool(torch.equal(tokens2, tokens)))
+    if "graphed_lib" in parts:  # the library's executor: RopeKVCache(..., cuda_graphs=True)
+        tokens = run("ropekv_static_cuda_graphs_option", ropekv(cuda_graphs=True), args.tokens)
+        if tokens is not None:
+            executor = vars(model)["get_compiled_call"].graphed
+            result["runs"]["ropekv_static_cuda_graphs_option"].update(
+                recordings=executor.recordings,
+                tokens_equal_eager=None if reference is None else bool(torch.equal(tokens, reference)))
+    if "e2e_lib" in parts:  # static="auto" (the default) with cuda_graphs=True: goes static, records, replays
+        cache = hf_ropekv.RopeKVCache(model, budget=args.budget, compress_every=args.compress_every,
+                                      protect_prompt=False, cuda_graphs=True)
+        run("e2e_ropekv_auto_cuda_graphs_option", cache, args.e2e_tokens)
+        result["runs"]["e2e_ropekv_auto_cuda_graphs_option"].update(static=cache.static,
+                                                                    static_reason=cache.static_reason)
     if "e2e" in parts:
         run("e2e_ropekv_static_graphed", ropekv(), args.e2e_tokens)
         common.stock_sdpa(model)

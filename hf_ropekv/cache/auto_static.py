@@ -44,6 +44,13 @@ logger = logging.get_logger(__name__)
 #: takes effect at once.
 AUTO_STATIC_MIN_NEW_TOKENS = 1024
 
+#: :data:`AUTO_STATIC_MIN_NEW_TOKENS` for a cache with ``cuda_graphs=True``, whose static step needs no compile: its
+#: warm-up is one eager step and a capture. Measured on an H200 (Qwen3-8B shape, bf16, batch 1, 4K prompt, budget
+#: 2048, benchmarks/results/graphed_step_probe_2026-12-04): the first decode step took 0.21-0.24 s and later steps
+#: 13.4-13.7 ms, against 20-34 ms for the growing cache eager (README; 44-66 ms on slower hosts): paid back in
+#: about 20 tokens. 64 keeps a margin for slower GPUs.
+AUTO_GRAPHED_MIN_NEW_TOKENS = 64
+
 #: ``static_reason`` of an ``"auto"`` cache before its decision.
 PENDING = "auto: undecided until generate() asks whether to compile (before its first forward)"
 
@@ -83,8 +90,9 @@ def decide(cache: "RopeKVCache", model: Any, criteria: Callable[[dict, Any], boo
         cache._assemble(static=True)
         if criteria(model_kwargs, generation_config):
             device = getattr(getattr(model, "device", None), "type", None)
+            how = "replays the decode step as a CUDA graph" if cache.options.cuda_graphs else "compiles the decode step"
             cache._settle(True, f"auto: on {device}, max_new_tokens={new_tokens(model_kwargs, generation_config)} >= "
-                                f"{AUTO_STATIC_MIN_NEW_TOKENS}, generate() compiles the decode step")
+                                f"{min_new_tokens(cache)}, generate() {how}")
             return True
         cache._assemble(static=False)
         reason = "transformers would not compile this model's forward (quantization or offloading)"
@@ -103,11 +111,20 @@ def _eager_reason(cache: "RopeKVCache", model: Any, model_kwargs: dict[str, Any]
     device = getattr(getattr(model, "device", None), "type", None)
     if device != "cuda" and not getattr(compile_config, "_compile_all_devices", False):
         return f"the model is on {device}: generate() compiles the decode step on CUDA only"
-    wanted = new_tokens(model_kwargs, generation_config)
-    if wanted is None or wanted < AUTO_STATIC_MIN_NEW_TOKENS:
-        return (f"max_new_tokens={wanted} < {AUTO_STATIC_MIN_NEW_TOKENS} (AUTO_STATIC_MIN_NEW_TOKENS): too short to "
+    wanted, least = new_tokens(model_kwargs, generation_config), min_new_tokens(cache)
+    if wanted is None or wanted < least:
+        if cache.options.cuda_graphs:
+            return (f"max_new_tokens={wanted} < {least} (AUTO_GRAPHED_MIN_NEW_TOKENS): too short to pay back "
+                    "recording the CUDA graph")
+        return (f"max_new_tokens={wanted} < {least} (AUTO_STATIC_MIN_NEW_TOKENS): too short to "
                 "pay back the compile warm-up")
     return None
+
+
+def min_new_tokens(cache: "RopeKVCache") -> int:
+    """Fewest new tokens for which ``cache`` (``static="auto"``) goes static: the compile's threshold, or the CUDA
+    graph's with ``cuda_graphs=True``. Read at every call, so that changing either constant takes effect at once."""
+    return AUTO_GRAPHED_MIN_NEW_TOKENS if cache.options.cuda_graphs else AUTO_STATIC_MIN_NEW_TOKENS
 
 
 def log_decision(cache: "RopeKVCache") -> None:

@@ -56,6 +56,8 @@ class CacheOptions:
     # a static cache's compiled step serves every batch size (False: the first one; "auto": batch 1 alone until
     # the model compiles a step of more rows)
     dynamic_batch: bool | str = "auto"
+    # a static cache's decode steps replay a CUDA graph of the eager step instead of generate's compiled one
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -81,7 +83,12 @@ class CacheOptions:
                 f"static must be True (a fixed arena, compileable), False (a growing cache, eager) or \"auto\" (the "
                 f"default: compiled on CUDA for long generations, else eager); got {self.static!r}."
             )
-        for name in ("protect_prompt", "learn_workload"):
+        if self.cuda_graphs is True and self.static is False:
+            raise ValueError(
+                "cuda_graphs=True replays a static cache's decode step; this cache is static=False (growing, eager). "
+                "Pass static=True, or static=\"auto\" (the default)."
+            )
+        for name in ("protect_prompt", "learn_workload", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}.")
         if not (isinstance(self.dynamic_batch, bool) or self.dynamic_batch == "auto"):

@@ -70,6 +70,9 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         self.keys = self._buffer(WINDOW_KEYS, (*shape, self.k_head_dim), key_states.dtype)
         self.values = self._buffer(WINDOW_VALUES, (*shape, self.v_head_dim), value_states.dtype)
         self.cumulative_length = torch.tensor(self.cumulative_length_int, dtype=torch.int64, device=self.device)
+        # The last slot as a tensor index, made once: made in the step, it is a host-to-device copy each step,
+        # which a CUDA graph of the eager step (benchmarks/graphed_step_probe.py) cannot capture.
+        self._last_slot = torch.tensor([-1], dtype=torch.int64, device=self.device)
         self.is_initialized = True
 
     def _buffer(self, purpose: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +102,7 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         if key_states.shape[-2] == 1:
             # As transformers' own layer does for a full window: roll, write the last slot through a tensor index
             # (pytorch#159855), copy back in place (the static address a CUDA graph replays at).
-            index = torch.tensor([-1], dtype=torch.int64, device=self.keys.device)
+            index = self._last_slot
             keys, values = self.keys.roll(-1, dims=-2), self.values.roll(-1, dims=-2)
             keys[:, :, index] = key_states
             values[:, :, index] = value_states

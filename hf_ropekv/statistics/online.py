@@ -456,6 +456,12 @@ class OnlineStatistics:
         self.flush()
         return [*self._sums.values(), *self._counts.values(), *self._feed.rows.values()]
 
+    def step_tensors(self) -> list[torch.Tensor]:
+        """Every table a static decoding step reads or updates in place (sums, counts, learning rows, the prompt's
+        tables), as they are now: a CUDA graph of the step holds their addresses (``hooks.graphed_step``)."""
+        tables = (self._sums, self._counts, self._feed.rows, self._prompt_sums, self._prompt_counts)
+        return [tensor for table in tables for tensor in table.values()]
+
     # ------------------------------------------------------------------ batch reshuffles (beam search, expansion)
     def select_batch(self, index: torch.Tensor) -> None:
         self.flush()

@@ -119,6 +119,10 @@ class BufferLease:
         dims = ((tensor, batch_dim(purpose)) for purpose, tensor in self._held)
         return [(tensor, dim) for tensor, dim in dims if dim is not None]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer this lease holds now."""
+        return [tensor for _, tensor in self._held]
+
     def give_back(self, tensor: torch.Tensor | None) -> None:
         """Return a buffer this lease holds (the cache was reset); other tensors are ignored."""
         for i, (purpose, held) in enumerate(self._held):

@@ -1,0 +1,173 @@
+"""A static cache's decode step replayed from a CUDA graph of the eager forward: fast decoding with no compile.
+
+generate compiles a static cache's decode step (``torch.compile``: dynamo's trace, inductor's kernels, CUDA graphs).
+That costs a warm-up of seconds to a minute per process (README, "Warm-up"). But the step needs no compiler to be
+replayed: it reads only the cache's static buffers (arenas, step clock, statistics; ``storage.buffers``) and gets
+every per-step value through generate's inputs (ids, positions, the slot mask the cache builds before the step).
+So with ``RopeKVCache(..., cuda_graphs=True)`` the first decode step of a cache runs eagerly (its real result) and
+is then captured as a CUDA graph; later steps copy their inputs into the captured ones and replay it. The graph runs
+eager's own kernels, so the tokens equal the eager static cache's. Measured on an H200
+(``benchmarks/results/graphed_step_probe_2026-12-04``): recording 0.12-0.15 s against 8-60 s of compile, steps
+about 9 % slower than compiled ones (no fusion).
+
+:class:`GraphedDecodeStep` stands where generate would call its compiled forward (``hooks.generate_methods``), one per
+model. It calls ``model(...)`` with ``model.forward`` swapped for the replay, so the model's hooks (the cache's step
+preparation, a compaction every ``compress_every`` steps) still run eagerly around every step. A graph is kept per
+cache and input signature (shapes, strides, the structure of the inputs, every other value) and the addresses of the
+tensors the cache's step reads (``RopeKVCache._recorded_step_tensors``); it goes when its cache goes. Off CUDA, or
+when a capture fails, the steps run eagerly, with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..warnings import warn
+
+_MISSING = object()
+#: Graphs one cache may record (one per input signature: a batch size, a mask layout); past it, the signature is
+#: changing from step to step, and replaying would mean recording at every step: the cache then decodes eagerly.
+MAX_GRAPHS_PER_CACHE = 8
+
+
+class _Recorded:
+    """One captured decode step: the graph, the inputs it reads from and the output it writes."""
+
+    __slots__ = ("graph", "inputs", "output")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], output: Any) -> None:
+        self.graph, self.inputs, self.output = graph, inputs, output
+
+    def replay(self, inputs: list[torch.Tensor]) -> Any:
+        for recorded, new in zip(self.inputs, inputs):
+            recorded.copy_(new)
+        self.graph.replay()
+        # Fresh tensors out: the next replay overwrites the graph's own output.
+        return type(self.output)(**{name: _clone(value) for name, value in self.output.items()})
+
+
+class _CacheGraphs:
+    """The graphs of one cache, or why it decodes eagerly (``refused``)."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple, _Recorded] = {}
+        self.refused: str | None = None
+
+
+class GraphedDecodeStep:
+    """generate's decode-step forward for a cache with ``cuda_graphs=True`` (one per model; see the module docstring).
+
+    ``recordings`` counts the graphs captured (all caches), for tests and benchmarks.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model_ref = weakref.ref(model)
+        self._caches: dict[int, _CacheGraphs] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.recordings = 0
+
+    def __call__(self, cache: Any, /, *args: Any, **kwargs: Any) -> Any:
+        # (positional-only: transformers >= 5.24 passes the cache to the forward as ``cache=``)
+        model = self._model_ref()
+        if model is None:
+            raise ReferenceError("The model of this hf_ropekv graphed decode step no longer exists.")
+        previous = model.__dict__.get("forward", _MISSING)  # an instance forward (another library's wrapper) or none
+        inner = previous if previous is not _MISSING else types.MethodType(type(model).forward, model)
+        model.forward = functools.partial(self._forward, cache, inner)  # model.__call__'s hooks stay eager
+        try:
+            return model(*args, **kwargs)
+        finally:
+            if previous is _MISSING:
+                model.__dict__.pop("forward", None)
+            else:
+                model.forward = previous
+
+    def graphs_of(self, cache: Any) -> int:
+        """How many graphs ``cache`` holds now."""
+        state = self._caches.get(id(cache))
+        return 0 if state is None else len(state.graphs)
+
+    def _forward(self, cache: Any, inner: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        state = self._state_of(cache)
+        inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        device = inputs[0].device if inputs else torch.device("cpu")
+        if state.refused is None and device.type != "cuda":
+            self._refuse(state, f"the model runs on {device.type}; CUDA graphs need CUDA")
+        if state.refused is not None:
+            return inner(*args, **kwargs)
+        key = (_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()))
+        recorded = state.graphs.get(key)
+        if recorded is not None:
+            return recorded.replay(inputs)
+        if len(state.graphs) >= MAX_GRAPHS_PER_CACHE:
+            self._refuse(state, f"its decode steps came with {MAX_GRAPHS_PER_CACHE + 1} different input signatures "
+                                "(shapes, strides or values), so every step would record a graph")
+            return inner(*args, **kwargs)
+        return self._record(state, key, inner, args, kwargs, device)
+
+    def _state_of(self, cache: Any) -> _CacheGraphs:
+        state = self._caches.get(id(cache))
+        if state is None:
+            state = self._caches[id(cache)] = _CacheGraphs()
+            weakref.finalize(cache, self._caches.pop, id(cache), None)  # the graphs (and their memory) go with it
+        return state
+
+    def _record(self, state: _CacheGraphs, key: tuple, inner: Callable[..., Any], args: tuple, kwargs: dict,
+                device: torch.device) -> Any:
+        """Run the step eagerly (its result, and the warm-up a capture needs), then capture it on the same stream."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            output = inner(*args, **kwargs)
+            recorded_args, recorded_kwargs = pytree.tree_map(_clone, (args, kwargs))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # hf_ropekv's static paths see the capture (storage.buffers.step_is_recorded), transformers' masks too
+            with torch.cuda.graph(graph, stream=stream):
+                recorded_output = inner(*recorded_args, **recorded_kwargs)
+        except Exception as err:  # noqa: BLE001 - whatever the model does that a capture refuses: decode eagerly
+            self._refuse(state, f"capturing its decode step failed ({type(err).__name__}: {err})")
+            return output
+        finally:
+            current.wait_stream(stream)
+        recorded_inputs = [leaf for leaf in pytree.tree_leaves((recorded_args, recorded_kwargs))
+                           if isinstance(leaf, torch.Tensor)]
+        state.graphs[key] = _Recorded(graph, recorded_inputs, recorded_output)
+        self.recordings += 1
+        return output
+
+    @staticmethod
+    def _refuse(state: _CacheGraphs, reason: str) -> None:
+        state.refused = reason
+        warn(f"hf_ropekv: this RopeKVCache(cuda_graphs=True) decodes eagerly: {reason}.")
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What a graph is valid for: the inputs' structure (a mask may come as a dict per layer type), each tensor's
+    shape, dtype, device and strides, and every other value (objects, the cache among them, by identity)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), value.dtype, value.device, value.stride())
+        return value if isinstance(value, (int, float, str, bool, type(None))) else ("id", id(value))
+
+    return str(spec), tuple(one(leaf) for leaf in leaves)
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_clone(item) for item in value)
+    return value

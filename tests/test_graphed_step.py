@@ -1,0 +1,168 @@
+"""``RopeKVCache(cuda_graphs=True)``: a static cache's decode step replayed from a CUDA graph of the eager forward
+(``hf_ropekv.hooks.graphed_step``), no compile.
+
+On the CPU: the option's checks, the eager fallback off CUDA, the ``static="auto"`` threshold, and the property the
+replay rests on: a static decode step reads no tensor besides its inputs, the model's weights and the tensors the
+executor keys its graphs by (``RopeKVCache._recorded_step_tensors``). On CUDA (``-m gpu``): the eager static
+cache's tokens, one recording per cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import CompileConfig
+
+from conftest import padded_batch, tiny_model
+from hf_ropekv import HfRopeKVWarning, RopeKVCache
+from hf_ropekv._compat import cache_kwarg
+from hf_ropekv.cache import auto_static
+
+BUDGET, EVERY = 16, 4
+
+
+def generate(model, cache, ids, mask, new, **kwargs) -> torch.Tensor:
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, **{cache_kwarg(model): cache}, **kwargs)
+    return out[:, ids.shape[1]:]
+
+
+def compile_everywhere() -> CompileConfig:
+    """generate's compile config, on the CPU too (it compiles on accelerators only by default)."""
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+def graphed_steps(model):
+    """The model's graphed decode-step executor (on its get_compiled_call wrapper)."""
+    return vars(model)["get_compiled_call"].graphed
+
+
+def test_cuda_graphs_needs_a_cache_that_can_be_static() -> None:
+    model = tiny_model("qwen3")
+    with pytest.raises(ValueError, match="cuda_graphs=True replays a static cache's decode step.*static=True"):
+        RopeKVCache(model, budget=BUDGET, static=False, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
+        RopeKVCache(model, budget=BUDGET, static=True, cuda_graphs="yes")
+
+
+def test_off_cuda_the_steps_run_eagerly_with_one_warning() -> None:
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(11, 6))
+    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask, 20,
+                        disable_compile=True)
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, cuda_graphs=True)
+    with pytest.warns(HfRopeKVWarning, match="decodes eagerly: the model runs on cpu") as caught:
+        tokens = generate(model, cache, ids, mask, 20, compile_config=compile_everywhere())
+    assert len([w for w in caught if issubclass(w.category, HfRopeKVWarning)]) == 1
+    torch.testing.assert_close(tokens, expected, atol=0, rtol=0)
+    assert graphed_steps(model).recordings == 0 and cache.num_compactions >= 2
+
+
+@pytest.mark.parametrize("cuda_graphs, new, static", [
+    (True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, True),
+    (True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS - 1, False),
+    (False, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, False),  # compiling needs AUTO_STATIC_MIN_NEW_TOKENS
+])
+def test_auto_goes_static_from_far_fewer_tokens_with_cuda_graphs(cuda_graphs, new, static, caplog) -> None:
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9,))
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, cuda_graphs=cuda_graphs)
+    # static here: the CPU cannot capture, so its steps run eagerly (with a warning), as checked above
+    expect = pytest.warns(HfRopeKVWarning, match="runs on cpu") if static else contextlib.nullcontext()
+    with caplog.at_level(logging.INFO), expect:
+        generate(model, cache, ids, mask, new, compile_config=compile_everywhere())
+    assert cache.static is static
+    assert cache.static_reason.removeprefix("auto: ") in caplog.text  # the one INFO line says which and why
+    if static:
+        assert "replays the decode step as a CUDA graph" in cache.static_reason
+    elif cuda_graphs:
+        assert "AUTO_GRAPHED_MIN_NEW_TOKENS" in cache.static_reason
+    else:
+        assert "AUTO_STATIC_MIN_NEW_TOKENS" in cache.static_reason
+
+
+class _ReadsOutside(TorchDispatchMode):
+    """The storages every op reads that no op of the same forward made: what a captured graph reads by address."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[int] = set()
+        self.read: dict[int, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs or {})):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                address = t.untyped_storage().data_ptr()
+                if address not in self.made:
+                    self.read.setdefault(address, (tuple(t.shape), t.dtype, str(func)))
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.read:
+                self.made.add(t.untyped_storage().data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("arch, learn_workload", [("qwen3", False), ("qwen3", True), ("gemma2", False)])
+def test_a_static_decode_step_reads_only_its_inputs_weights_and_recorded_tensors(arch, learn_workload) -> None:
+    """A CUDA graph replays the addresses its capture read. The executor copies the step's inputs in and keys its
+    graphs by the addresses of ``_recorded_step_tensors()``; anything else the step read (a tensor the cache makes
+    anew for a step, a host value turned into a tensor) would be replayed stale. Every decode step, across
+    compactions, with left padding, sliding-window layers (Gemma 2) and the workload's learning rows."""
+    model = tiny_model(arch, attn_implementation="eager" if arch == "gemma2" else None)
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    outside: list[dict[int, tuple]] = []
+    fingerprints: list[tuple[int, ...]] = []
+
+    def step(*args, **kwargs):  # where the graphed executor stands: records what the eager step reads
+        cache = kwargs[cache_kwarg(model)]
+        allowed = weights | {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                             if isinstance(t, torch.Tensor)}
+        recorded = cache._recorded_step_tensors()
+        allowed |= {t.untyped_storage().data_ptr() for t in recorded}
+        fingerprints.append(tuple(t.data_ptr() for t in recorded))
+        with _ReadsOutside() as reads:
+            out = model(*args, **kwargs)
+        outside.append({address: what for address, what in reads.read.items() if address not in allowed})
+        return out
+
+    model.get_compiled_call = lambda *a, **k: step  # set before the cache: its wrapper chains to it
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, protect_prompt=False,
+                        learn_workload=learn_workload)
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(24, 17))
+    generate(model, cache, ids, mask, 12, compile_config=compile_everywhere())
+    assert len(outside) == 11 and cache.num_compactions >= 2
+    assert outside == [{}] * 11, outside[0]
+    assert len(set(fingerprints)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_graphed_steps_give_the_eager_static_tokens_on_cuda(arch) -> None:
+    """CUDA: the graph replays eager's kernels, so the tokens equal the eager static cache's exactly, across
+    compactions, with padding and (Gemma 2) sliding-window layers; one recording per cache, a new one for a new
+    cache; a second generate() continuing the same cache replays its graph."""
+    model = tiny_model(arch, attn_implementation="eager" if arch == "gemma2" else None).cuda()
+    ids, mask = (t.cuda() for t in padded_batch(model.config.vocab_size, lengths=(11, 6, 3)))
+    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask, 40,
+                        disable_compile=True)
+    for round_ in range(2):
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, cuda_graphs=True)
+        tokens = generate(model, cache, ids, mask, 40)
+        torch.testing.assert_close(tokens, expected, atol=0, rtol=0)
+        assert graphed_steps(model).graphs_of(cache) == 1 and graphed_steps(model).recordings == round_ + 1
+        assert cache.num_compactions >= 8
+    # The same cache, continued (prompt reuse): the eager static cache continued gives the reference.
+    reference = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+    generate(model, reference, ids, mask, 40, disable_compile=True)
+    more = torch.cat([ids, expected], dim=1)
+    more_mask = torch.cat([mask, torch.ones_like(expected)], dim=1)
+    expected_more = generate(model, reference, more, more_mask, 10, disable_compile=True)
+    torch.testing.assert_close(generate(model, cache, more, more_mask, 10), expected_more, atol=0, rtol=0)
+    assert graphed_steps(model).recordings == 2
