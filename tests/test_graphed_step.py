@@ -18,8 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import CompileConfig
 
-from conftest import padded_batch, tiny_model
-from hf_ropekv import HfRopeKVWarning, RopeKVCache
+from conftest import ARCHS, padded_batch, tiny_model
+from test_model_families import NAMES as FAMILY_NAMES, family_model
+from hf_ropekv import HfRopeKVWarning, KeyNormScorer, RopeKVCache
 from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.cache import auto_static
 
@@ -109,13 +110,10 @@ class _ReadsOutside(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("arch, learn_workload", [("qwen3", False), ("qwen3", True), ("gemma2", False)])
-def test_a_static_decode_step_reads_only_its_inputs_weights_and_recorded_tensors(arch, learn_workload) -> None:
-    """A CUDA graph replays the addresses its capture read. The executor copies the step's inputs in and keys its
-    graphs by the addresses of ``_recorded_step_tensors()``; anything else the step read (a tensor the cache makes
-    anew for a step, a host value turned into a tensor) would be replayed stale. Every decode step, across
-    compactions, with left padding, sliding-window layers (Gemma 2) and the workload's learning rows."""
-    model = tiny_model(arch, attn_implementation="eager" if arch == "gemma2" else None)
+def _reads_outside(model, **options) -> tuple[list[dict[int, tuple]], list[tuple[int, ...]], RopeKVCache]:
+    """Run 12 greedy tokens of a left-padded batch with a static cache, each decode step eagerly under
+    :class:`_ReadsOutside` where the graphed executor would stand; per step, what it read besides its inputs, the
+    model's weights and ``_recorded_step_tensors()``, and those tensors' addresses."""
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     outside: list[dict[int, tuple]] = []
     fingerprints: list[tuple[int, ...]] = []
@@ -133,10 +131,37 @@ def test_a_static_decode_step_reads_only_its_inputs_weights_and_recorded_tensors
         return out
 
     model.get_compiled_call = lambda *a, **k: step  # set before the cache: its wrapper chains to it
-    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, protect_prompt=False,
-                        learn_workload=learn_workload)
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, protect_prompt=False, **options)
     ids, mask = padded_batch(model.config.vocab_size, lengths=(24, 17))
     generate(model, cache, ids, mask, 12, compile_config=compile_everywhere())
+    return outside, fingerprints, cache
+
+
+@pytest.mark.parametrize("arch, options", [
+    *[(arch, {}) for arch in ARCHS],
+    ("qwen3", {"learn_workload": True}),  # the workload's learning rows, updated in the step
+    ("qwen3", {"scorer": KeyNormScorer()}),  # no query statistics in the step
+    ("gemma3_text", {"learn_workload": True}),
+])
+@pytest.mark.filterwarnings("ignore:budget=16 evicts nothing")  # mistral_sliding: every layer slides
+def test_a_static_decode_step_reads_only_its_inputs_weights_and_recorded_tensors(arch, options) -> None:
+    """A CUDA graph replays the addresses its capture read. The executor copies the step's inputs in and keys its
+    graphs by the addresses of ``_recorded_step_tensors()``; anything else the step read (a tensor the cache makes
+    anew for a step, a host value turned into a tensor) would be replayed stale. Every decode step, across
+    compactions, with left padding, on every test architecture (sliding-window layers among them), with the
+    workload's learning rows and with a scorer that needs no queries."""
+    outside, fingerprints, cache = _reads_outside(tiny_model(arch), **options)
+    assert len(outside) == 11
+    assert cache.num_compactions >= 2 or not cache.coordinator.full_layers  # (an all-sliding model evicts nothing)
+    assert outside == [{}] * 11, outside[0]
+    assert len(set(fingerprints)) == 1
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_every_rope_family_reads_only_its_inputs_weights_and_recorded_tensors(name) -> None:
+    """The same on every RoPE family of ``test_model_families`` (fused QKV, partial rotary, interleaved pairs, one
+    rotary call per tensor, sinks)."""
+    outside, fingerprints, cache = _reads_outside(family_model(name))
     assert len(outside) == 11 and cache.num_compactions >= 2
     assert outside == [{}] * 11, outside[0]
     assert len(set(fingerprints)) == 1
