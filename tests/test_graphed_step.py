@@ -66,6 +66,19 @@ def test_off_cuda_the_steps_run_eagerly_with_one_warning() -> None:
     assert graphed_steps(model).recordings == 0 and cache.num_compactions >= 2
 
 
+def test_a_model_over_several_devices_is_not_captured() -> None:
+    """A capture records one device's stream: layers on another device would run once while capturing, never at
+    replay. Such a model (``device_map``) decodes eagerly; so does one on the CPU. (Checked on the rule itself:
+    this machine has one device; a meta lm_head stands in for the second.)"""
+    from hf_ropekv.hooks.graphed_step import _not_capturable
+
+    model = tiny_model("qwen3")
+    assert "runs on cpu" in _not_capturable(model, torch.device("cpu"))
+    assert _not_capturable(model, torch.device("cuda")) is None  # (the rule only: one device, no ranks)
+    model.lm_head.to("meta")
+    assert "spans 2 devices (cpu, meta)" in _not_capturable(model, torch.device("cuda"))
+
+
 @pytest.mark.parametrize("cuda_graphs, new, static", [
     (True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, True),
     (True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS - 1, False),

@@ -14,8 +14,8 @@ about 9 % slower than compiled ones (no fusion).
 model. It calls ``model(...)`` with ``model.forward`` swapped for the replay, so the model's hooks (the cache's step
 preparation, a compaction every ``compress_every`` steps) still run eagerly around every step. A graph is kept per
 cache and input signature (shapes, strides, the structure of the inputs, every other value) and the addresses of the
-tensors the cache's step reads (``RopeKVCache._recorded_step_tensors``); it goes when its cache goes. Off CUDA, or
-when a capture fails, the steps run eagerly, with one warning.
+tensors the cache's step reads (``RopeKVCache._recorded_step_tensors``); it goes when its cache goes. Off CUDA, for a
+model spread over devices or ranks, or when a capture fails, the steps run eagerly, with one warning.
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ class GraphedDecodeStep:
         state = self._state_of(cache)
         inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         device = inputs[0].device if inputs else torch.device("cpu")
-        if state.refused is None and device.type != "cuda":
-            self._refuse(state, f"the model runs on {device.type}; CUDA graphs need CUDA")
+        if state.refused is None and not state.graphs:  # before a cache's first recording
+            reason = _not_capturable(self._model_ref(), device)
+            if reason is not None:
+                self._refuse(state, reason)
         if state.refused is not None:
             return inner(*args, **kwargs)
         key = (_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()))
@@ -150,6 +152,20 @@ class GraphedDecodeStep:
     def _refuse(state: _CacheGraphs, reason: str) -> None:
         state.refused = reason
         warn(f"hf_ropekv: this RopeKVCache(cuda_graphs=True) decodes eagerly: {reason}.")
+
+
+def _not_capturable(model: nn.Module, device: torch.device) -> str | None:
+    """Why this model's decode step cannot be captured as one CUDA graph, or None. A capture records the work of
+    one device's stream: layers on another device (``device_map``), or collectives of other ranks (tensor
+    parallelism), would run once during the capture and never again at replay."""
+    if device.type != "cuda":
+        return f"the model runs on {device.type}; CUDA graphs need CUDA"
+    devices = {str(p.device) for p in model.parameters()}
+    if len(devices) > 1:
+        return f"the model spans {len(devices)} devices ({', '.join(sorted(devices))}); a CUDA graph holds one"
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return "the model runs distributed (tensor parallelism); CUDA graphs of it are untried"
+    return None
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
