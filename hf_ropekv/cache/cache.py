@@ -116,8 +116,9 @@ class RopeKVCache(Cache):
             replay it (``hf_ropekv.hooks.graphed_step``). No compile warm-up (the capture took 0.12-0.15 s on an
             H200 against 8-60 s of compile for a Qwen3-8B shape), the tokens of the eager static cache, steps
             about 9 % slower than compiled ones (13.7 against 12.6 ms at batch 1). A ``static="auto"`` cache then
-            goes static from ``auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS`` new tokens. Off CUDA, or where a capture
-            fails, the steps run eagerly (one warning). Needs ``static=True`` or ``"auto"``.
+            goes static from ``auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS`` new tokens. Off CUDA, for a model over
+            several devices or ranks, or where a capture fails, the steps run eagerly (one warning). Needs
+            ``static=True`` or ``"auto"``.
 
     The defaults (per-layer selection, a recent window of 32, online statistics with a half-life of 128, shrunk
     toward the layer's head average by 256 queries) are the best of the variants measured on free-running GSM8K
