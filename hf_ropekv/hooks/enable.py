@@ -137,7 +137,7 @@ def enable(model: ModelT, budget: int | None = None, *, stats: Any = None, **opt
         **options: any other keyword of :class:`RopeKVCache`: ``compress_every``, ``page_size``, ``window``,
             ``sink``, ``protect_prompt``, ``scorer``, ``selection``, ``seed``, ``learn_workload``,
             ``prior_tokens``, ``stats_half_life``, ``stats_prompt_weight``, ``stats_head_shrink``, ``static``,
-            ``dynamic_batch``
+            ``dynamic_batch``, ``cuda_graphs``
             (with ``learn_workload=True`` the calls of an enabled model learn its workload statistics: see
             ``hf_ropekv.workload_statistics``). ``scorer`` may be a scorer
             (shared by all calls) or a zero-argument callable returning one (called once per cache).
