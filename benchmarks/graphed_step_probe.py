@@ -22,7 +22,8 @@ The library now has the executor itself (``RopeKVCache(..., cuda_graphs=True)``,
 ``hf_ropekv.hooks.graphed_step``); the parts ``graphed_lib`` and ``e2e_lib`` run it.
 
 One process, in order: eager static steps (the reference tokens), graphed steps (same tokens?, step time),
-the library's option, compiled static steps (generate's inductor + CUDA graphs, cold unless torch's caches are warm), and end to end,
+the library's option, compiled static steps (generate's inductor + CUDA graphs, cold unless torch's caches are
+warm), and end to end,
 ``--e2e-tokens`` with the graphed step against ``DynamicCache`` eager.
 
     python benchmarks/graphed_step_probe.py --out DIR [--shape qwen3-8b] [--tokens 256] [--e2e-tokens 2000]
@@ -45,6 +46,11 @@ import torch.utils._pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
+common.import_hf_ropekv()
+# The signature and the cloning the library's executor uses (hf_ropekv.hooks.graphed_step): the probe's own
+# executor below is the one the first runs used, kept to reproduce them.
+from hf_ropekv.hooks.graphed_step import clone_tensors as clone, input_signature as signature  # noqa: E402
 
 _MISSING = object()
 
@@ -111,33 +117,12 @@ class GraphedForward:
         return output, (graph, static_args, static_kwargs, static_output)
 
 
-def signature(args: tuple, kwargs: dict) -> tuple:
-    """What a recorded graph is valid for: the inputs' structure (a mask may come as a dict per layer type), each
-    tensor's shape, dtype, device and strides, every other value (objects, the cache among them, by identity)."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-
-    def one(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return ("tensor", tuple(value.shape), value.dtype, value.device, value.stride())
-        return value if isinstance(value, (int, float, str, bool, type(None))) else ("id", id(value))
-
-    return str(spec), tuple(one(leaf) for leaf in leaves)
-
-
 def tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
 
 
 def clone_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, (args, kwargs))
-
-
-def clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, tuple):
-        return tuple(clone(v) for v in value)
-    return value
+    return pytree.tree_map(clone, (args, kwargs))
 
 
 def step_stats(steps_ms: list[float]) -> dict[str, Any]:
@@ -202,12 +187,14 @@ def main() -> int:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                                min_new_tokens=new_tokens, do_sample=False,
+                                logits_processor=LogitsProcessorList([clock]),
                                 **{kwarg: cache}, **generate_kwargs)
         torch.cuda.synchronize()
         total = time.perf_counter() - t0
         steps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
-        row = dict(total_s=total, time_to_first_token_s=clock.stamps[0] - t0, new_tokens=tokens.shape[1] - prompt.shape[1],
+        row = dict(total_s=total, time_to_first_token_s=clock.stamps[0] - t0,
+                   new_tokens=tokens.shape[1] - prompt.shape[1],
                    **step_stats(steps), peak_allocated=torch.cuda.max_memory_allocated())
         result["runs"][name] = row
         print(name, json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)

@@ -50,7 +50,7 @@ class _Recorded:
             recorded.copy_(new)
         self.graph.replay()
         # Fresh tensors out: the next replay overwrites the graph's own output.
-        return type(self.output)(**{name: _clone(value) for name, value in self.output.items()})
+        return type(self.output)(**{name: clone_tensors(value) for name, value in self.output.items()})
 
 
 class _CacheGraphs:
@@ -104,7 +104,7 @@ class GraphedDecodeStep:
                 self._refuse(state, reason)
         if state.refused is not None:
             return inner(*args, **kwargs)
-        key = (_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()))
+        key = (input_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()))
         recorded = state.graphs.get(key)
         if recorded is not None:
             return recorded.replay(inputs)
@@ -131,7 +131,7 @@ class GraphedDecodeStep:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             output = inner(*args, **kwargs)
-            recorded_args, recorded_kwargs = pytree.tree_map(_clone, (args, kwargs))
+            recorded_args, recorded_kwargs = pytree.tree_map(clone_tensors, (args, kwargs))
         graph = torch.cuda.CUDAGraph()
         try:
             # hf_ropekv's static paths see the capture (storage.buffers.step_is_recorded), transformers' masks too
@@ -163,12 +163,13 @@ def _not_capturable(model: nn.Module, device: torch.device) -> str | None:
     devices = {str(p.device) for p in model.parameters()}
     if len(devices) > 1:
         return f"the model spans {len(devices)} devices ({', '.join(sorted(devices))}); a CUDA graph holds one"
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_world_size() > 1:
         return "the model runs distributed (tensor parallelism); CUDA graphs of it are untried"
     return None
 
 
-def _signature(args: tuple, kwargs: dict) -> tuple:
+def input_signature(args: tuple, kwargs: dict) -> tuple:
     """What a graph is valid for: the inputs' structure (a mask may come as a dict per layer type), each tensor's
     shape, dtype, device and strides, and every other value (objects, the cache among them, by identity)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -181,9 +182,11 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
     return str(spec), tuple(one(leaf) for leaf in leaves)
 
 
-def _clone(value: Any) -> Any:
+def clone_tensors(value: Any) -> Any:
+    """``value`` with every tensor in it (alone or in a tuple) cloned: the inputs a graph keeps, the outputs a
+    replay hands out."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, tuple):
-        return tuple(_clone(item) for item in value)
+        return tuple(clone_tensors(item) for item in value)
     return value
