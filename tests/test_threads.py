@@ -98,3 +98,29 @@ def test_a_prepared_static_step_that_never_runs_does_not_block_another_thread() 
     assert not thread.is_alive(), "another thread's generate() waited for a step that never ran"
     assert torch.equal(result[0], serial)
     assert torch.equal(_generate(model, prompts[1], RopeKVCache(model, **OPTIONS, static=True)), serial)
+
+
+def test_two_threads_with_cuda_graphs_caches_get_their_serial_tokens() -> None:
+    """``cuda_graphs=True`` routes the model's forward to the graphed executor while a step runs
+    (``hooks.graphed_step``): only the calling thread's step may take that route, and the model must get its own
+    forward back after. Here (CPU) the executor runs each step eagerly, through the same route."""
+    from transformers import CompileConfig
+
+    model = tiny_model("llama")
+    prompts = _prompts()
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # generate hands the decode steps to the executor on the CPU too
+
+    def run(prompt: torch.Tensor) -> torch.Tensor:
+        cache = RopeKVCache(model, **OPTIONS, static=True, cuda_graphs=True)
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                              pad_token_id=0, compile_config=config, **{_compat.cache_kwarg(model): cache})
+
+    with pytest.warns(hf_ropekv.HfRopeKVWarning, match="decodes eagerly: the model runs on cpu"):
+        serial = [run(prompt) for prompt in prompts]
+    for _ in range(3):
+        with pytest.warns(hf_ropekv.HfRopeKVWarning, match="runs on cpu"):
+            got = _in_two_threads(lambda i: run(prompts[i]))
+        for mine, want in zip(got, serial):
+            assert torch.equal(mine, want)
+    assert "forward" not in vars(model)

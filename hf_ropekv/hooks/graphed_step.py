@@ -11,8 +11,9 @@ eager's own kernels, so the tokens equal the eager static cache's. Measured on a
 about 9 % slower than compiled ones (no fusion).
 
 :class:`GraphedDecodeStep` stands where generate would call its compiled forward (``hooks.generate_methods``), one per
-model. It calls ``model(...)`` with ``model.forward`` swapped for the replay, so the model's hooks (the cache's step
-preparation, a compaction every ``compress_every`` steps) still run eagerly around every step. A graph is kept per
+model. It calls ``model(...)`` with ``model.forward`` routed to the replay (for the calling thread only; another
+thread's forward meanwhile runs the real one), so the model's hooks (the cache's step preparation, a compaction every
+``compress_every`` steps) still run eagerly around every step. A graph is kept per
 cache and input signature (shapes, strides, the structure of the inputs, every other value) and the addresses of the
 tensors the cache's step reads (``RopeKVCache._recorded_step_tensors``); it goes when its cache goes. Off CUDA, for a
 model spread over devices or ranks, or when a capture fails, the steps run eagerly, with one warning.
@@ -21,6 +22,7 @@ model spread over devices or ranks, or when a capture fails, the steps run eager
 from __future__ import annotations
 
 import functools
+import threading
 import types
 import weakref
 from typing import Any, Callable
@@ -72,22 +74,55 @@ class GraphedDecodeStep:
         self._caches: dict[int, _CacheGraphs] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.recordings = 0
+        # model.forward is routed through _route while any thread runs a step here; each thread's own step (its
+        # cache) is in _local, so another thread's forward of the model meanwhile runs the real forward.
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._active = 0
+        self._previous: Any = _MISSING
 
     def __call__(self, cache: Any, /, *args: Any, **kwargs: Any) -> Any:
         # (positional-only: transformers >= 5.24 passes the cache to the forward as ``cache=``)
         model = self._model_ref()
         if model is None:
             raise ReferenceError("The model of this hf_ropekv graphed decode step no longer exists.")
-        previous = model.__dict__.get("forward", _MISSING)  # an instance forward (another library's wrapper) or none
-        inner = previous if previous is not _MISSING else types.MethodType(type(model).forward, model)
-        model.forward = functools.partial(self._forward, cache, inner)  # model.__call__'s hooks stay eager
+        self._route_forward(model, on=True)
+        self._local.cache = cache
         try:
-            return model(*args, **kwargs)
+            return model(*args, **kwargs)  # its hooks run eagerly, around _route
         finally:
-            if previous is _MISSING:
-                model.__dict__.pop("forward", None)
-            else:
-                model.forward = previous
+            self._local.cache = None
+            self._route_forward(model, on=False)
+
+    def _route_forward(self, model: nn.Module, on: bool) -> None:
+        """Put ``model.forward`` through :meth:`_route` while at least one step runs; then give back what it had (an
+        instance forward, such as another library's wrapper, or the class's)."""
+        with self._lock:
+            if on:
+                self._active += 1
+                if self._active == 1:
+                    self._previous = model.__dict__.get("forward", _MISSING)
+                    previous = self._previous
+                    real = previous if previous is not _MISSING else types.MethodType(type(model).forward, model)
+                    # The real forward is bound into the route: a forward that picked the route up just before it
+                    # was taken off still reaches it.
+                    route = functools.partial(self._route, real)
+                    route.__wrapped__ = real  # generate checks its kwargs against the forward's signature
+                    model.forward = route
+                return
+            self._active -= 1
+            if self._active == 0:
+                if self._previous is _MISSING:
+                    model.__dict__.pop("forward", None)
+                else:
+                    model.forward = self._previous
+                self._previous = _MISSING
+
+    def _route(self, real: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        cache, self._local.cache = getattr(self._local, "cache", None), None  # one step per call
+        if cache is None:  # another thread's forward, or one this step did not start
+            return real(*args, **kwargs)
+        return self._forward(cache, real, *args, **kwargs)
 
     def graphs_of(self, cache: Any) -> int:
         """How many graphs ``cache`` holds now."""
