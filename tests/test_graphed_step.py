@@ -79,6 +79,39 @@ def test_a_model_over_several_devices_is_not_captured() -> None:
     assert "spans 2 devices (cpu, meta)" in _not_capturable(model, torch.device("cuda"))
 
 
+def test_a_recorded_step_keeps_no_reference_to_its_cache() -> None:
+    """The graphs live until their cache is freed (a finalizer drops them), so a graph's kept output must not hold
+    the cache (``past_key_values``): the cache, its buffers and its graphs would live as long as the model. A replay
+    hands out fresh tensors and the running cache. (A stand-in graph: recording needs CUDA.)"""
+    import weakref
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from hf_ropekv.hooks.graphed_step import _Recorded
+
+    class Graph:
+        replays = 0
+
+        def replay(self) -> None:
+            Graph.replays += 1
+
+    class Cache:
+        pass
+
+    cache, logits, step_input = Cache(), torch.randn(1, 1, 8), torch.randn(1, 1)
+    recorded = _Recorded(Graph(), [step_input.clone()], CausalLMOutputWithPast(logits=logits, past_key_values=cache),
+                         cache)
+    other = Cache()
+    new_input = torch.randn(1, 1)
+    out = recorded.replay([new_input], other)
+    assert Graph.replays == 1 and torch.equal(recorded.inputs[0], new_input)
+    assert out.past_key_values is other
+    assert torch.equal(out.logits, logits) and out.logits.data_ptr() != logits.data_ptr()
+    gone = weakref.ref(cache)
+    del cache
+    assert gone() is None  # by reference counting alone
+
+
 @pytest.mark.parametrize("cuda_graphs, new, static", [
     (True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, True),
     (True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS - 1, False),

@@ -40,19 +40,27 @@ MAX_GRAPHS_PER_CACHE = 8
 
 
 class _Recorded:
-    """One captured decode step: the graph, the inputs it reads from and the output it writes."""
+    """One captured decode step: the graph, the inputs it reads from and the output it writes.
 
-    __slots__ = ("graph", "inputs", "output")
+    The output is kept without the cache it names (``past_key_values``): the graphs live until their cache goes,
+    so a reference to the cache from here would keep it, its buffers and its graphs alive for the model's life.
+    A replay puts the running cache back in (the graph is the cache's own: the key names it).
+    """
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], output: Any) -> None:
-        self.graph, self.inputs, self.output = graph, inputs, output
+    __slots__ = ("graph", "inputs", "output_type", "fields", "cache_fields")
 
-    def replay(self, inputs: list[torch.Tensor]) -> Any:
+    def __init__(self, graph: Any, inputs: list[torch.Tensor], output: Any, cache: Any) -> None:
+        self.graph, self.inputs, self.output_type = graph, inputs, type(output)
+        self.cache_fields = tuple(name for name, value in output.items() if value is cache)
+        self.fields = {name: value for name, value in output.items() if value is not cache}
+
+    def replay(self, inputs: list[torch.Tensor], cache: Any) -> Any:
         for recorded, new in zip(self.inputs, inputs):
             recorded.copy_(new)
         self.graph.replay()
         # Fresh tensors out: the next replay overwrites the graph's own output.
-        return type(self.output)(**{name: clone_tensors(value) for name, value in self.output.items()})
+        fields = {name: clone_tensors(value) for name, value in self.fields.items()}
+        return self.output_type(**fields, **{name: cache for name in self.cache_fields})
 
 
 class _CacheGraphs:
@@ -142,7 +150,7 @@ class GraphedDecodeStep:
         key = (input_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()))
         recorded = state.graphs.get(key)
         if recorded is not None:
-            return recorded.replay(inputs)
+            return recorded.replay(inputs, cache)
         if len(state.graphs) >= MAX_GRAPHS_PER_CACHE:
             self._refuse(state, f"its decode steps came with {MAX_GRAPHS_PER_CACHE + 1} different input signatures "
                                 "(shapes, strides or values), so every step would record a graph")
@@ -179,7 +187,7 @@ class GraphedDecodeStep:
             current.wait_stream(stream)
         recorded_inputs = [leaf for leaf in pytree.tree_leaves((recorded_args, recorded_kwargs))
                            if isinstance(leaf, torch.Tensor)]
-        state.graphs[key] = _Recorded(graph, recorded_inputs, recorded_output)
+        state.graphs[key] = _Recorded(graph, recorded_inputs, recorded_output, cache)
         self.recordings += 1
         return output
 
