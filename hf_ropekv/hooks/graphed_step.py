@@ -86,6 +86,7 @@ class GraphedDecodeStep:
         # cache) is in _local, so another thread's forward of the model meanwhile runs the real forward.
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._recording = threading.Lock()
         self._active = 0
         self._previous: Any = _MISSING
 
@@ -155,7 +156,8 @@ class GraphedDecodeStep:
             self._refuse(state, f"its decode steps came with {MAX_GRAPHS_PER_CACHE + 1} different input signatures "
                                 "(shapes, strides or values), so every step would record a graph")
             return inner(*args, **kwargs)
-        return self._record(state, key, inner, args, kwargs, device)
+        with self._recording:  # one capture at a time: they share the side stream
+            return self._record(state, key, inner, args, kwargs, device)
 
     def _state_of(self, cache: Any) -> _CacheGraphs:
         state = self._caches.get(id(cache))
@@ -178,7 +180,9 @@ class GraphedDecodeStep:
         graph = torch.cuda.CUDAGraph()
         try:
             # hf_ropekv's static paths see the capture (storage.buffers.step_is_recorded), transformers' masks too
-            with torch.cuda.graph(graph, stream=stream):
+            # thread_local: the capture forbids unsafe CUDA calls (a sync, a cudaMalloc) in this thread only, so
+            # another thread decoding on the same GPU meanwhile is not broken by it
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 recorded_output = inner(*recorded_args, **recorded_kwargs)
         except Exception as err:  # noqa: BLE001 - whatever the model does that a capture refuses: decode eagerly
             self._refuse(state, f"capturing its decode step failed ({type(err).__name__}: {err})")
