@@ -107,6 +107,11 @@ def static_init_shape(model: Any, num_layers: int) -> tuple[list[int], list[int]
     """Per decoder layer, the ``(kv heads, head_dim)`` of its keys on this rank, as transformers itself works them
     out to initialise a ``StaticCache`` before a compiled prefill (ints on 5.17, per-layer lists on newer
     versions); ``None`` where it cannot tell (layers on several devices, MLA, uneven tensor-parallel shards)."""
+    if getattr(getattr(model, "config", None), "model_type", None) == "falcon":
+        # transformers' helper reads the config's num_key_value_heads, which is not what Falcon's attention hands
+        # the cache on every version (multi-query: 1 head, config: every head, on 5.17; the new architecture up to
+        # 5.24: its keys broadcast to every query head): the arenas are then sized at the prefill, from the keys.
+        return None
     get_shape = getattr(model, "_get_static_cache_init_shape", None)
     shape = get_shape() if callable(get_shape) else None
     if shape is None:

@@ -212,6 +212,20 @@ def test_default_scorer_evicts_within_bound(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_static_cache_gives_the_growing_caches_tokens(name: str) -> None:
+    """``static=True`` (a fixed arena, sized before the first forward where transformers can tell the heads) keeps
+    what the growing cache keeps, on every family. On transformers 5.17 multi-query Falcon's arena was sized from
+    the config's head count, not the one head its attention hands the cache, and the first write failed."""
+    model = family_model(name)
+    ids, mask = padded_batch(128, lengths=(12, 9, 6))
+    with torch.no_grad():
+        growing = _generate(model, RopeKVCache(model, budget=20, compress_every=8, static=False), ids, mask, 30)
+        static_cache = RopeKVCache(model, budget=20, compress_every=8, static=True)
+        static = _generate(model, static_cache, ids, mask, 30)
+    assert torch.equal(static, growing) and static_cache.num_compactions >= 1
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_geometry_heads_are_what_the_cache_receives(name: str) -> None:
     """KV heads of the geometry = heads of the keys handed to the cache (Falcon broadcasts in its new layout)."""
     model = family_model(name)

@@ -20,6 +20,7 @@ function unchanged. It is registered as the attention implementation
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -106,11 +107,24 @@ def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
         return "sdpa"  # switched already (by this model's hooks, or, for a copy of a model, by the original's)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return None
-    if geometry.num_kv_heads == geometry.num_q_heads:
+    if geometry.num_kv_heads == geometry.num_q_heads or not _dispatches_by_name(model):
         return None
     _compat.register_attention(GROUPED_SDPA, grouped_sdpa)
     config._attn_implementation = GROUPED_SDPA
     return "sdpa"
+
+
+def _dispatches_by_name(model: nn.Module) -> bool:
+    """Whether the model's attention looks its function up by the implementation's name (transformers'
+    ``ALL_ATTENTION_FUNCTIONS``). Some do not: Falcon on transformers 5.17 tests ``_attn_implementation == "sdpa"``
+    itself, and under another name takes its eager path, which adds the boolean sdpa mask to its scores."""
+    from .capture import find_attention_modules
+
+    try:
+        forward = type(find_attention_modules(model)[0]).forward
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(forward)
+    except (ValueError, OSError, TypeError):
+        return False
 
 
 def restore_attention(model: nn.Module, previous: str | None) -> None:
