@@ -51,6 +51,7 @@ common.import_hf_ropekv()
 # The signature and the cloning the library's executor uses (hf_ropekv.hooks.graphed_step): the probe's own
 # executor below is the one the first runs used, kept to reproduce them.
 from hf_ropekv.hooks.graphed_step import clone_tensors as clone, input_signature as signature  # noqa: E402
+from hf_ropekv.hooks.graphed_step import tensor_leaves as tensors  # noqa: E402
 
 _MISSING = object()
 
@@ -115,10 +116,6 @@ class GraphedForward:
             torch.compiler.is_compiling = is_compiling
         torch.cuda.current_stream().wait_stream(stream)
         return output, (graph, static_args, static_kwargs, static_output)
-
-
-def tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    return [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
 
 
 def clone_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -110,8 +110,7 @@ class GraphedDecodeStep:
             if on:
                 self._active += 1
                 if self._active == 1:
-                    self._previous = model.__dict__.get("forward", _MISSING)
-                    previous = self._previous
+                    self._previous = previous = model.__dict__.get("forward", _MISSING)
                     real = previous if previous is not _MISSING else types.MethodType(type(model).forward, model)
                     # The real forward is bound into the route: a forward that picked the route up just before it
                     # was taken off still reaches it.
@@ -140,14 +139,15 @@ class GraphedDecodeStep:
 
     def _forward(self, cache: Any, inner: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         state = self._state_of(cache)
-        inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if state.refused is not None:
+            return inner(*args, **kwargs)
+        inputs = tensor_leaves(args, kwargs)
         device = inputs[0].device if inputs else torch.device("cpu")
-        if state.refused is None and not state.graphs:  # before a cache's first recording
+        if not state.graphs:  # before a cache's first recording
             reason = _not_capturable(self._model_ref(), device)
             if reason is not None:
                 self._refuse(state, reason)
-        if state.refused is not None:
-            return inner(*args, **kwargs)
+                return inner(*args, **kwargs)
         key = (input_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()))
         recorded = state.graphs.get(key)
         if recorded is not None:
@@ -189,9 +189,7 @@ class GraphedDecodeStep:
             return output
         finally:
             current.wait_stream(stream)
-        recorded_inputs = [leaf for leaf in pytree.tree_leaves((recorded_args, recorded_kwargs))
-                           if isinstance(leaf, torch.Tensor)]
-        state.graphs[key] = _Recorded(graph, recorded_inputs, recorded_output, cache)
+        state.graphs[key] = _Recorded(graph, tensor_leaves(recorded_args, recorded_kwargs), recorded_output, cache)
         self.recordings += 1
         return output
 
@@ -227,6 +225,11 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
         return value if isinstance(value, (int, float, str, bool, type(None))) else ("id", id(value))
 
     return str(spec), tuple(one(leaf) for leaf in leaves)
+
+
+def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Every tensor of a forward's inputs, in :func:`input_signature`'s order: what a replay copies in."""
+    return [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
 
 
 def clone_tensors(value: Any) -> Any:
