@@ -46,9 +46,9 @@ AUTO_STATIC_MIN_NEW_TOKENS = 1024
 
 #: :data:`AUTO_STATIC_MIN_NEW_TOKENS` for a cache with ``cuda_graphs=True``, whose static step needs no compile: its
 #: warm-up is one eager step and a capture. Measured on an H200 (Qwen3-8B shape, bf16, batch 1, 4K prompt, budget
-#: 2048, benchmarks/results/graphed_step_probe_2026-12-04): the first decode step took 0.21-0.24 s and later steps
-#: 13.4-13.7 ms, against 20-34 ms for the growing cache eager (README; 44-66 ms on slower hosts): paid back in
-#: about 20 tokens. 64 keeps a margin for slower GPUs.
+#: 2048, benchmarks/results/graphed_step_probe_2026-12-04): the first decode step took 0.17-0.24 s and later steps
+#: 13.4-13.7 ms, against 20.6 ms for the growing cache eager (warmup_2026-12-03_64ecf86, above): paid back in
+#: about 35 tokens. 64 keeps a margin for slower GPUs.
 AUTO_GRAPHED_MIN_NEW_TOKENS = 64
 
 #: ``static_reason`` of an ``"auto"`` cache before its decision.
