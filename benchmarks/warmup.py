@@ -33,8 +33,9 @@ Qwen3-8B, bf16, sdpa with cuDNN off: benchmarks/README.md). Every ``RopeKVCache`
 - ``e2e``: a 2,000-token generation at 4K, batch 1, end to end (cache construction, prefill, compile, decode): one
   process warms the on-disk caches (a few tokens of each variant), then each variant runs in a fresh process of
   its own: ``RopeKVCache(model, budget=2048)`` with its default ``static`` (its ``static`` and, if the attribute
-  exists, ``static_reason`` are recorded), explicit ``static=True``, and ``DynamicCache`` eager. Ratios against
-  DynamicCache. ``--e2e-rounds N`` runs the variants N times, the order reversed every other round, and gives each
+  exists, ``static_reason`` and ``cuda_graphs`` are recorded), explicit ``static=True``, and ``DynamicCache`` eager.
+  Ratios against DynamicCache. The warming process runs only the timed variants. ``--e2e-cold`` first runs the
+  default cache end to end in a process with empty torch cache folders (inductor, Triton, CUDA): a fresh machine. ``--e2e-rounds N`` runs the variants N times, the order reversed every other round, and gives each
   round's ratio (the host drifts between processes: a ratio is taken between runs close in time).
 
 All parts share one folder of torch caches (``--cache-root``/warm, a temporary folder by default; the ``warmup``
@@ -109,7 +110,7 @@ LABELS = {
     "dynamic": "DynamicCache eager",
     "static": "StaticCache compiled",
     "ropekv_static": "RopeKVCache(static=True) compiled",
-    "ropekv_default": "RopeKVCache default static setting",
+    "ropekv_default": "RopeKVCache defaults (static, cuda_graphs)",
 }
 
 
@@ -136,7 +137,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per variant (profile, overhead)")
     p.add_argument("--e2e-new-tokens", type=int, default=2000)
     p.add_argument("--e2e-variants", default=",".join(E2E_VARIANTS),
-                   help="comma-separated subset timed end to end (the warming process runs all of them)")
+                   help="comma-separated subset timed end to end (the warming process runs these)")
+    p.add_argument("--e2e-cold", action="store_true",
+                   help="e2e: first the default RopeKVCache in a process with empty cache folders (a fresh machine)")
     p.add_argument("--e2e-rounds", type=int, default=1,
                    help="rounds of the timed e2e variants, each variant a fresh process per round, the order reversed "
                         "every other round (A B, B A, ...): the host's speed drifts between processes, so each "
@@ -550,7 +553,7 @@ def child_e2e(args: argparse.Namespace) -> None:
     prompt = random_prompt(child, 1, args.context)
     if args.mode == "warm":
         done = {}
-        for variant in E2E_VARIANTS:
+        for variant in args.e2e_variants:
             t0 = time.perf_counter()
             cache = make_cache(child, variant, max_cache_len=args.context + args.e2e_new_tokens + 8)
             generate(child, cache, prompt, 4, variant)
@@ -573,6 +576,7 @@ def child_e2e(args: argparse.Namespace) -> None:
         time_to_first_token_s=run["prefill_and_first_ms"] / 1e3, first_decode_step_s=steps[0] / 1e3 if steps else None,
         later_steps=step_summary(steps[1:]), static=getattr(cache, "static", None),
         static_reason=getattr(cache, "static_reason", "n/a: no such attribute"),
+        cuda_graphs=getattr(cache, "cuda_graphs", None),
         is_compileable=bool(getattr(cache, "is_compileable", False)), counters=cache_counters(before, counters()),
     ))
 
@@ -656,7 +660,12 @@ class Runner:
         return self.child("overhead", "overhead", None, self.warm_dir)
 
     def e2e(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(warm=self.child("e2e", "e2e_warm", "warm", self.warm_dir), rounds=[])
+        out: dict[str, Any] = {}
+        if self.args.e2e_cold:  # before anything filled the caches of this run: a fresh machine
+            fresh = self.cache_root / "e2e_fresh"
+            shutil.rmtree(fresh, ignore_errors=True)
+            out["cold"] = self.child("e2e", "e2e_ropekv_default_cold", "ropekv_default", fresh)
+        out.update(warm=self.child("e2e", "e2e_warm", "warm", self.warm_dir), rounds=[])
         rounds = self.args.e2e_rounds
         for round_ in range(rounds):
             order = self.args.e2e_variants if round_ % 2 == 0 else self.args.e2e_variants[::-1]
@@ -830,18 +839,22 @@ def render_e2e(part: dict[str, Any]) -> list[str]:
              "", "| round | cache | static (reason) | total s | tokens/s | TTFT s | first decode step s | "
                  "later step p50 ms | fxgraph hit / miss | DynamicCache total / this (same round) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for round_, (variants, ratio) in enumerate(zip(rounds, ratios)):
+    cold = {"ropekv_default": part["cold"]} if part.get("cold") else {}
+    for round_, (variants, ratio) in enumerate(zip([cold, *rounds], [{}, *ratios]) if cold else zip(rounds, ratios)):
+        round_ = "cold (empty caches)" if cold and round_ == 0 else round_ - bool(cold)
         for variant, row in variants.items():
             if row.get("error") or row.get("total_s") is None:
                 lines.append(f"| {round_} | {LABELS[variant]} | error: {str(row.get('error'))[:200]} |" + " |" * 7)
                 continue
             c = row["counters"]
+            graphs = ", CUDA graphs" if row.get("cuda_graphs") else ""
             lines.append(
-                f"| {round_} | {row['label']} | {row['static']} ({row['static_reason']}) | "
+                f"| {round_} | {row['label']} | {row['static']}{graphs} ({row['static_reason']}) | "
                 f"{_f(row['total_s'], '.1f')} | {_f(row['tokens_per_s'], '.1f')} | "
                 f"{_f(row['time_to_first_token_s'])} | {_f(row['first_decode_step_s'])} | "
                 f"{_f(row['later_steps']['p50_ms'])} | "
-                f"{c['inductor.fxgraph_cache_hit']} / {c['inductor.fxgraph_cache_miss']} | {_f(ratio.get(variant))}× |")
+                f"{c['inductor.fxgraph_cache_hit']} / {c['inductor.fxgraph_cache_miss']} | "
+                f"{_f(ratio.get(variant)) + '×' if ratio else 'n/a'} |")
     if len(rounds) > 1:
         for variant in rounds[0]:
             values = [r[variant] for r in ratios if variant in r]

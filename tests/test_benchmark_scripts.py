@@ -377,17 +377,19 @@ def test_warmup_e2e_rounds_alternate_the_order_and_give_each_round_its_ratio(tmp
     """--e2e-rounds 2: each variant runs once per round in a process of its own, the second round in reverse
     order (A B, B A), and each round's ratio divides that round's own DynamicCache total."""
     run_script("warmup.py", "--out", str(tmp_path), "--parts", "e2e", "--e2e-variants", "ropekv_default,dynamic",
-               "--e2e-rounds", "2")
+               "--e2e-rounds", "2", "--e2e-cold")
     part = json.loads((tmp_path / "results.json").read_text())["parts"]["e2e"]
+    assert part["cold"]["variant"] == "ropekv_default" and part["cold"]["new_tokens"] > 0  # --e2e-cold: first
     assert [list(r) for r in part["rounds"]] == [["ropekv_default", "dynamic"], ["dynamic", "ropekv_default"]]
     for variants, ratios in zip(part["rounds"], part["round_ratios"]):
         assert ratios["ropekv_default"] == variants["dynamic"]["total_s"] / variants["ropekv_default"]["total_s"]
     assert part["variants"] == part["rounds"][0] and part["vs_dynamic_total"] == part["round_ratios"][0]
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
-    assert logs == ["e2e_dynamic_r0.log", "e2e_dynamic_r1.log", "e2e_ropekv_default_r0.log",
-                    "e2e_ropekv_default_r1.log", "e2e_warm.log"]
+    assert logs == ["e2e_dynamic_r0.log", "e2e_dynamic_r1.log", "e2e_ropekv_default_cold.log",
+                    "e2e_ropekv_default_r0.log", "e2e_ropekv_default_r1.log", "e2e_warm.log"]
     markdown = (tmp_path / "results.md").read_text()
     assert "round by round" in markdown and markdown.count("| 1 | ") == 2
+    assert markdown.count("| cold (empty caches) | ") == 1 and markdown.count("| 0 | ") == 2
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2"])

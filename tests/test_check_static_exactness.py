@@ -8,6 +8,10 @@ compile again. On CUDA (``gpu``; bf16, inductor with CUDA graphs, cuDNN sdpa off
 static caches must agree, the second compiled call must repeat the first, and where compiled and eager part it
 must be at a near-tie of the eager run's logits: bf16 rounding differs between inductor's fused kernels and eager
 ones (on an H200 the recorded margins were 0.03-0.11, benchmarks/results/static_exactness_2026-12-01_06141d2).
+
+On CUDA the same models, scorers and batch sizes also run with their decode steps replayed as CUDA graphs of the
+eager step (``cuda_graphs=True``; the default cache's mode on one GPU, which the Qwen3-1.7B check runs as a user
+gets it): those replay eager's own kernels, so their tokens must equal the eager static cache's exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import cache_kwarg
 from conftest import padded_batch, tiny_model
 from test_check_exactness import QWEN3_1_7B, TINY_QWEN3, left_padded, random_qwen3
+from test_graphed_step import graphed_steps
 
 BF16_NEAR_TIE = 0.25  # a few bf16 ulps of logits around 10: what a different summation order can flip
 
@@ -62,6 +67,12 @@ def run_all(shape, dtype, device, batch, prompt, steps, budget, compress_every, 
     again, _ = generate(model, RopeKVCache(model, **options, static=True), ids, mask, steps, compile_config)
     assert graphs_after_first >= 1, "generate did not compile the static cache's decode step"
     assert counters["stats"]["unique_graphs"] == graphs_after_first, "a fresh static cache compiled again"
+    if device == "cuda":  # the default cache, as a user gets it: static="auto" and cuda_graphs="auto"
+        default_cache = RopeKVCache(model, **options)
+        default, _ = generate(model, default_cache, ids, mask, steps, CompileConfig())
+        assert default_cache.static and default_cache.cuda_graphs, default_cache.static_reason
+        assert graphed_steps(model).graphs_of(default_cache) == 1
+        assert torch.equal(default, eager), "the default cache's graphed steps gave other tokens than eager ones"
     return eager, scores, growing, compiled, again
 
 
@@ -126,7 +137,19 @@ def _compiled_matches_eager(model, ids, mask, options: dict, steps: int = 40, co
     assert torch.equal(outs[1], outs[0]), "a second compiled call gave other tokens"
     margins = divergence_margins(eager, scores, outs[0])
     assert all(m <= F32_NEAR_TIE for m in margins), f"compiled parted from eager at clear margins {margins}"
-    return counters["stats"]["unique_graphs"]
+    graphs = counters["stats"]["unique_graphs"]
+    _graphed_matches_static_eager(model, ids, mask, options, steps)
+    return graphs
+
+
+def _graphed_matches_static_eager(model, ids, mask, options: dict, steps: int) -> None:
+    """``cuda_graphs=True``: generate hands the decode steps to the graphed executor, which records one graph and
+    replays eager's own kernels, so the tokens equal the eager static cache's exactly (no near-tie allowance)."""
+    expected, _ = generate(model, RopeKVCache(model, **options, static=True), ids, mask, steps, None)
+    cache = RopeKVCache(model, **options, static=True, cuda_graphs=True)
+    got, _ = generate(model, cache, ids, mask, steps, CompileConfig(fullgraph=True))
+    assert cache.cuda_graphs and graphed_steps(model).graphs_of(cache) == 1
+    assert torch.equal(got, expected), "the graphed steps gave other tokens than the eager static cache"
 
 
 @pytest.mark.gpu
@@ -178,3 +201,16 @@ def test_compiles_per_batch_size_on_cuda(dynamic_batch, sizes, expected, determi
         assert all(m <= F32_NEAR_TIE for m in margins), f"batch {size}: parted from eager at {margins}"
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == expected, f"graphs after each batch size: {graphs}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_steps_for_every_batch_size_on_cuda(deterministic_sdpa) -> None:
+    """``cuda_graphs=True`` compiles nothing: one recording per cache at every batch size, 1 to 64 rows, each
+    giving the eager static cache's tokens exactly."""
+    model = _tiny_cuda("llama")
+    for size in (3, 2, 5, 1, 16, 64):
+        lengths = tuple(4 + (3 * row) % 7 for row in range(size))
+        ids, mask = _batch_on_cuda(model.config.vocab_size, lengths, seed=size)
+        _graphed_matches_static_eager(model, ids, mask, dict(budget=16, compress_every=4), 32)
+    assert graphed_steps(model).recordings == 6

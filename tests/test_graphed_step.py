@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 
 import pytest
 import torch
@@ -49,8 +50,9 @@ def test_cuda_graphs_needs_a_cache_that_can_be_static() -> None:
     model = tiny_model("qwen3")
     with pytest.raises(ValueError, match="cuda_graphs=True replays a static cache's decode step.*static=True"):
         RopeKVCache(model, budget=BUDGET, static=False, cuda_graphs=True)
-    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
+    with pytest.raises(ValueError, match="cuda_graphs must be True .*, False .* or \"auto\""):
         RopeKVCache(model, budget=BUDGET, static=True, cuda_graphs="yes")
+    assert not RopeKVCache(model, budget=BUDGET, static=False).cuda_graphs  # "auto" on a growing cache: nothing
 
 
 def test_off_cuda_the_steps_run_eagerly_with_one_warning() -> None:
@@ -70,13 +72,13 @@ def test_a_model_over_several_devices_is_not_captured() -> None:
     """A capture records one device's stream: layers on another device would run once while capturing, never at
     replay. Such a model (``device_map``) decodes eagerly; so does one on the CPU. (Checked on the rule itself:
     this machine has one device; a meta lm_head stands in for the second.)"""
-    from hf_ropekv.hooks.graphed_step import _not_capturable
+    from hf_ropekv.hooks.graphed_step import not_capturable
 
     model = tiny_model("qwen3")
-    assert "runs on cpu" in _not_capturable(model, torch.device("cpu"))
-    assert _not_capturable(model, torch.device("cuda")) is None  # (the rule only: one device, no ranks)
+    assert "runs on cpu" in not_capturable(model, torch.device("cpu"))
+    assert not_capturable(model, torch.device("cuda")) is None  # (the rule only: one device, no ranks)
     model.lm_head.to("meta")
-    assert "spans 2 devices (cpu, meta)" in _not_capturable(model, torch.device("cuda"))
+    assert "spans 2 devices (cpu, meta)" in not_capturable(model, torch.device("cuda"))
 
 
 def test_a_recorded_step_keeps_no_reference_to_its_cache() -> None:
@@ -112,27 +114,51 @@ def test_a_recorded_step_keeps_no_reference_to_its_cache() -> None:
     assert gone() is None  # by reference counting alone
 
 
-@pytest.mark.parametrize("cuda_graphs, new, static", [
-    (True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, True),
-    (True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS - 1, False),
-    (False, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, False),  # compiling needs AUTO_STATIC_MIN_NEW_TOKENS
+@pytest.mark.parametrize("cuda_graphs, on_one_gpu, new, static, graphs", [
+    (True, False, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, True, True),
+    (True, False, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS - 1, False, False),
+    (False, True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, False, False),  # compiling needs AUTO_STATIC_MIN_NEW_TOKENS
+    ("auto", True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, True, True),  # the default, on one CUDA device
+    ("auto", True, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS - 1, False, False),
+    ("auto", False, auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS, False, False),  # elsewhere generate would compile
 ])
-def test_auto_goes_static_from_far_fewer_tokens_with_cuda_graphs(cuda_graphs, new, static, caplog) -> None:
+def test_auto_goes_static_from_far_fewer_tokens_with_cuda_graphs(cuda_graphs, on_one_gpu, new, static, graphs,
+                                                                 caplog, monkeypatch) -> None:
+    """``static="auto"`` goes static from AUTO_GRAPHED_MIN_NEW_TOKENS where its steps replay graphs: with
+    ``cuda_graphs=True``, or the default ``"auto"`` where the model is on one CUDA device (here the CPU stands in
+    for it: ``not_capturable`` patched; off a single GPU the default would compile, from AUTO_STATIC_MIN_NEW_TOKENS)."""
     model = tiny_model("qwen3")
+    if on_one_gpu:
+        monkeypatch.setattr(auto_static, "not_capturable", lambda model, device: None)
     ids, mask = padded_batch(model.config.vocab_size, lengths=(9,))
     cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, cuda_graphs=cuda_graphs)
     # static here: the CPU cannot capture, so its steps run eagerly (with a warning), as checked above
     expect = pytest.warns(HfRopeKVWarning, match="runs on cpu") if static else contextlib.nullcontext()
     with caplog.at_level(logging.INFO), expect:
         generate(model, cache, ids, mask, new, compile_config=compile_everywhere())
-    assert cache.static is static
+    assert cache.static is static and cache.cuda_graphs is graphs
     assert cache.static_reason.removeprefix("auto: ") in caplog.text  # the one INFO line says which and why
     if static:
         assert "replays the decode step as a CUDA graph" in cache.static_reason
-    elif cuda_graphs:
+        assert "static, replaying CUDA graphs" in caplog.text
+    elif cuda_graphs is True or on_one_gpu and cuda_graphs == "auto":
         assert "AUTO_GRAPHED_MIN_NEW_TOKENS" in cache.static_reason
     else:
         assert "AUTO_STATIC_MIN_NEW_TOKENS" in cache.static_reason
+
+
+def test_an_explicit_static_cache_compiles_by_default() -> None:
+    """``static=True`` asked for a compileable cache: with the default ``cuda_graphs="auto"`` generate compiles its
+    decode steps (no graph executor, no recording); ``cuda_graphs=True`` hands them to the executor."""
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9,))
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
+    assert cache.static and not cache.cuda_graphs and cache.options.cuda_graphs == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HfRopeKVWarning)  # the executor would warn: "decodes eagerly: ... on cpu"
+        generate(model, cache, ids, mask, 8, compile_config=compile_everywhere())
+    assert graphed_steps(model).graphs_of(cache) == 0
+    assert RopeKVCache(model, budget=BUDGET, static=True, cuda_graphs=True).cuda_graphs
 
 
 class _ReadsOutside(TorchDispatchMode):

@@ -96,10 +96,11 @@ class RopeKVCache(Cache):
             eagerly between two compiled steps. Same tokens kept as ``static=False`` (tested). Sliding-window
             layers become transformers' static sliding-window layers (``hf_ropekv.cache.window``). Needs a budget
             and the model; not for scorers that recompute attention (SnapKV, H2O, R-KV: refused). ``False``: a
-            growing cache, always eager. ``"auto"`` (the default): eager, unless ``generate()`` would compile on CUDA a generation of at least
-            ``auto_static.AUTO_STATIC_MIN_NEW_TOKENS`` new tokens with a cache that can be static; then static
-            (``hf_ropekv.cache.auto_static``). ``cache.static`` says which it is, ``cache.static_reason`` why; the
-            decision is logged once at INFO level.
+            growing cache, always eager. ``"auto"`` (the default): eager, unless ``generate()`` would compile on
+            CUDA a generation long enough to pay back the static step's warm-up (``auto_static``: 64 new tokens where
+            the steps replay CUDA graphs, the default on one GPU; 1,024 where they compile), with a cache that can be
+            static; then static. ``cache.static`` says which it is, ``cache.static_reason`` why; the decision is
+            logged once at INFO level.
         dynamic_batch: for a static cache, whether the compiled decode step's batch dimension is dynamic. ``True``:
             one compilation serves every batch size (an eval loop whose last batch is smaller does not compile
             again), but a symbolic batch lengthens the warm-up (H200, Qwen3-8B shape, batch 1, three leases: cold
@@ -111,14 +112,15 @@ class RopeKVCache(Cache):
             server: the short warm-up), dynamic from its first compiled step of more rows on (an eval loop
             compiles once for all its batch sizes). Only a process that compiles batch 1 first and then a larger
             batch compiles twice.
-        cuda_graphs: for a static cache, decode without compiling: where ``generate()`` would call its compiled
-            forward, the cache's first decode step runs eagerly and is captured as a CUDA graph, and later steps
-            replay it (``hf_ropekv.hooks.graphed_step``). No compile warm-up (the capture took 0.12-0.15 s on an
-            H200 against 8-60 s of compile for a Qwen3-8B shape), the tokens of the eager static cache, steps
-            about 9 % slower than compiled ones (13.7 against 12.6 ms at batch 1). A ``static="auto"`` cache then
-            goes static from ``auto_static.AUTO_GRAPHED_MIN_NEW_TOKENS`` new tokens. Off CUDA, for a model over
-            several devices or ranks, or where a capture fails, the steps run eagerly (one warning). Needs
-            ``static=True`` or ``"auto"``.
+        cuda_graphs: how a static cache's decode steps run where ``generate()`` would call its compiled forward.
+            ``True``: without compiling: the cache's first decode step runs eagerly and is captured as a CUDA graph,
+            and later steps replay it (``hf_ropekv.hooks.graphed_step``). No compile warm-up (the capture took
+            0.12-0.15 s on an H200 against 8-60 s of compile for a Qwen3-8B shape), the tokens of the eager static
+            cache, steps about 9 % slower than compiled ones (13.5 against 12.6 ms at batch 1). Off CUDA, for a
+            model over several devices or ranks, or where a capture fails, the steps run eagerly (one warning).
+            Needs ``static=True`` or ``"auto"``. ``False``: generate compiles them (``torch.compile``).
+            ``"auto"`` (the default): graphs for a ``static="auto"`` cache whose model is on one CUDA device and
+            one rank, compiled otherwise (an explicit ``static=True`` included). ``cache.cuda_graphs`` says which.
 
     The defaults (per-layer selection, a recent window of 32, online statistics with a half-life of 128, shrunk
     toward the layer's head average by 256 queries) are the best of the variants measured on free-running GSM8K
@@ -148,7 +150,7 @@ class RopeKVCache(Cache):
         stats_prompt_weight: float = 1.0,
         stats_head_shrink: float = DEFAULT_HEAD_SHRINK,
         dynamic_batch: bool | str = "auto",
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | str = "auto",
     ) -> None:
         options = CacheOptions(budget, compress_every, page_size, window, sink, protect_prompt, selection, seed,
                                stats_half_life, static, learn_workload, prior_tokens,
@@ -178,6 +180,8 @@ class RopeKVCache(Cache):
         self._attachment = None
         self._static_pending = False  # an "auto" cache that generate() has not asked about yet
         self._static_reason = f"static={static}"
+        # whether static decode steps replay CUDA graphs: an "auto" cache's is settled with its mode (auto_static)
+        self._cuda_graphs_now = options.cuda_graphs is True
         if static == "auto":
             unsupported = auto_static.unsupported_reason(self, model)
             self._static_pending = unsupported is None
@@ -244,6 +248,13 @@ class RopeKVCache(Cache):
         """Whether the cache is static now (a fixed arena, compileable): ``static=True``, or ``"auto"`` once
         ``generate()`` decided to compile (``options.static`` keeps what was asked)."""
         return self._static_now
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether this cache's static decode steps replay CUDA graphs of the eager step (``hooks.graphed_step``)
+        where ``generate()`` would call its compiled forward: ``cuda_graphs=True``, or the default ``"auto"`` once
+        ``static="auto"`` made the cache static on one CUDA device (``options.cuda_graphs`` keeps what was asked)."""
+        return self._cuda_graphs_now
 
     @property
     def static_reason(self) -> str:

@@ -56,8 +56,9 @@ class CacheOptions:
     # a static cache's compiled step serves every batch size (False: the first one; "auto": batch 1 alone until
     # the model compiles a step of more rows)
     dynamic_batch: bool | str = "auto"
-    # a static cache's decode steps replay a CUDA graph of the eager step instead of generate's compiled one
-    cuda_graphs: bool = False
+    # a static cache's decode steps replay a CUDA graph of the eager step instead of generate's compiled one (True),
+    # never (False), or where static="auto" made the cache static on one CUDA device ("auto", the default)
+    cuda_graphs: bool | str = "auto"
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -88,7 +89,13 @@ class CacheOptions:
                 "cuda_graphs=True replays a static cache's decode step; this cache is static=False (growing, eager). "
                 "Pass static=True, or static=\"auto\" (the default)."
             )
-        for name in ("protect_prompt", "learn_workload", "cuda_graphs"):
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise ValueError(
+                f"cuda_graphs must be True (a static cache's decode steps replay a CUDA graph of the eager step), "
+                f"False (generate compiles them) or \"auto\" (the default: graphs where static=\"auto\" made the "
+                f"cache static on one CUDA device, compile for static=True); got {self.cuda_graphs!r}."
+            )
+        for name in ("protect_prompt", "learn_workload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}.")
         if not (isinstance(self.dynamic_batch, bool) or self.dynamic_batch == "auto"):

@@ -93,8 +93,9 @@ class _GetCompiledCall(_ModelMethod):
     fixed one, so compiled they cost two more graphs and, under CUDA graphs, a recording per chunk: on an H200
     (Qwen3-8B shape, batch 16, a 32K prompt in chunks of 2,048) the compile warm-up took 133 s against 42-53 s
     for the decode step alone. A forward of many tokens is bound by the GPU, so running it eagerly costs little;
-    the decode steps (one token) keep the compiled call, or, for a cache with ``cuda_graphs=True``, replay a CUDA
-    graph of the eager step (``hooks.graphed_step``) and never call the compiled one.
+    the decode steps (one token) keep the compiled call, or, for a cache whose steps replay CUDA graphs
+    (``cache.cuda_graphs``: the default for ``static="auto"`` on one CUDA device), replay a graph of the eager step
+    (``hooks.graphed_step``) and never call the compiled one.
 
     The decode step's batch dimension is marked dynamic (the step's inputs and every buffer the cache leased,
     ``storage.buffers.BATCH_DIMS``), with batch 1 not specialised (``_compat.batch_one_not_specialised``; on
@@ -109,7 +110,7 @@ class _GetCompiledCall(_ModelMethod):
 
     def __init__(self, model: nn.Module, previous: Any = None) -> None:
         super().__init__(model, previous)
-        #: The decode steps of caches with ``cuda_graphs=True``: replayed CUDA graphs instead of the compiled call.
+        #: The decode steps of caches with ``cache.cuda_graphs``: replayed CUDA graphs instead of the compiled call.
         self.graphed = GraphedDecodeStep(model)
         #: ``dynamic_batch="auto"``: a compiled decode step of this model has had more than one row.
         self.batch_above_one_seen = False
@@ -125,7 +126,7 @@ class _GetCompiledCall(_ModelMethod):
             if _is_static_multi_token_forward(call_args, call_kwargs):
                 return model(*call_args, **call_kwargs)
             cache = _compat.cache_from_forward_kwargs(call_kwargs)
-            if getattr(cache, "static", False) and getattr(getattr(cache, "options", None), "cuda_graphs", False):
+            if getattr(cache, "static", False) and getattr(cache, "cuda_graphs", False):
                 return self.graphed(cache, *call_args, **call_kwargs)
             if self._batch_dynamic(call_args, call_kwargs):
                 _mark_batch_dynamic(call_args, call_kwargs)

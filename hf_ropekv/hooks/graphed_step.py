@@ -144,7 +144,7 @@ class GraphedDecodeStep:
         inputs = tensor_leaves(args, kwargs)
         device = inputs[0].device if inputs else torch.device("cpu")
         if not state.graphs:  # before a cache's first recording
-            reason = _not_capturable(self._model_ref(), device)
+            reason = not_capturable(self._model_ref(), device)
             if reason is not None:
                 self._refuse(state, reason)
                 return inner(*args, **kwargs)
@@ -199,7 +199,7 @@ class GraphedDecodeStep:
         warn(f"hf_ropekv: this RopeKVCache(cuda_graphs=True) decodes eagerly: {reason}.")
 
 
-def _not_capturable(model: nn.Module, device: torch.device) -> str | None:
+def not_capturable(model: nn.Module, device: torch.device) -> str | None:
     """Why this model's decode step cannot be captured as one CUDA graph, or None. A capture records the work of
     one device's stream: layers on another device (``device_map``), or collectives of other ranks (tensor
     parallelism), would run once during the capture and never again at replay."""
