@@ -157,7 +157,7 @@ class GraphedDecodeStep:
                                 "(shapes, strides or values), so every step would record a graph")
             return inner(*args, **kwargs)
         with self._recording:  # one capture at a time: they share the side stream
-            return self._record(state, key, inner, args, kwargs, device)
+            return self._record(cache, state, key, inner, args, kwargs, device)
 
     def _state_of(self, cache: Any) -> _CacheGraphs:
         state = self._caches.get(id(cache))
@@ -166,8 +166,8 @@ class GraphedDecodeStep:
             weakref.finalize(cache, self._caches.pop, id(cache), None)  # the graphs (and their memory) go with it
         return state
 
-    def _record(self, state: _CacheGraphs, key: tuple, inner: Callable[..., Any], args: tuple, kwargs: dict,
-                device: torch.device) -> Any:
+    def _record(self, cache: Any, state: _CacheGraphs, key: tuple, inner: Callable[..., Any], args: tuple,
+                kwargs: dict, device: torch.device) -> Any:
         """Run the step eagerly (its result, and the warm-up a capture needs), then capture it on the same stream."""
         stream = self._streams.get(device)
         if stream is None:

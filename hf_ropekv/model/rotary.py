@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .layouts import INTERLEAVED, LAYOUTS, ROTATE_HALF
+from .layouts import LAYOUTS, ROTATE_HALF
 
 FUNCTION_NAME = "apply_rotary_pos_emb"
 

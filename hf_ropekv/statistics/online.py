@@ -28,7 +28,7 @@ what the workload learns (``WorkloadFeed.rows_to_learn``). What is learned and w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
