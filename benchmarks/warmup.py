@@ -19,7 +19,9 @@ Qwen3-8B, bf16, sdpa with cuDNN off: benchmarks/README.md). Every ``RopeKVCache`
   ``StaticCache`` and compiled ``RopeKVCache(static=True)``, each warmed up then timed (median step). For each,
   one run with host timers (``instrument.py``: the cache's host work, transformers' input preparation, the forward
   call, and the rest of generate's loop, per step) and one run under ``torch.profiler`` over ``--profile-steps``
-  steps (GPU kernel time and GPU busy time per step, against the wall time).
+  steps (GPU kernel time and GPU busy time per step, against the wall time). ``--profile-variants`` may add
+  ``ropekv_graphed`` (``static=True, cuda_graphs=True``: the eager step replayed as a CUDA graph, what the default
+  cache decodes with on one GPU).
 - ``overhead``: one process, batch 16, budget 2048, a 4K prompt: what the query statistics cost the compiled static
   cache's decoding step. Variants: ``file`` (``stats=`` a statistics file: nothing gathered in the step, the
   reference), ``off`` (online statistics, ``learn_workload=False``: the default), ``on`` (they also feed the
@@ -104,12 +106,14 @@ WARMUP_MODE_SHARE = {"cold": 0.5, "warm": 0.25, "load": 0.25}
 E2E_WARM_SHARE = 0.4  # of ESTIMATE_MIN["e2e"]: the warming process; each timed variant a third of the rest
 DRY_ESTIMATE_MIN = {"warmup": 2.0, "profile": 0.5, "overhead": 0.5, "e2e": 1.0}
 E2E_VARIANTS = ("ropekv_default", "ropekv_static", "dynamic")
-PROFILE_VARIANTS = ("dynamic", "static", "ropekv_static")
+PROFILE_VARIANTS = ("dynamic", "static", "ropekv_static", "ropekv_graphed")
+DEFAULT_PROFILE_VARIANTS = ("dynamic", "static", "ropekv_static")
 WARMUP_CACHES = ("ropekv_static", "static")  # what the warm-up part compiles (static: transformers' StaticCache)
 LABELS = {
     "dynamic": "DynamicCache eager",
     "static": "StaticCache compiled",
     "ropekv_static": "RopeKVCache(static=True) compiled",
+    "ropekv_graphed": "RopeKVCache(static=True, cuda_graphs=True) eager step as a CUDA graph",
     "ropekv_default": "RopeKVCache defaults (static, cuda_graphs)",
 }
 
@@ -128,7 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-contexts", default="4096,32768")
     p.add_argument("--profile-new-tokens", type=int, default=256, help="tokens of each timed profile run")
     p.add_argument("--profile-steps", type=int, default=64, help="decode steps under torch.profiler")
-    p.add_argument("--profile-variants", default=",".join(PROFILE_VARIANTS), help="comma-separated subset")
+    p.add_argument("--profile-variants", default=",".join(DEFAULT_PROFILE_VARIANTS),
+                   help=f"comma-separated, from {','.join(PROFILE_VARIANTS)}")
     p.add_argument("--overhead-batch", type=int, default=16)
     p.add_argument("--overhead-context", type=int, default=4096)
     p.add_argument("--overhead-new-tokens", type=int, default=128, help="tokens of each overhead run")
@@ -252,6 +257,8 @@ def make_cache(child: Child, variant: str, max_cache_len: int | None = None, **o
         return StaticCache(config=child.model.config, max_cache_len=max_cache_len)
     if variant == "ropekv_static":
         options = dict(options, static=True)
+    elif variant == "ropekv_graphed":
+        options = dict(options, static=True, cuda_graphs=True)
     elif variant != "ropekv_default":
         raise ValueError(variant)
     return child.hf_ropekv.RopeKVCache(child.model, budget=a.budget, compress_every=a.compress_every,

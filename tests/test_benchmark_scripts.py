@@ -373,6 +373,17 @@ def test_prefill_profile_dry_run_times_every_cache_and_profiles_the_first_call(t
     assert result["traced"]["variant"] == "ropekv"
 
 
+def test_warmup_profiles_the_graphed_step(tmp_path: Path) -> None:
+    """--profile-variants ropekv_graphed: the cache with cuda_graphs=True is timed and split like the compiled one
+    (on the CPU its steps run eagerly: the executor declines, with a warning, and the script goes on)."""
+    run_script("warmup.py", "--out", str(tmp_path), "--parts", "profile", "--profile-variants", "ropekv_graphed")
+    entries = json.loads((tmp_path / "results.json").read_text())["parts"]["profile"]["contexts"]
+    for entry in entries:
+        row = entry["variants"]["ropekv_graphed"]
+        assert "error" not in row and row["timed"][0]["p50_ms"] > 0 and row["timed"][0]["compaction_steps"] >= 1
+    assert "eager step as a CUDA graph" in (tmp_path / "results.md").read_text()
+
+
 def test_warmup_e2e_rounds_alternate_the_order_and_give_each_round_its_ratio(tmp_path: Path) -> None:
     """--e2e-rounds 2: each variant runs once per round in a process of its own, the second round in reverse
     order (A B, B A), and each round's ratio divides that round's own DynamicCache total."""
