@@ -119,19 +119,15 @@ class _GetCompiledCall(_ModelMethod):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, original = self._model_and_original()
+        compiled = original(*args, **kwargs)
         rotaries = _compat.batch_expanding_rotaries(model)
-        compiled = None  # made at the first step that needs it: torch.compile() imports dynamo and inductor (1-3 s
-        # in a fresh process, before the prefill), which a cache whose steps replay CUDA graphs never uses
 
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
-            nonlocal compiled
             if _is_static_multi_token_forward(call_args, call_kwargs):
                 return model(*call_args, **call_kwargs)
             cache = _compat.cache_from_forward_kwargs(call_kwargs)
             if getattr(cache, "static", False) and getattr(cache, "cuda_graphs", False):
                 return self.graphed(cache, *call_args, **call_kwargs)
-            if compiled is None:
-                compiled = original(*args, **kwargs)
             if self._batch_dynamic(call_args, call_kwargs):
                 _mark_batch_dynamic(call_args, call_kwargs)
                 with _compat.batch_one_not_specialised(), _compat.rotary_batch_folded(rotaries):
