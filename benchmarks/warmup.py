@@ -846,9 +846,10 @@ def render_e2e(part: dict[str, Any]) -> list[str]:
              "", "| round | cache | static (reason) | total s | tokens/s | TTFT s | first decode step s | "
                  "later step p50 ms | fxgraph hit / miss | DynamicCache total / this (same round) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    cold = {"ropekv_default": part["cold"]} if part.get("cold") else {}
-    for round_, (variants, ratio) in enumerate(zip([cold, *rounds], [{}, *ratios]) if cold else zip(rounds, ratios)):
-        round_ = "cold (empty caches)" if cold and round_ == 0 else round_ - bool(cold)
+    labelled = [(round_, variants, ratio) for round_, (variants, ratio) in enumerate(zip(rounds, ratios))]
+    if part.get("cold"):  # --e2e-cold: the default in a process of its own, before the rounds, no ratio
+        labelled.insert(0, ("cold (empty caches)", {"ropekv_default": part["cold"]}, {}))
+    for round_, variants, ratio in labelled:
         for variant, row in variants.items():
             if row.get("error") or row.get("total_s") is None:
                 lines.append(f"| {round_} | {LABELS[variant]} | error: {str(row.get('error'))[:200]} |" + " |" * 7)
