@@ -1,4 +1,4 @@
-"""Run model-written Python programs in isolated subprocesses (program-aided GSM8K, ``task_accuracy.py --domain pot``).
+"""Run model-written Python programs in isolated subprocesses (program-aided GSM8K in ``quality.py``).
 
 A program is a model's untrusted text. Each one runs in a fresh interpreter:
 
@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from pathlib import Path
+from typing import Self
 
 DEFAULT_TIMEOUT_S = 5.0
 MEMORY_LIMIT_BYTES = 1 << 30  # address space of a program
@@ -44,7 +45,7 @@ ANSWER_DECIMALS = 6  # printed numbers are rounded here: 0.30000000000000004 -> 
 OK, TIMEOUT, ERROR, NO_OUTPUT, NO_NUMBER = "ok", "timeout", "error", "no_output", "no_number"
 STATUSES = (OK, TIMEOUT, ERROR, NO_OUTPUT, NO_NUMBER)
 
-# The same number syntax as gsm8k_tasks.NUMBER (thousands separators only in groups of three).
+# The same number syntax as gsm8k.NUMBER (thousands separators only in groups of three).
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"python", "python3", "py"}
@@ -190,7 +191,7 @@ class ProgramPool:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def __enter__(self) -> "ProgramPool":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
