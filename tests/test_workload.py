@@ -501,27 +501,3 @@ def test_learned_statistics_do_not_cost_perplexity_on_smollm2(smollm2) -> None:
         assert warm <= cold * 1.03, (warm, cold)
     finally:
         workload.reset()
-
-
-def test_task_accuracy_dry_run_reports_cold_and_warm_rows(tmp_path) -> None:
-    import json
-    import sys
-    from pathlib import Path
-
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
-    import task_accuracy
-
-    task_accuracy.main(["--dry-run", "--warm", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "results.json").read_text())
-    labels = [r["policy"] for r in result["summary"]]
-    assert labels[-2:] == ["default:window=2", "default:window=2+warm"]  # only online-statistics policies warm
-    warm = result["warm"]
-    assert warm["problems"] == "0-3" and warm["prompts"] == 4 and warm["tokens"] > 0
-    rows = {r["policy"]: r for r in result["rows"]}
-    assert rows["default:window=2+warm"]["warm"] and not rows["default:window=2"]["warm"]
-    assert rows["default:window=2+warm"]["mean_new_tokens"] == 12
-    assert "`+warm` rows" in (tmp_path / "results.md").read_text()
-    with pytest.raises(ValueError, match="inside the tune split"):
-        task_accuracy.main(["--dry-run", "--warm", "--warm-problems", "290-310", "--out", str(tmp_path / "x")])
