@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..adapter.graphed_step import not_capturable
 from ..model.geometry import FULL, SLIDING, ModelGeometry
 from ..warnings import warn
 
@@ -63,6 +65,26 @@ def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: A
             f"static=True does not support '{geometry.model_type}': its sliding-window layers have windows "
             f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False."
         )
+    return None
+
+
+def static_unsupported(geometry: ModelGeometry, budget: int | None, model: nn.Module | None,
+                       scorer: Any) -> str | None:
+    """Why ``static="auto"`` leaves this cache growing, or None: it goes static. A static cache pays only where its
+    decode steps replay CUDA graphs (the model on one CUDA device and one rank) and transformers would hand them
+    over (``generate`` asks for a compiled forward unless the quantization refuses it); elsewhere its eager steps
+    would be slower than a growing cache's."""
+    if model is None:
+        return "built from a config"
+    error = static_error(geometry, budget, model, scorer)
+    if error is not None:
+        return error
+    reason = not_capturable(model, getattr(model, "device", torch.device("cpu")))
+    if reason is not None:
+        return reason
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
+        return f"transformers does not compile {type(quantizer).__name__} models"
     return None
 
 
