@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from .adapter.generate_methods import _GetCompiledCall, _PrepareInputsForGeneration
+from .adapter.generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
 from .adapter.shared_hooks import SharedHooks, _drop_copied_hooks
 from .enable import _generating_model, disable
 from .model.attention import restore_attention
@@ -32,7 +32,7 @@ def detach(model: ModelT) -> ModelT:
     hooks = SharedHooks._BY_MODEL.get(target)
     if hooks is not None:
         hooks.detach_model()
-    for wrapper in (_PrepareInputsForGeneration, _GetCompiledCall):  # a copy's, made by its original's caches
+    for wrapper in (_PrepareInputsForGeneration, _GetCompiledCall, _ValidAutoCompileCriteria):  # a copy's, made by its original's caches
         wrapper.uninstall(target)
     _drop_copied_hooks(target)
     restore_attention(target, "sdpa")  # a copy may have come switched to grouped_sdpa by its original's hooks

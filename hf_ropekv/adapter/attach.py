@@ -68,6 +68,9 @@ class AttachedCache(Protocol):
     ) -> torch.Tensor | None:
         """A forward of ``new`` tokens starts; returns the 2-D mask the model must use instead, or None."""
 
+    def _expect_tokens(self, tokens: int | None) -> None:
+        """The running generate() call holds at most ``tokens`` tokens per row (static caches size their arenas)."""
+
     def _query_consumers(self) -> list[Any]:
         """What takes each forward's pre-RoPE queries: objects with ``add(layer_idx, queries)`` (``[B, S, H, D]``)
         and ``end_forward()`` (the forward finished without raising)."""
@@ -97,6 +100,12 @@ class ModelAttachment(StepPreparer):
         self._hooks.add(self, cache.geometry, collect_queries, static=self.static)
         self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
+    def expect_tokens(self, tokens: int | None) -> None:
+        """A generate() call of this cache holds at most ``tokens`` tokens per row (its ``max_length``)."""
+        cache = self._cache_ref()
+        if cache is not None:
+            cache._expect_tokens(tokens)
+
     def remove(self) -> None:
         """Take this attachment off its model's hooks (its cache was assembled again: ``RopeKVCache._assemble``)."""
         self._hooks.remove(self)

@@ -19,7 +19,7 @@ from .. import _compat
 from .graphed_step import GraphedDecodeStep
 
 _WRAPPED_MARK = "_hf_ropekv_continuation_check"  # on every generate() method this module wraps
-WRAPPED_METHODS = ("prepare_inputs_for_generation", "get_compiled_call")
+WRAPPED_METHODS = ("prepare_inputs_for_generation", "get_compiled_call", "_valid_auto_compile_criteria")
 
 
 class StepPreparer:
@@ -30,6 +30,8 @@ class StepPreparer:
     graphs = False  # its decode steps replay CUDA graphs (else generate's compiled forward runs them)
 
     def check_continuation(self, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any) -> None: ...
+
+    def expect_tokens(self, tokens: int | None) -> None: ...
 
     def prepare_generation_step(self, prepare: Any, input_ids: Any, args: tuple, kwargs: dict) -> dict: ...
 
@@ -134,6 +136,21 @@ class _GetCompiledCall(ModelMethodWrapper):
             return compiled(*call_args, **call_kwargs)
 
         return forward
+
+
+class _ValidAutoCompileCriteria(ModelMethodWrapper):
+    """generate's question, before its decoding loop, whether it may compile its forward (answered by transformers,
+    unchanged): a static cache notes the call's ``max_length`` there, before the prefill, and sizes its arena for it
+    (a generation that never evicts holds no more than a ``DynamicCache``, plus a page)."""
+
+    name = "_valid_auto_compile_criteria"
+
+    def __call__(self, model_kwargs: dict[str, Any], generation_config: Any, *args: Any, **kwargs: Any) -> Any:
+        _, original = self._model_and_original()
+        attachment = attachment_of(model_kwargs)
+        if attachment is not None and attachment.static:
+            attachment.expect_tokens(getattr(generation_config, "max_length", None))
+        return original(model_kwargs, generation_config, *args, **kwargs)
 
 
 def is_class_method(method: Any, model: nn.Module, name: str) -> bool:

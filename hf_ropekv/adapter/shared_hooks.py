@@ -23,7 +23,7 @@ from .. import _compat
 from ..model.attention import restore_attention, use_grouped_sdpa
 from ..model.capture import QueryCapture
 from ..model.geometry import ModelGeometry
-from .generate_methods import _GetCompiledCall, _PrepareInputsForGeneration
+from .generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
 
 
 
@@ -96,6 +96,7 @@ class SharedHooks:
         _PrepareInputsForGeneration.install(self._model_ref())
         if static:
             _GetCompiledCall.install(self._model_ref())
+            _ValidAutoCompileCriteria.install(self._model_ref())
         if static:  # every static cache: the user may have set the implementation back since the last one
             before = use_grouped_sdpa(self._model_ref(), geometry)
             self._attention_before = before if before is not None else self._attention_before
@@ -144,6 +145,7 @@ class SharedHooks:
             restore_attention(model, self._attention_before)
             _PrepareInputsForGeneration.uninstall(model)
             _GetCompiledCall.uninstall(model)
+            _ValidAutoCompileCriteria.uninstall(model)
         self._attention_before = None
 
     # The hooks act through the attachment of the running forward's cache alone (``active``): a compiled forward

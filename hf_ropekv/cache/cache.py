@@ -325,6 +325,11 @@ class RopeKVCache(Cache):
         plan = self.coordinator.plan_for(new, 0 if self._full_layers else self.get_seq_length())
         return mask_for_forward(attention_mask, new, plan, self.rows, decoding)
 
+    def _expect_tokens(self, tokens: int | None) -> None:
+        """Called by the model attachment when a generate() call says how many tokens per row it holds at most."""
+        if self._static_driver is not None and tokens is not None:
+            self._static_driver.expected_tokens = int(tokens)
+
     def _recorded_step_tensors(self) -> list[torch.Tensor]:
         """The tensors besides its inputs that a static decode step reads, as they are now: its leased buffers, the
         online statistics' tables and each sliding-window layer's slot index. A CUDA graph of the step holds their

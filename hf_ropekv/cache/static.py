@@ -35,6 +35,9 @@ class StaticForwardDriver:
         self.lease = lease
         self.clock: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.query_offset = 0  # slots in front of the running forward's first new token
+        #: Tokens per row the running generate() call holds at most (its max_length), when it said so: the arenas
+        #: are sized for it (``StaticKV.fit``).
+        self.expected_tokens: int | None = None
 
     def reset(self) -> None:
         self.query_offset = 0
@@ -57,7 +60,10 @@ class StaticForwardDriver:
         plan = coordinator.prologue(seen, new)
         needed = plan.slots_after + new
         for layer in layers:
+            if self.expected_tokens is not None:
+                layer.storage.fit(self.expected_tokens)
             layer.storage.reserve(needed)
+        self.expected_tokens = None
         # What attention reads: the arena the layers hold for this forward (the fixed one, or a temporary one in
         # whole pages for a forward longer than it; a layer allocates at its first forward, to this size).
         page = PAGE_SIZE

@@ -30,7 +30,9 @@ class PagedKV:
         self.capacity_hint = capacity_hint
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None  # int64 [B, H, capacity]: token index of each slot
+        # int64 [B, H, capacity]: the token index of each slot, made when first read (scoring, compaction): a cache
+        # that never evicts holds no more than a DynamicCache, plus at most one page.
+        self.positions: torch.Tensor | None = None
         self.length = 0
         # Appends are consecutive tokens, so positions are written lazily (only scorers and compaction read
         # them): slots from `_positions_valid` on hold tokens `_pending_position`, `_pending_position + 1`, ...
@@ -56,7 +58,7 @@ class PagedKV:
     def bytes_held(self) -> int:
         if self.keys is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions) if t is not None)
 
     # -- writes --------------------------------------------------------------------------------
     def append(
@@ -111,14 +113,16 @@ class PagedKV:
         index = index.to(self.keys.device)
         self.keys = self.keys.index_select(0, index)
         self.values = self.values.index_select(0, index)
-        self.positions = self.positions.index_select(0, index)
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, index)
 
     def repeat_batch(self, repeats: int) -> None:
         if self.keys is None:
             return
         self.keys = self.keys.repeat_interleave(repeats, dim=0)
         self.values = self.values.repeat_interleave(repeats, dim=0)
-        self.positions = self.positions.repeat_interleave(repeats, dim=0)
+        if self.positions is not None:
+            self.positions = self.positions.repeat_interleave(repeats, dim=0)
 
     def clear(self) -> None:
         """Drop everything, memory included."""
@@ -137,6 +141,8 @@ class PagedKV:
         return self.positions[:, :, : self.length]
 
     def _write_positions(self) -> None:
+        if self.positions is None:
+            self.positions = torch.empty(self.keys.shape[:3], dtype=torch.int64, device=self.keys.device)
         start, end = self._positions_valid, self.length
         if end > start:
             first = self._pending_position
@@ -158,23 +164,21 @@ class PagedKV:
         if self.keys is not None and needed <= self.capacity:
             return
         batch, heads, _, head_dim = key_states.shape
-        # Grow geometrically (amortised O(1) appends) but never past the steady-state size unless asked: a
-        # short generation then holds about what it uses, and a long one stops reallocating at the budget.
-        target = needed if self.keys is None else max(needed, 2 * self.capacity)
-        if self.capacity_hint is not None:
-            target = max(needed, min(target, self.capacity_hint))
-        capacity = -(-target // self.page_size) * self.page_size
+        # Whole pages, never past the steady-state bound unless one forward needs more: a cache that never evicts
+        # holds at most one page more than a DynamicCache, and copies its layer once a page (DynamicCache: each step).
+        capacity = -(-needed // self.page_size) * self.page_size
         if self.capacity_hint is not None and needed <= self.capacity_hint:
-            # Whole pages, but never past the steady-state bound: a small budget holds no more than it uses.
             capacity = min(capacity, self.capacity_hint)
         device = key_states.device
         keys = torch.empty(batch, heads, capacity, head_dim, dtype=key_states.dtype, device=device)
         values = torch.empty(batch, heads, capacity, value_states.shape[-1], dtype=value_states.dtype, device=device)
-        positions = torch.empty(batch, heads, capacity, dtype=torch.int64, device=device)
+        positions = None
+        if self.positions is not None:
+            positions = torch.empty(batch, heads, capacity, dtype=torch.int64, device=device)
+            positions[:, :, : self.length] = self.positions[:, :, : self.length]
         if self.keys is not None and self.length:
             keys[:, :, : self.length] = self.keys[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
-            positions[:, :, : self.length] = self.positions[:, :, : self.length]
         self.keys, self.values, self.positions = keys, values, positions
 
 
