@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..model.capture import QueryCapture
+from ..model.query_hooks import HookedQueryCapture
 from ..model.geometry import ModelGeometry
 from .generate_methods import StepPreparer, with_canonical_strides
 from .graphed_step import not_capturable
@@ -320,6 +321,7 @@ def _binds_to_owner(value: Any) -> bool:
         value = list(value.values())
     if isinstance(value, (list, tuple, set)):
         return any(_binds_to_owner(item) for item in value)
-    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, nn.Module, SharedHooks)
+    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, HookedQueryCapture,
+               nn.Module, SharedHooks)
     return isinstance(value, binding)
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import _compat
 from ..model.attention import restore_attention, use_grouped_sdpa
-from ..model.capture import QueryCapture
+from ..model.query_hooks import query_capture
 from ..model.geometry import ModelGeometry
 from .generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
 
@@ -76,7 +76,7 @@ class SharedHooks:
         self._mark_eager_only()
         self._model_ref = weakref.ref(model)
         self.attachments: list[Attachment] = []
-        self.capture: QueryCapture | None = None
+        self.capture: Any = None  # the model's query capture (model.query_hooks.query_capture), while one collects
         self.active: Attachment | None = None  # the attachment of the forward in progress
         self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
         self._attention_before: str | None = None  # the implementation a static cache replaced
@@ -91,7 +91,7 @@ class SharedHooks:
 
     def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, static: bool) -> None:
         if collect_queries and self.capture is None:
-            self.capture = QueryCapture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
+            self.capture = query_capture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
         _PrepareInputsForGeneration.install(self._model_ref())
         if static:
