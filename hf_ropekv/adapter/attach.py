@@ -98,7 +98,8 @@ class ModelAttachment(StepPreparer):
         # to the cache.
         self._query_consumers = cache._query_consumers()
         self._hooks = SharedHooks.of(model)
-        self._hooks.add(self, cache.geometry, collect_queries, static=self.static)
+        self._hooks.add(self, cache.geometry, collect_queries,
+                        attention=self.static or getattr(cache.options, "kv_bits", None) is not None)
         self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
     def expect_tokens(self, tokens: int | None) -> None:

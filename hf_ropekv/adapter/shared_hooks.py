@@ -31,6 +31,7 @@ class Attachment(Protocol):
     """What the shared hooks hand each forward to: one cache's ``attach.ModelAttachment``."""
 
     detached: bool
+    static: bool
 
     def owns(self, cache: Any) -> bool: ...
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None: ...
@@ -89,15 +90,15 @@ class SharedHooks:
         ]
         weakref.finalize(model, self._detach)  # the hooks go with the model
 
-    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, static: bool) -> None:
+    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, attention: bool) -> None:
         if collect_queries and self.capture is None:
             self.capture = query_capture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
         _PrepareInputsForGeneration.install(self._model_ref())
-        if static:
+        if attachment.static:
             _GetCompiledCall.install(self._model_ref())
             _ValidAutoCompileCriteria.install(self._model_ref())
-        if static:  # every static cache: the user may have set the implementation back since the last one
+        if attention:  # static or int8 caches (every one: the user may have set it back since the last one)
             before = use_grouped_sdpa(self._model_ref(), geometry)
             self._attention_before = before if before is not None else self._attention_before
 
