@@ -12,30 +12,14 @@
   (``cumulative_length_int``) on 5.17 and 5.24; 5.24 adds ``crop`` and an ``is_croppable`` property over
   ``_is_croppable``, 5.17 has neither (and its ``lazy_initialization`` sets ``dtype``). ``init_static_sliding_layer``
   runs the constructor; ``hf_ropekv.cache.window`` overrides every method whose behaviour differs.
-- torch: ``torch.fx.experimental._config.backed_size_oblivious`` (torch 2.13 here, 2.11 on the GPU hosts) keeps
-  dynamo from specialising a dynamic dimension that is 1 (batch 1) when it is first seen; without it a compiled
-  step first called with batch 1 compiles again for batch 2 (:func:`batch_one_not_specialised`).
-- Rotary embedding modules: on 5.17 (141 modeling files) ``forward(x, position_ids)`` computes
-  ``inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1) @ position_ids[:, None, :]``; torch's matmul
-  decomposition reshapes that zero-stride expansion, and the contiguity check of the reshape guards
-  ``batch != 1`` (``SymbolicShapeMeta::compute_contiguous``, not size-oblivious), so batch 1 compiled a graph of
-  its own. 5.24 broadcasts instead (``position_ids[..., None] * inv_freq``). :func:`rotary_batch_folded` runs such
-  modules on the positions of all rows as one row in a compiled decode step (:func:`batch_expanding_rotaries`),
-  padded with :data:`_FOLD_PADDING` positions: the row's frequencies ``[1, N, D/2]`` come transposed out of the
-  matmul (stride ``N`` on the last axis), and inductor's decomposition of ``torch.cat((freqs, freqs), -1)``
-  (``torch/_inductor/decomposition.py``: repeated input -> ``unsqueeze/expand/flatten``) asks that expansion for
-  its contiguity in C++ (not size-oblivious), guarding ``N != 1``; with ``N + 2`` the answer needs no guard.
 - Attention functions: ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` on every version;
   5.24 folds grouped query heads for a masked decoding token in eager mode only (``pack_gqa``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-import types
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any
 
 import torch
 import transformers
@@ -76,8 +60,6 @@ def cache_kwarg(model: Any) -> str:
     Passing the new name avoids 5.24's deprecation warning; the old one still works there, so it is also the
     answer when the signature cannot be read.
     """
-    import inspect
-
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -185,78 +167,3 @@ def sinusoid_table_rotary(model_or_config: Any, config: Any) -> SinusoidTableRot
         return None
     dim = config.rotary_dim or config.hidden_size
     return SinusoidTableRotary(build(config.max_position_embeddings, dim), name)
-
-
-def batch_one_not_specialised() -> ContextManager[Any]:
-    """A context in which dynamo does not specialise a dimension marked dynamic that is 1 (a decode step of batch 1),
-    where this torch can (``backed_size_oblivious``); otherwise a no-op context (batch 1 then compiles once more)."""
-    config = getattr(getattr(torch.fx, "experimental", None), "_config", None)
-    if config is None or not hasattr(config, "backed_size_oblivious"):
-        return contextlib.nullcontext()
-    return config.patch(backed_size_oblivious=True)
-
-
-#: What a rotary module's forward does on transformers 5.17 (whitespace removed): expand its frequencies over the
-#: batch of ``position_ids`` for a batched matmul. 5.24 broadcasts instead; see the module docstring.
-_BATCH_EXPANDING_ROTARY = "expand(position_ids.shape[0],-1,1)"
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_expands_batch(cls: type) -> bool:
-    forward = inspect.unwrap(getattr(cls, "forward", None))  # past ``dynamic_rope_update``
-    try:
-        parameters = list(inspect.signature(forward).parameters)
-        source = inspect.getsource(forward)
-    except (OSError, TypeError, ValueError):
-        return False
-    return parameters[1:3] == ["x", "position_ids"] and _BATCH_EXPANDING_ROTARY in "".join(source.split())
-
-
-def batch_expanding_rotaries(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The rotary embedding modules of ``model`` whose forward expands the frequencies over the batch (transformers
-    5.17; none on 5.24) and that nobody has patched, for :func:`rotary_batch_folded`."""
-    return [
-        module for module in model.modules()
-        if "forward" not in module.__dict__ and _forward_expands_batch(type(module))
-    ]
-
-
-#: Positions (0) appended to the folded row of a batch-expanding rotary: the frequencies' last axis then has the
-#: stride ``B * S + 2``, never 1, so inductor's ``cat`` decomposition does not guard the batch (module docstring).
-#: Position 0 raises no ``max(position_ids)`` that a dynamic or long RoPE (``dynamic_rope_update``) looks at.
-_FOLD_PADDING = 2
-
-
-def _batch_folded_rotary_forward(self: torch.nn.Module, x: torch.Tensor, position_ids: Any, *args: Any,
-                                 **kwargs: Any) -> Any:
-    """A rotary module's own forward on ``position_ids [B, S]`` seen as one row ``[1, B * S]`` (and
-    :data:`_FOLD_PADDING` positions more, dropped again); its cos / sin (or complex frequencies) ``[1, B * S, ...]``
-    come back as ``[B, S, ...]``. Every position is computed on its own (a one-term product per frequency), so the
-    values are the unfolded forward's, bit for bit."""
-    forward = type(self).forward
-    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2:
-        return forward(self, x, position_ids, *args, **kwargs)
-    row = position_ids.reshape(1, -1)
-    out = forward(self, x, torch.cat([row, row.new_zeros(1, _FOLD_PADDING)], dim=1), *args, **kwargs)
-
-    def unfold(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor[:, : row.shape[1]].reshape(position_ids.shape + tensor.shape[2:])
-
-    return tuple(unfold(tensor) for tensor in out) if isinstance(out, (tuple, list)) else unfold(out)
-
-
-@contextlib.contextmanager
-def rotary_batch_folded(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """A context in which the rotary ``modules`` (:func:`batch_expanding_rotaries`) run the positions of all rows
-    as one row, so a compiled decode step with a dynamic batch does not specialise batch 1 (module docstring).
-
-    The forward is patched on the instances for the context only; dynamo guards on the patch's function (one
-    module-level function), so every call of the compiled step, made in this context, matches the same graph.
-    """
-    for module in modules:
-        module.forward = types.MethodType(_batch_folded_rotary_forward, module)
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.__dict__.pop("forward", None)

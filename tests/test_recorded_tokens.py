@@ -6,8 +6,12 @@ scorers, both selections, guards, the static cache, padded batches, a sliding/hy
 sampling, ``enable()`` and a quantized model.
 
 The configurations that evict with online statistics were recorded again when head shrinkage became the default
-(``stats_head_shrink=256``, 2026-12-03; with 0 every one of them gave the tokens recorded before);
+(``head_shrink=256``, 2026-12-03; with 0 every one of them gave the tokens recorded before);
 ``llama-unshrunk-padded`` keeps the earlier default's tokens (``llama-default-padded`` as first recorded).
+
+Retired with ``selection="global"`` (2026-12-05, one ranking for all layers, no longer an option): the
+configurations ``llama-global-padded``, ``qwen2-global-padded`` and the global ``llama-paper-point``. Their
+replacements (``qwen2-default-padded``, ``llama-paper-point-per-layer``) were recorded at that change.
 
 Record again only for a deliberate behaviour change, and say why in the commit:
 
@@ -26,17 +30,8 @@ import torch
 
 import hf_ropekv
 from conftest import padded_batch, tiny_model
-from hf_ropekv import (
-    FrequencyScorer,
-    FrequencyStats,
-    H2OScorer,
-    KeyNormScorer,
-    RandomScorer,
-    RecencyScorer,
-    RKVScorer,
-    RopeKVCache,
-    SnapKVScorer,
-)
+from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache
+from hf_ropekv.scorers import H2OScorer, KeyNormScorer, RandomScorer, RecencyScorer, RKVScorer, SnapKVScorer
 
 RECORD = os.environ.get("HF_ROPEKV_RECORD") == "1"
 DATA = Path(__file__).parent / "data" / "recorded_tokens.json"
@@ -80,7 +75,7 @@ def _run(arch: str, *, batch: str = "padded", model_fn: Callable | None = None, 
             ids, mask = padded_batch(lengths=(10,), seed=2)
         kwargs = dict(cache_kwargs)
         if kwargs.pop("calibrated", False):
-            kwargs["stats"] = _calibrated_stats(model)
+            kwargs["scorer"] = FrequencyScorer(stats=_calibrated_stats(model))
         if enable is not None:
             with hf_ropekv.enabled(model, **enable):
                 return _generate(model, None, ids, mask, **(generate or {}))
@@ -94,11 +89,10 @@ def _run(arch: str, *, batch: str = "padded", model_fn: Callable | None = None, 
 
 CONFIGS: dict[str, Callable[[], list[list[int]]]] = {
     "llama-default-padded": _run("llama", budget=BUDGET, compress_every=EVERY),
-    "llama-unshrunk-padded": _run("llama", budget=BUDGET, compress_every=EVERY, stats_head_shrink=0),
+    "llama-unshrunk-padded": _run("llama", budget=BUDGET, compress_every=EVERY, scorer=FrequencyScorer(head_shrink=0)),
     "llama-default-single": _run("llama", batch="single", budget=BUDGET, compress_every=EVERY),
-    "llama-global-padded": _run("llama", budget=BUDGET, compress_every=EVERY, selection="global"),
-    "llama-paper-point": _run("llama", budget=BUDGET, compress_every=EVERY, selection="global", window=0,
-                              stats_half_life=None, stats_head_shrink=0),
+    "llama-paper-point-per-layer": _run("llama", budget=BUDGET, compress_every=EVERY, window=0,
+                                        scorer=FrequencyScorer(half_life=None, head_shrink=0)),
     "llama-guards-unpinned": _run("llama", budget=BUDGET, compress_every=EVERY, window=3, sink=2,
                                   protect_prompt=False),
     "llama-calibrated": _run("llama", budget=BUDGET, compress_every=EVERY, calibrated=True),
@@ -113,7 +107,7 @@ CONFIGS: dict[str, Callable[[], list[list[int]]]] = {
     "llama-sampled": _run("llama", budget=BUDGET, compress_every=EVERY, generate=dict(do_sample=True, top_k=20)),
     "llama-enable": _run("llama", enable=dict(budget=BUDGET, compress_every=EVERY)),
     "qwen3-default-padded": _run("qwen3", budget=BUDGET, compress_every=EVERY),
-    "qwen2-global-padded": _run("qwen2", budget=BUDGET, compress_every=EVERY, selection="global"),
+    "qwen2-default-padded": _run("qwen2", budget=BUDGET, compress_every=EVERY),
     "gemma3-default-padded": _run("gemma3_text", budget=BUDGET, compress_every=EVERY),
     "mistral-sliding-default": _run("mistral_sliding", budget=BUDGET, compress_every=EVERY),
     "llama-quanto-int8": _run("llama", model_fn=_quanto_model, budget=BUDGET, compress_every=EVERY),

@@ -18,6 +18,7 @@ from ..model.geometry import FULL, ModelGeometry
 from ..storage.buffers import step_is_recorded
 from ..storage.paged import PagedKV
 from ..storage.static import StaticKV
+from .options import PAGE_SIZE
 from .window import StaticWindowLayer
 
 class Coordinator(Protocol):
@@ -193,13 +194,13 @@ def make_layers(cache: CoordinatedCache, geometry: ModelGeometry, options: Any, 
     """One layer per model layer: budgeted (static or growing) for full attention, transformers' own window (static
     or growing) for sliding-window layers. ``options``: the cache's ``CacheOptions``; ``lease``: a static cache's buffers;
     ``static``: whether the full-attention layers are static (``options.static`` may be ``"auto"``)."""
-    hint, page_size = options.steady_slots, options.page_size
+    hint, page_size = options.steady_slots, PAGE_SIZE
     layers: list[CacheLayerMixin] = []
     for idx, (kind, sliding_window) in enumerate(zip(geometry.layer_types, geometry.sliding_windows)):
         if kind == FULL and static:
-            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, page_size, idx, lease)))
+            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, page_size, idx, lease, options.kv_bits)))
         elif kind == FULL:
-            layers.append(BudgetedLayer(cache, idx, PagedKV(page_size, capacity_hint=hint)))
+            layers.append(BudgetedLayer(cache, idx, PagedKV(page_size, capacity_hint=hint, bits=options.kv_bits)))
         elif static:
             layers.append(StaticWindowLayer(sliding_window, idx, lease))
         else:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..adapter.graphed_step import not_capturable
 from ..model.geometry import FULL, SLIDING, ModelGeometry
 from ..warnings import warn
 
@@ -66,8 +68,47 @@ def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: A
     return None
 
 
+def static_unsupported(geometry: ModelGeometry, budget: int | None, model: nn.Module | None,
+                       scorer: Any) -> str | None:
+    """Why ``static="auto"`` leaves this cache growing, or None: it goes static. A static cache pays only where its
+    decode steps replay CUDA graphs (the model on one CUDA device and one rank) and transformers would hand them
+    over (``generate`` asks for a compiled forward unless the quantization refuses it); elsewhere its eager steps
+    would be slower than a growing cache's."""
+    if model is None:
+        return "built from a config"
+    error = static_error(geometry, budget, model, scorer)
+    if error is not None:
+        return error
+    reason = not_capturable(model, getattr(model, "device", torch.device("cpu")))
+    if reason is not None:
+        return reason
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
+        return f"transformers does not compile {type(quantizer).__name__} models"
+    return None
+
+
 def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: Any, scorer: Any = None) -> None:
     """Raise ``ValueError`` with :func:`static_error`'s reason where ``static=True`` cannot hold this model."""
     error = static_error(geometry, budget, model_or_config, scorer)
     if error is not None:
         raise ValueError(error)
+
+
+def check_kv_bits(kv_bits: int | None, model_or_config: Any) -> None:
+    """``kv_bits=8`` stores int8 codes, which only hf_ropekv's attention can read: it needs the model, on sdpa
+    attention that transformers dispatches by name (``hf_ropekv.model.attention``)."""
+    if kv_bits is None:
+        return
+    from ..model.attention import GROUPED_SDPA, dispatches_by_name
+
+    if not isinstance(model_or_config, nn.Module):
+        raise ValueError("kv_bits=8 needs the model, not its config: RopeKVCache(model, budget=..., kv_bits=8). The "
+                         "cache switches the model's attention to one that reads int8 keys and values.")
+    implementation = getattr(getattr(model_or_config, "config", None), "_attn_implementation", None)
+    if implementation not in ("sdpa", GROUPED_SDPA) or not dispatches_by_name(model_or_config):
+        raise ValueError(
+            f"kv_bits=8 needs a model on sdpa attention that transformers dispatches by name; this "
+            f"{type(model_or_config).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa', "
+            "or use kv_bits=None."
+        )

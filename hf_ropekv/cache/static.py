@@ -11,6 +11,7 @@ from .. import _compat
 from ..storage.buffers import BufferLease
 from .forward import ForwardCoordinator
 from .masks import window_mask_part
+from .options import PAGE_SIZE
 from .window import StaticWindowLayer
 
 
@@ -26,15 +27,17 @@ class StaticForwardDriver:
     too, and the slot mask it returns gets their part after the full-attention layers' (``window_mask_part``).
     """
 
-    def __init__(self, coordinator: ForwardCoordinator, lease: BufferLease, page_size: int, layer_count: int,
+    def __init__(self, coordinator: ForwardCoordinator, lease: BufferLease, layer_count: int,
                  window_layers: list[StaticWindowLayer] | None = None) -> None:
         self.coordinator = coordinator
         self.window_layers = list(window_layers or ())
         self.layer_count = layer_count  # all layers of the model (transformers' shape helper counts them)
         self.lease = lease
-        self.page_size = page_size
         self.clock: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.query_offset = 0  # slots in front of the running forward's first new token
+        #: Tokens per row the running generate() call holds at most (its max_length), when it said so: the arenas
+        #: are sized for it (``StaticKV.fit``).
+        self.expected_tokens: int | None = None
 
     def reset(self) -> None:
         self.query_offset = 0
@@ -57,10 +60,13 @@ class StaticForwardDriver:
         plan = coordinator.prologue(seen, new)
         needed = plan.slots_after + new
         for layer in layers:
+            if self.expected_tokens is not None:
+                layer.storage.fit(self.expected_tokens)
             layer.storage.reserve(needed)
+        self.expected_tokens = None
         # What attention reads: the arena the layers hold for this forward (the fixed one, or a temporary one in
         # whole pages for a forward longer than it; a layer allocates at its first forward, to this size).
-        page = self.page_size
+        page = PAGE_SIZE
         kv_length = first.storage.capacity or max(first.storage.static_capacity, -(-needed // page) * page)
         if not first.is_initialized:
             self._initialize_layers(model, batch, kv_length)

@@ -3,8 +3,8 @@
     summary = CacheSummary.from_cache(cache)
     print(summary)  # RopeKVCache: kept 318 of 702 tokens (bound: budget 256 + compress_every 64 = 320), ...
 
-``hf_ropekv.last_summary(model)`` gives the snapshot taken when a ``generate()`` call of an enabled model
-returned; this module only reads a cache's public properties.
+``cache.summary()`` takes one; ``hf_ropekv.last_summary(model)`` gives the one taken when a ``generate()`` call of an
+enabled model returned. This module only reads a cache's public properties.
 """
 
 from __future__ import annotations
@@ -28,12 +28,7 @@ class CacheSummary:
         full_cache_bytes: bytes a ``DynamicCache`` would hold for the same tokens (``cache.full_cache_bytes``).
         budget: the cache's budget (``None``: nothing is evicted).
         compress_every: tokens allowed beyond the budget before a compaction.
-        workload_prior_tokens: tokens the model's workload statistics held when the cache took them as its prior
-            (0: no prior; see ``hf_ropekv.workload_statistics``).
-        workload_prior_frozen: whether they had stopped learning by then.
-        static: whether the cache decoded static (compileable; ``cache.static``: ``static=True``, or ``"auto"``
-            that chose to compile).
-        static_reason: why, in a few words (``cache.static_reason``).
+        static: whether the cache's layers were a fixed arena (``cache.static``).
     """
 
     tokens_seen: int
@@ -43,17 +38,12 @@ class CacheSummary:
     full_cache_bytes: int
     budget: int | None
     compress_every: int
-    workload_prior_tokens: int = 0
-    workload_prior_frozen: bool = False
     static: bool = False
-    static_reason: str = ""
 
     @classmethod
     def from_cache(cls, cache: Any) -> "CacheSummary":
         """Read the public properties of ``cache`` (a :class:`RopeKVCache`) now."""
-        from .cache import RopeKVCache
-
-        if not isinstance(cache, RopeKVCache):
+        if not hasattr(cache, "num_compactions"):
             raise TypeError(
                 f"CacheSummary.from_cache needs a RopeKVCache, got {type(cache).__name__}. For a DynamicCache, "
                 "sum the bytes of its layers' keys and values."
@@ -64,12 +54,9 @@ class CacheSummary:
             num_compactions=cache.num_compactions,
             bytes_held=cache.bytes_held,
             full_cache_bytes=cache.full_cache_bytes,
-            budget=cache.budget,
-            compress_every=cache.compress_every,
-            workload_prior_tokens=cache.workload_prior_tokens,
-            workload_prior_frozen=cache.workload_prior_frozen,
+            budget=cache.options.budget,
+            compress_every=cache.options.compress_every,
             static=cache.static,
-            static_reason=cache.static_reason,
         )
 
     @property
@@ -89,14 +76,10 @@ class CacheSummary:
             bound = f"bound: budget {self.budget} + compress_every {self.compress_every} = {self.bound}"
         compactions = f"{self.num_compactions} compaction{'' if self.num_compactions == 1 else 's'}"
         share = "" if self.bytes_fraction is None else f" ({self.bytes_fraction:.0%})"
-        prior = ""
-        if self.workload_prior_tokens:
-            state = "frozen" if self.workload_prior_frozen else "still learning"
-            prior = f"; scored with a workload prior of {self.workload_prior_tokens:,} tokens ({state})"
         return (
             f"RopeKVCache: kept {self.tokens_kept:,} of {self.tokens_seen:,} tokens ({bound}), {compactions}; "
             f"KV {format_bytes(self.bytes_held)} held vs {format_bytes(self.full_cache_bytes)} for a "
-            f"DynamicCache{share}{prior}"
+            f"DynamicCache{share}"
         )
 
 

@@ -7,10 +7,10 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from ..scorers.base import ScoreContext, Scorer
+from ..scorers.base import ScoreContext, Scorer, hashed_uniform
 from ..storage.paged import PagedKV, compact_arenas
 from .schedule import Plan
-from .selection import Guards, hashed_uniform, select_keep, slot_masks
+from .selection import Guards, select_keep, slot_masks
 
 #: Slots (layers x rows x KV heads x slots) one batched per-layer selection ranks at most, whatever the batch: its
 #: temporaries (per-query-head float32 scores and their z-scores, int64 positions and sort indices, masks) then
@@ -31,16 +31,14 @@ class Compactor:
 
     Args:
         scorer: the eviction policy.
-        per_layer: rank every layer on its own (else once for all layers, scores averaged).
         sink, window, auto_window, seed: the guards and tie-break seed (``CacheOptions``).
         online: online query statistics to hand the scorer before it scores (or None).
         queries: recent queries for a scorer that recomputes attention (``QueryWindow``, or None).
     """
 
-    def __init__(self, scorer: Scorer, *, per_layer: bool, sink: int, window: int, auto_window: bool, seed: int,
+    def __init__(self, scorer: Scorer, *, sink: int, window: int, auto_window: bool, seed: int,
                  online: Any = None, queries: Any = None) -> None:
         self.scorer = scorer
-        self.per_layer = per_layer
         self.sink = sink
         self.window = window
         self.auto_window = auto_window
@@ -55,9 +53,6 @@ class Compactor:
         ``pads``: each row's left padding (device), ``pads_host`` the same on the host; ``pinned``: tokens of
         each row (padding included) that are never evicted.
         """
-        if not self.per_layer:  # one ranking for all layers, one launch per device
-            compact_arenas([layer.storage for layer in layers], *self._select(layers, plan, pads, pads_host, pinned))
-            return
         # Every layer ranked on its own, the layers of a device batched along the rows, in bounded groups.
         first = layers[0].storage
         per_layer = first.keys.shape[0] * first.keys.shape[1] * plan.slots_before  # slots a layer ranks
@@ -66,7 +61,7 @@ class Compactor:
             same_device = list(same_device)
             for i in range(0, len(same_device), chunk):
                 group = same_device[i : i + chunk]
-                keep, start = self._select(group, plan, pads, pads_host, pinned, each=True)
+                keep, start = self._select(group, plan, pads, pads_host, pinned)
                 for layer, layer_keep in zip(group, keep):
                     compact_arenas([layer.storage], layer_keep, start)
 
@@ -81,24 +76,17 @@ class Compactor:
         return torch.tensor([min(self.window, r) for r in room], device=device)
 
     def _select(self, layers: Sequence[StoredLayer], plan: Plan, pads: torch.Tensor, pads_host: tuple[int, ...],
-                pinned: int, each: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score ``layers`` and pick each row's survivors: ``(keep, start)`` for ``compact_arenas``.
-
-        Row ``b`` keeps ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``. By default the layers
-        hold the same tokens and are ranked together: ``keep`` is ``[B, H, K]``. With ``each``, every layer is
-        ranked on its own, the layers stacked along the rows: ``keep`` is ``[L, B, H, K]``.
-        """
+                pinned: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score ``layers`` and pick each row's survivors, every layer ranked on its own (the layers stacked along
+        the rows): ``(keep [L, B, H, K], start [B])`` for ``compact_arenas``. Row ``b`` keeps
+        ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``."""
         first = layers[0].storage
         device = first.keys.device
-        seen, count = plan.seen, len(layers)
+        seen = plan.seen
         pads = pads.to(device)
         holes = torch.tensor([plan.slots_before - k for k in plan.kept_before], device=device)
         window = self.window_for(plan, pads_host, pinned, device)
-        # [L, B, H, S], or [1, B, H, S] when the layers hold the same tokens and are ranked together.
-        if each:
-            slot_positions = torch.stack([layer.storage.live_positions() for layer in layers])
-        else:
-            slot_positions = first.live_positions()[None]
+        slot_positions = torch.stack([layer.storage.live_positions() for layer in layers])  # [L, B, H, S]
         rows = slot_positions.shape[0]  # rankings made side by side
         flat_positions = slot_positions.flatten(0, 1)
         guards = Guards(
@@ -112,11 +100,6 @@ class Compactor:
         if self.online is not None:
             self.scorer.stats = self.online.snapshot()
         scores = self._score(layers, seen - pads, seen, candidates, is_hole.view(slot_positions.shape))
-        if not each:  # one ranking for all layers: their mean score (summed in layer order)
-            total = scores[0]
-            for layer_scores in scores[1:]:
-                total = total + layer_scores
-            scores = (total / count)[None]
         # Tie-break noise that depends on the token (real index) and head only, never on the batch.
         heads = torch.arange(flat_positions.shape[1], device=device).view(1, -1, 1)
         noise = hashed_uniform(self.seed, flat_positions - row_pads.view(-1, 1, 1), heads)
@@ -126,28 +109,27 @@ class Compactor:
         keep, start = select_keep(scores.flatten(0, 1), is_hole, protected, targets.repeat(rows), plan.slots_after,
                                   noise)
         keep = keep.view(rows, *slot_positions.shape[1:3], keep.shape[-1])
-        return (keep if each else keep[0]), start[: targets.shape[0]]
+        return keep, start[: targets.shape[0]]
 
     def _score(self, layers: Sequence[StoredLayer], position: torch.Tensor, seen: int, candidates: torch.Tensor,
                is_hole: torch.Tensor) -> torch.Tensor:
         """float32 ``[L, B, H, S]`` scores of ``layers`` on the first layer's device.
 
-        ``candidates`` and ``is_hole`` are ``[L, B, H, S]``, or ``[1, B, H, S]`` when every layer holds the same
-        tokens. A scorer with ``score_layers`` gets every layer in one call.
+        ``candidates`` and ``is_hole`` are ``[L, B, H, S]``. A scorer with ``score_layers`` gets every layer in one
+        call.
         """
         device = layers[0].storage.keys.device
         contexts = []
         for i, layer in enumerate(layers):
             storage = layer.storage
             layer_device = storage.keys.device
-            j = i if candidates.shape[0] > 1 else 0
             contexts.append(ScoreContext(
                 layer_idx=layer.layer_idx,
                 position=position.to(layer_device),
                 tokens_seen=seen,
                 slot_positions=storage.live_positions(),
-                candidates=candidates[j].to(layer_device),
-                **self._query_fields(layer.layer_idx, is_hole[j], layer_device),
+                candidates=candidates[i].to(layer_device),
+                **self._query_fields(layer.layer_idx, is_hole[i], layer_device),
             ))
         keys = [layer.storage.live_keys() for layer in layers]
         score_layers = getattr(self.scorer, "score_layers", None)

@@ -49,23 +49,6 @@ def slot_masks(
     return is_hole, protected & ~is_hole
 
 
-def hashed_uniform(*parts: torch.Tensor | int) -> torch.Tensor:
-    """Uniform numbers in [0, 1) that depend only on the integer ``parts`` (broadcast), float32.
-
-    A row's random draws must not depend on its batch-mates or its padding, so they are a hash of what
-    identifies the token (real index, head, layer, seed) instead of a stream position.
-    """
-    x = torch.zeros((), dtype=torch.int64)
-    for i, part in enumerate(parts):
-        part = torch.as_tensor(part, dtype=torch.int64)
-        x = x.to(part.device) * 1_000_003 + part + 0x9E3779B9 * (i + 1)
-    x = x & 0xFFFFFFFF
-    for _ in range(2):  # integer finaliser (xorshift-multiply): neighbouring inputs decorrelate
-        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (x >> 16) ^ x
-    return (x & 0xFFFFFF).to(torch.float32) / float(1 << 24)
-
-
 def select_keep(
     scores: torch.Tensor,
     is_hole: torch.Tensor,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,26 +18,38 @@ if TYPE_CHECKING:
 
 @dataclass
 class FrequencyScorer:
-    """Expected future attention of each key from pre-RoPE query statistics (README "How it works": the score).
+    """Expected future attention of each key from pre-RoPE query statistics (DESIGN.md §2; the default policy).
 
-    Per query head: raw ``trig + norm`` score (``hf_ropekv.score_keys``), z-scored over the candidate slots,
-    then the max over the query heads of each GQA group gives one score per KV head.
-
-    ``stats.for_layer(i)`` may return statistics shared by the batch (``[H_q, F]``) or one set per batch row
-    (``[B, H_q, F]``); they are passed through as they are. The rotary pair layout is the statistics'
-    ``metadata["rotary_layout"]`` (``"rotate_half"`` when absent: files written before the field existed).
+    Per query head: the raw ``trig + norm`` score, z-scored over the candidate slots, then the max over the query
+    heads of each GQA group gives one score per KV head.
 
     Args:
-        stats: query statistics; ``None`` lets ``RopeKVCache`` fill them in from the prompt (online).
+        stats: calibrated statistics (a ``FrequencyStats`` or the path of a file from ``hf_ropekv.calibrate``);
+            ``None`` (the default): the cache gathers them online, per batch row, from every query the model
+            computes with it (the prompt, later turns, every decoding step).
+        half_life: online statistics only: tokens after which a query's weight halves (``None``: all alike).
+        head_shrink: online statistics only: a pseudo-count, in queries, pulling each query head's means toward
+            its layer's head average (steadies heads that have seen few queries; 0: every head on its own).
         offsets: future offsets the mean query is placed at (default 1, 2, 4, ..., 65536).
     """
 
-    stats: "FrequencyStats | None" = None
+    stats: "FrequencyStats | str | os.PathLike | None" = None
+    half_life: float | None = 128
+    head_shrink: float = 256
     offsets: tuple[int, ...] | None = None
     # Per-(layer, device) copies of the statistics, valid for `_cached_stats` only. Held by reference and compared
     # with `is`: an id() key goes stale when online statistics replace a freed snapshot whose id() is reused.
     _device_cache: dict = field(default_factory=dict, init=False, repr=False)
     _cached_stats: "FrequencyStats | None" = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        half_life = self.half_life
+        if half_life is not None and (isinstance(half_life, bool) or not isinstance(half_life, (int, float))
+                                      or not half_life > 0):
+            raise ValueError(f"half_life must be a positive number of tokens or None; got {half_life!r}.")
+        shrink = self.head_shrink
+        if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) or not 0 <= shrink < float("inf"):
+            raise ValueError(f"head_shrink must be a number of queries >= 0; got {shrink!r}.")
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
         return self.score_layers([keys], [ctx])[0]
@@ -46,7 +59,7 @@ class FrequencyScorer:
         float32 ``[L, B, H_kv, S]``. The query weights of every layer come from one set of ops; only the
         scoring kernel runs once per layer."""
         if self.stats is None:
-            raise RuntimeError("FrequencyScorer has no statistics: pass stats= or let RopeKVCache gather them.")
+            raise RuntimeError("FrequencyScorer has no statistics: pass stats=, or let RopeKVCache(model, ...) gather them.")
         first, ctx = keys[0], contexts[0]
         batch, kv_heads, slots = first.shape[:3]
         if any(k.shape[:3] != first.shape[:3] for k in keys):

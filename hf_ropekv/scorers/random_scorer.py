@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..eviction.selection import hashed_uniform
-from .base import ScoreContext
+from .base import ScoreContext, hashed_uniform
 
 
 @dataclass

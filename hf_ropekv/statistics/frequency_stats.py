@@ -9,8 +9,7 @@ RoPE receives it:
 - ``q_abs_mean[l, h, f] = E|q_f|`` (float32)
 
 Files are safetensors (real and imaginary parts split, float32) with the metadata as JSON in the header: no
-pickle. The TriAttention reference repository's ``.pt`` files can be imported
-(:meth:`FrequencyStats.from_reference_pt`).
+pickle.
 """
 
 from __future__ import annotations
@@ -18,36 +17,26 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers.configuration_utils import PretrainedConfig
 
-from ..model.capture import QUERY_NORM_NAMES
-from ..model.geometry import ModelGeometry, describe
-from ..model.layouts import ROTATE_HALF, split_pairs
+from ..model.geometry import ModelGeometry
+from ..model.layouts import ROTATE_HALF
 from ..warnings import warn
 from .fingerprint import warn_if_other_weights
+from .query_sums import complex_means, masked_parts, query_parts
 
-if TYPE_CHECKING:  # annotations only: importing it loads transformers' model-loading code
-    from transformers import PreTrainedModel
 
 FORMAT_VERSION = 1
 _HEADER_KEY = "hf_ropekv"
-_REFERENCE_SUFFIXES = (".pt", ".pth", ".bin")
 _FIX = "recalibrate with hf_ropekv.calibrate / python -m hf_ropekv calibrate for this model"
 _EXPECTED_SAFETENSORS = "a safetensors file of hf_ropekv query statistics (written by FrequencyStats.save)"
-_EXPECTED_REFERENCE = (
-    "a TriAttention reference statistics file (torch.save of a dict of tensors, from its scripts/calibrate.py)"
-)
-# Models whose attention normalises queries before RoPE (the reference calibration skipped that norm).
-_QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "gemma3", "gemma3_text", "olmo2", "olmoe", "chameleon"}
 _IDENTITY_FIELDS = {
     "model_type": "model type",
     "num_layers": "layers",
@@ -140,11 +129,6 @@ class FrequencyStats:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as err:  # safetensors raises its own error types for corrupt or foreign files
             fix = "recalibrate: hf_ropekv.calibrate / python -m hf_ropekv calibrate"
-            if path.suffix.lower() in _REFERENCE_SUFFIXES:
-                fix = (
-                    "for a TriAttention reference file use FrequencyStats.from_reference_pt(path, model) or pass "
-                    f"the path as stats=; otherwise {fix}"
-                )
             raise ValueError(f"{path} could not be read as {_EXPECTED_SAFETENSORS} ({err}); {fix}.") from None
         if _HEADER_KEY not in header:
             raise ValueError(
@@ -170,75 +154,15 @@ class FrequencyStats:
         return cls(q_mean=q_mean, q_abs_mean=tensors["q_abs_mean"].float(), metadata=metadata)
 
     @classmethod
-    def from_reference_pt(
-        cls,
-        path: str | os.PathLike,
-        model_or_config: PreTrainedModel | PretrainedConfig | ModelGeometry,
-    ) -> "FrequencyStats":
-        """Import a statistics file of the TriAttention reference repository (github.com/WeianMao/triattention).
-
-        That format (``scripts/calibrate.py``, ``save_head_frequency_stats``) is a ``torch.save`` of
-        ``{"metadata": {..., "head_dim", "rope_style", "rope_type", "sampled_heads": [[layer, head], ...]},
-        "stats": {"layer{LL:02d}_head{HH:02d}": {"q_mean_real": [F], "q_mean_imag": [F], "q_abs_mean": [F]}}}``
-        with ``HH`` the query (attention) head and pairs in the ``rotate_half`` layout (``rope_style="half"``;
-        ``"interleaved"`` is accepted for models that pair dims (2f, 2f + 1), and the style must match the model).
-        The file carries no model identity, so the geometry comes from ``model_or_config``; what the file does
-        record (head dim, rope type / theta, inv_freq, layer and head counts) is checked against it.
-
-        Note: the reference calibration captures ``q_proj`` outputs, skipping ``q_norm`` on QK-norm models
-        (Qwen3, Gemma3); a warning says so. It also multiplies by the RoPE ``attention_scaling`` (1 unless
-        YaRN-style scaling), which scales every score of a head alike and leaves the ranking unchanged.
-        """
-        path = _existing_file(path)
-        geometry = model_or_config if isinstance(model_or_config, ModelGeometry) else describe(model_or_config)
-        payload = _load_tensor_dict(path)
-        if not isinstance(payload, dict):
-            raise ValueError(
-                f"{path} is not a TriAttention statistics file (expected a dict, got {type(payload).__name__})."
-            )
-        if "stats" not in payload and "layer_stats" in payload:
-            raise ValueError(
-                f"{path} is a TriAttention vLLM 'layer_stats' file, whose statistics are averaged over each GQA "
-                "group (per KV head); hf_ropekv needs per-query-head statistics. Use the per-head .pt file from "
-                f"the reference scripts/calibrate.py, or {_FIX}."
-            )
-        ref_meta = payload.get("metadata") or {}
-        entries = payload.get("stats")
-        if not isinstance(entries, dict) or not entries:
-            raise ValueError(
-                f"{path} has no 'stats' dict of 'layerLL_headHH' entries: not a TriAttention statistics file."
-            )
-        stats = _reference_tensors(path, entries, ref_meta, geometry)
-        _check_reference_metadata(path, ref_meta, geometry)
-        if _has_query_norm(model_or_config, geometry):
-            warn(
-                f"{path}: the TriAttention reference calibration records queries before q_norm, but "
-                f"'{geometry.model_type}' normalises queries (q_norm) before RoPE, so these statistics are "
-                f"approximate. For exact ones, {_FIX}."
-            )
-        metadata = {
-            **geometry_metadata(geometry),
-            "tokens": 0,  # the reference format does not record how many positions were averaged
-            "source": f"TriAttention reference statistics {path.name}",
-            "reference_metadata": {k: v for k, v in ref_meta.items() if k != "sampled_heads"},
-            "format_version": FORMAT_VERSION,
-        }
-        return cls(q_mean=stats[0], q_abs_mean=stats[1], metadata=_jsonable(metadata))
-
-    @classmethod
     def resolve(
         cls, stats_or_path: "FrequencyStats | str | os.PathLike", geometry: ModelGeometry, model: nn.Module | None = None
     ) -> "FrequencyStats":
-        """Statistics from an object or a file (``.safetensors`` from :meth:`save`, or a reference ``.pt``),
+        """Statistics from an object or a file (``.safetensors`` from :meth:`save`),
         checked against the model's geometry and, given ``model``, its weights' fingerprint (a warning)."""
         if isinstance(stats_or_path, FrequencyStats):
             stats = stats_or_path
         elif isinstance(stats_or_path, (str, os.PathLike)):
-            path = _existing_file(stats_or_path)
-            if path.suffix.lower() in _REFERENCE_SUFFIXES:
-                stats = cls.from_reference_pt(path, geometry)
-            else:
-                stats = cls.load(path)
+            stats = cls.load(stats_or_path)
         else:
             raise TypeError(
                 f"stats must be a FrequencyStats or the path of a statistics file, got {type(stats_or_path).__name__}."
@@ -318,20 +242,15 @@ class FrequencyAccumulator:
         device = self.device or queries.device
         if device.type == "mps":  # no float64 there
             device = torch.device("cpu")
-        pairs = self._pairs
-        q = queries.detach()[..., : 2 * pairs].to(device=device, dtype=torch.float32)
-        real, imag = split_pairs(q, self.layout, pairs)
-        modulus = torch.hypot(real, imag)
-        parts = torch.stack((real, imag, modulus))  # [3, B, S, H, F]
+        parts = query_parts(queries.to(device), self.layout, self._pairs)  # [B, S, 3, H, F]
         if mask is not None:
             if mask.shape != queries.shape[:2]:
                 raise ValueError(f"mask must be [batch, seq] = {tuple(queries.shape[:2])}, got {tuple(mask.shape)}.")
-            keep = mask.to(device=device, dtype=torch.bool)
-            parts = torch.where(keep[None, :, :, None, None], parts, 0.0)  # where, not multiply: padding may be NaN
-            count = keep.sum(dtype=torch.int64)
+            mask = mask.to(device=device, dtype=torch.bool)
+            parts, count = masked_parts(parts, mask), mask.sum(dtype=torch.int64)
         else:
             count = torch.tensor(queries.shape[0] * queries.shape[1], dtype=torch.int64, device=device)
-        self._add_sums(layer_idx, parts.sum(dim=(1, 2), dtype=torch.float64), count)
+        self._add_sums(layer_idx, parts.sum(dim=(0, 1), dtype=torch.float64), count)
 
     def _add_sums(self, layer_idx: int, sums: torch.Tensor, count: torch.Tensor) -> None:
         if self._sums[layer_idx] is None:
@@ -362,15 +281,14 @@ class FrequencyAccumulator:
                 "part way through calibration? The statistics use each layer's own count."
             )
         sums = torch.stack([s.cpu() for s in self._sums])  # [L, 3, H, F] float64
-        means = sums / torch.tensor(counts, dtype=torch.float64).view(-1, 1, 1, 1)
-        q_mean = torch.complex(means[:, 0].float(), means[:, 1].float())
+        q_mean, q_abs_mean = complex_means(sums, torch.tensor(counts, dtype=torch.float64))
         metadata = {
             **geometry_metadata(self.geometry),
             "tokens": min(counts),
             "source": source,
             "format_version": FORMAT_VERSION,
         }
-        return FrequencyStats(q_mean=q_mean, q_abs_mean=means[:, 2].float(), metadata=metadata)
+        return FrequencyStats(q_mean=q_mean, q_abs_mean=q_abs_mean, metadata=metadata)
 
 
 def geometry_metadata(geometry: ModelGeometry) -> dict[str, Any]:
@@ -398,107 +316,6 @@ def _existing_file(path: str | os.PathLike) -> Path:
             f"No statistics file at {path}; create one with hf_ropekv.calibrate / python -m hf_ropekv calibrate."
         )
     return path
-
-
-def _load_tensor_dict(path: Path) -> Any:
-    """``torch.load`` with ``weights_only=True`` (tensors and plain containers only: no code runs), its errors
-    replaced by one of ours. torch's own message advises ``weights_only=False``, which would run whatever code
-    the file holds: wrong advice for a file of unknown origin, so it is not passed on (``from None``)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # UnpicklingError, RuntimeError (not a zip archive), EOFError (truncated), ...
-        reason = type(err).__name__
-    raise ValueError(
-        f"{path} could not be read as {_EXPECTED_REFERENCE} ({reason}: corrupt, truncated, or holding more than "
-        f"tensors and plain containers, which hf_ropekv does not load). Use a good copy, or {_FIX} (that writes "
-        "a .safetensors file)."
-    )
-
-
-# ---------------------------------------------------------------------- reference import helpers
-_REFERENCE_KEY = re.compile(r"^layer(\d+)_head(\d+)$")
-
-
-def _reference_tensors(
-    path: Path, entries: dict, ref_meta: dict, geometry: ModelGeometry
-) -> tuple[torch.Tensor, torch.Tensor]:
-    layers, heads, pairs = geometry.num_layers, geometry.num_q_heads, geometry.rotary_dim // 2
-    real = torch.full((layers, heads, pairs), math.nan)
-    imag, modulus = real.clone(), real.clone()
-    problems: list[str] = []
-    for key, entry in entries.items():
-        match = _REFERENCE_KEY.match(str(key))
-        if match is None:
-            continue
-        layer, head = int(match.group(1)), int(match.group(2))
-        if layer >= layers or head >= heads:
-            problems.append(f"entry {key} is outside the model's {layers} layers x {heads} query heads")
-            continue
-        try:
-            parts = [entry[name].detach().float().flatten() for name in ("q_mean_real", "q_mean_imag", "q_abs_mean")]
-        except (KeyError, TypeError, AttributeError):
-            problems.append(f"entry {key} lacks q_mean_real / q_mean_imag / q_abs_mean tensors")
-            continue
-        if any(p.numel() != pairs for p in parts):
-            problems.append(
-                f"entry {key} has {parts[0].numel()} frequency pairs, the model rotates {pairs} "
-                f"(rotary_dim {geometry.rotary_dim}, head_dim {geometry.head_dim})"
-            )
-            continue
-        real[layer, head], imag[layer, head], modulus[layer, head] = parts
-    missing = torch.isnan(real[..., 0]).nonzero().tolist()
-    if missing:
-        shown = ", ".join(f"layer{l:02d}_head{h:02d}" for l, h in missing[:6])
-        problems.append(f"{len(missing)} of {layers * heads} (layer, query head) entries are missing ({shown}, ...)")
-    if problems:
-        raise ValueError(
-            f"The TriAttention statistics in {path} do not fit this model ('{geometry.model_type}'):\n  - "
-            + "\n  - ".join(problems[:20])
-            + f"\nStatistics belong to one model: {_FIX}."
-        )
-    return torch.complex(real, imag), modulus
-
-
-def _check_reference_metadata(path: Path, meta: dict, geometry: ModelGeometry) -> None:
-    problems: list[str] = []
-    style = meta.get("rope_style", "half")
-    file_layout = {"half": ROTATE_HALF, "interleaved": "interleaved", "interleave": "interleaved"}.get(style)
-    if file_layout != geometry.require_rotary_layout():
-        problems.append(
-            f"rope_style {style!r}: this model pairs dims as {geometry.rotary_layout!r} "
-            "('half' is rotate_half, pairs (f, f + rotary_dim/2))"
-        )
-    if "head_dim" in meta and int(meta["head_dim"]) != geometry.head_dim:
-        problems.append(f"head_dim: file has {meta['head_dim']}, the model has {geometry.head_dim}")
-    if meta.get("rope_type") is not None and str(meta["rope_type"]) != geometry.rope_type:
-        problems.append(f"rope_type: file has {meta['rope_type']!r}, the model has {geometry.rope_type!r}")
-    if meta.get("rope_theta") is not None and not _same_number(float(meta["rope_theta"]), geometry.rope_theta):
-        problems.append(f"rope_theta: file has {meta['rope_theta']}, the model has {geometry.rope_theta}")
-    inv_freq = meta.get("inv_freq")
-    if inv_freq is not None:
-        inv_freq = torch.as_tensor(inv_freq, dtype=torch.float32).flatten()[: geometry.inv_freq.numel()]
-        if not _same_frequencies(inv_freq, geometry.inv_freq):
-            problems.append("inv_freq: the file was calibrated with other RoPE frequencies")
-    if problems:
-        raise ValueError(
-            f"The TriAttention statistics in {path} do not fit this model ('{geometry.model_type}'):\n  - "
-            + "\n  - ".join(problems)
-            + f"\nStatistics belong to one model: {_FIX}."
-        )
-
-
-def _has_query_norm(model_or_config: Any, geometry: ModelGeometry) -> bool:
-    if isinstance(model_or_config, nn.Module):
-        return any(
-            isinstance(getattr(m, name, None), nn.Module)
-            for m in model_or_config.modules()
-            for name in QUERY_NORM_NAMES
-        )
-    if isinstance(model_or_config, PretrainedConfig):
-        text = model_or_config.get_text_config(decoder=True)
-        if getattr(text, "qk_layernorm", False) or getattr(text, "use_qk_norm", False):
-            return True
-    return geometry.model_type in _QK_NORM_MODEL_TYPES
 
 
 # ---------------------------------------------------------------------- small helpers

@@ -8,7 +8,7 @@ the same shapes takes them over: same addresses, the recorded graph replays.
 
 A buffer belongs to one live cache at a time (its :class:`BufferLease`); it goes back to the model's pool when
 that cache is freed or reset. The pool keeps one free buffer per purpose (an arena's keys of layer 3, the step
-clock, ...) and goes with the model; :func:`release_static_buffers` frees it earlier. A cache that needs another
+clock, ...) and goes with the model (``hf_ropekv.detach`` frees it earlier). A cache that needs another
 shape for a purpose (another batch size, budget or dtype) lets the pooled buffer go before allocating its own,
 so a model never holds the arenas of a configuration that no longer runs beside the new one's (at a batch of
 160 on a Qwen3-8B shape, those are 49 GiB).
@@ -25,38 +25,8 @@ from torch import nn
 
 Make = Callable[[], torch.Tensor]
 
-# Purposes of the buffers a static sliding-window layer leases (``hf_ropekv.cache.window.StaticWindowLayer``), keyed
-# ``(purpose, layer_idx, device)``: its keys and values, ``[batch, kv_heads, window, head_dim]`` (batch: dimension 0).
-#: A static sliding-window layer's keys (``[batch, kv_heads, window, head_dim]``; batch is dimension 0).
-WINDOW_KEYS = "window_keys"
-#: A static sliding-window layer's values (``[batch, kv_heads, window, head_dim]``; batch is dimension 0).
-WINDOW_VALUES = "window_values"
-
-
-#: Every purpose a static cache leases a buffer for (the first item of its purpose key), and the dimension of that
-#: buffer that runs over the batch rows (None: it has none). A compiled decode step marks these dimensions dynamic
-#: (``hooks.generate_methods``), so one compilation serves every batch size: a purpose missing here cannot be leased.
-BATCH_DIMS: dict[str, int | None] = {
-    "keys": 0,  # an arena's keys of one layer, [B, kv_heads, slots, head_dim] (storage.static)
-    "values": 0,  # its values, [B, kv_heads, slots, head_dim]
-    "clock": None,  # the step clock: the first new slot [1] and the tokens seen before it [] (cache.static)
-    "online_sums": 1,  # the online statistics' running sums, [L_device, B, 3, H_q, F] (statistics.online)
-    "online_counts": 0,  # their per-row query counts, [B]
-    "online_learn_rows": 1,  # undecayed per-row sums for the workload statistics, as online_sums (statistics.online)
-    WINDOW_KEYS: 0,  # a static sliding-window layer's keys, [B, kv_heads, window, head_dim] (cache.window)
-    WINDOW_VALUES: 0,  # its values
-}
-
-
-def batch_dim(purpose: Hashable) -> int | None:
-    """The batch dimension of a leased buffer (``BATCH_DIMS``); a purpose not listed there is refused."""
-    kind = purpose[0] if isinstance(purpose, tuple) else purpose
-    if kind not in BATCH_DIMS:
-        raise KeyError(
-            f"Static buffer purpose {kind!r} has no entry in hf_ropekv.storage.buffers.BATCH_DIMS: add its batch "
-            "dimension (None if it has none), or compiled decode steps recompile for every batch size."
-        )
-    return BATCH_DIMS[kind]
+#: Purposes of a static sliding-window layer's leased keys and values (``hf_ropekv.cache.window.StaticWindowLayer``).
+WINDOW_KEYS, WINDOW_VALUES = "window_keys", "window_values"
 
 
 class BufferPool:
@@ -114,11 +84,6 @@ class BufferLease:
         self._held.append((purpose, tensor))
         return tensor
 
-    def batch_dims(self) -> list[tuple[torch.Tensor, int]]:
-        """Every buffer this lease holds that has a batch dimension, with that dimension (``BATCH_DIMS``)."""
-        dims = ((tensor, batch_dim(purpose)) for purpose, tensor in self._held)
-        return [(tensor, dim) for tensor, dim in dims if dim is not None]
-
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer this lease holds now."""
         return [tensor for _, tensor in self._held]
@@ -170,11 +135,3 @@ def _give_all_back(pool: BufferPool, held: list[tuple[Hashable, torch.Tensor]]) 
     for purpose, tensor in held:
         pool.put(purpose, tensor)
     held.clear()
-
-
-def release_static_buffers(model: nn.Module) -> None:
-    """Free the static buffers a model keeps for its next static cache (the next one then records its CUDA
-    graphs again)."""
-    pool = BufferPool._BY_MODEL.pop(model, None)
-    if pool is not None:
-        pool.free.clear()

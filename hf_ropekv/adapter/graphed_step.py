@@ -4,7 +4,7 @@ generate compiles a static cache's decode step (``torch.compile``: dynamo's trac
 That costs a warm-up of seconds to a minute per process (README, "Warm-up"). But the step needs no compiler to be
 replayed: it reads only the cache's static buffers (arenas, step clock, statistics; ``storage.buffers``) and gets
 every per-step value through generate's inputs (ids, positions, the slot mask the cache builds before the step).
-So with ``RopeKVCache(..., cuda_graphs=True)`` the first decode step of a cache runs eagerly (its real result) and
+So the first decode step of a static cache on one CUDA device runs eagerly (its real result) and
 is then captured as a CUDA graph; later steps copy their inputs into the captured ones and replay it. The graph runs
 eager's own kernels, so the tokens equal the eager static cache's. Measured on an H200
 (``benchmarks/results/graphed_step_probe_2026-12-04``): recording 0.12-0.15 s against 8-60 s of compile, steps
@@ -72,7 +72,7 @@ class _CacheGraphs:
 
 
 class GraphedDecodeStep:
-    """generate's decode-step forward for a cache with ``cuda_graphs=True`` (one per model; see the module docstring).
+    """generate's decode-step forward for a static cache on one CUDA device (one per model; see the module docstring).
 
     ``recordings`` counts the graphs captured (all caches), for tests and benchmarks.
     """
@@ -148,7 +148,9 @@ class GraphedDecodeStep:
             if reason is not None:
                 self._refuse(state, reason)
                 return inner(*args, **kwargs)
-        key = (input_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()))
+        # The attention path changes at the first eviction (sdpa, then the decode kernel): a graph of each.
+        key = (input_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()),
+               cache.num_compactions > 0)
         recorded = state.graphs.get(key)
         if recorded is not None:
             return recorded.replay(inputs, cache)
@@ -196,7 +198,7 @@ class GraphedDecodeStep:
     @staticmethod
     def _refuse(state: _CacheGraphs, reason: str) -> None:
         state.refused = reason
-        warn(f"hf_ropekv: this RopeKVCache(cuda_graphs=True) decodes eagerly: {reason}.")
+        warn(f"hf_ropekv: this static RopeKVCache decodes eagerly, without CUDA graphs: {reason}.")
 
 
 def not_capturable(model: nn.Module, device: torch.device) -> str | None:

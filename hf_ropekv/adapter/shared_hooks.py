@@ -1,12 +1,12 @@
 """The forward hooks of one model (:class:`SharedHooks`) and the gate that runs its forwards one at a time
 (:class:`ForwardGate`). They exist apart from a cache's attachment (:mod:`.attach`) because they are the model's:
-every cache attached to it acts through the same hooks, each forward handed to its own cache's attachment, and a
-static cache's hooks outlive it. A copy of the model gets inert hooks instead (``_copied_hooks``).
+every cache attached to it acts through the same hooks, each forward handed to its own cache's attachment; they
+go with the last cache. A copy of the model gets inert hooks instead (``_copied_hooks``).
 
-Threads: one forward at a time per model. While a model carries these hooks, its forwards (and, separately, a
-static cache's step preparation) take a per-model lock, so two threads calling ``generate()`` on one model (a web server's
-handler threads) each get exactly their serial result, taking turns forward by forward. For parallel
-generation, use one model copy per thread (``copy.deepcopy(model)``).
+Threads: one forward at a time per model while a cache is attached to it. Its forwards (and, separately, a static
+cache's step preparation) then take a per-model lock, so two threads calling ``generate()`` on one model (a web
+server's handler threads) each get exactly their serial result, taking turns forward by forward. The hooks, and the
+lock with them, go when the model's last cache goes. For parallel generation, use one model copy per thread.
 """
 
 from __future__ import annotations
@@ -14,30 +14,40 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
 
 from .. import _compat
 from ..model.attention import restore_attention, use_grouped_sdpa
-from ..model.capture import QueryCapture
+from ..model.query_hooks import query_capture
 from ..model.geometry import ModelGeometry
+from .generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
 
-if TYPE_CHECKING:  # annotations only: attach imports this module
-    from .attach import ModelAttachment
+
+
+class Attachment(Protocol):
+    """What the shared hooks hand each forward to: one cache's ``attach.ModelAttachment``."""
+
+    detached: bool
+    static: bool
+
+    def owns(self, cache: Any) -> bool: ...
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None: ...
+    def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None: ...
+    def _forward_ends(self) -> None: ...
+    def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None: ...
+    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None: ...
 
 
 class SharedHooks:
     """The hooks of every cache attached to one model, installed once per model and shared.
 
-    Each hook hands the call to every live :class:`ModelAttachment` of the model (each acts only on its own
-    cache's forwards). Sharing keeps the hooks' identities the same from one cache to the next: a compiled
-    forward traces the hooks and guards on them, so per-cache hooks would recompile it for every new cache.
-    The hooks go with the last attachment, unless a static cache was attached: then they stay, idle, for the
-    model's lifetime, so the next static cache (a new ``generate()`` call) reuses the compiled step. A static
-    cache also switches an sdpa grouped-query model to :func:`~hf_ropekv.model.attention.grouped_sdpa` (same attention,
-    no copy of the key/value heads under its mask), for as long as the hooks stay. Nothing here holds the model
+    Each hook hands the call to every live :class:`Attachment` of the model (each acts only on its own
+    cache's forwards). The hooks go with the last attachment. A static cache also switches an sdpa grouped-query
+    model to :func:`~hf_ropekv.model.attention.grouped_sdpa` (same attention, no copy of the key/value heads under
+    its mask), for as long as the hooks stay. Nothing here holds the model
     strongly: when it goes, the hooks go with it and the rotary functions are given back.
     """
 
@@ -66,10 +76,9 @@ class SharedHooks:
     def __init__(self, model: nn.Module) -> None:
         self._mark_eager_only()
         self._model_ref = weakref.ref(model)
-        self.attachments: list[ModelAttachment] = []
-        self.capture: QueryCapture | None = None
-        self.active: ModelAttachment | None = None  # the attachment of the forward in progress
-        self.keep = False
+        self.attachments: list[Attachment] = []
+        self.capture: Any = None  # the model's query capture (model.query_hooks.query_capture), while one collects
+        self.active: Attachment | None = None  # the attachment of the forward in progress
         self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
         self._attention_before: str | None = None  # the implementation a static cache replaced
         self.gate = ForwardGate()  # one forward at a time (see the module docstring)
@@ -79,22 +88,25 @@ class SharedHooks:
             model.register_forward_hook(self._post_forward, with_kwargs=True),
             model.register_forward_hook(self._release, always_call=True),
         ]
-        weakref.finalize(model, self._detach)  # kept hooks (static caches) go with the model
+        weakref.finalize(model, self._detach)  # the hooks go with the model
 
-    def add(self, attachment: "ModelAttachment", geometry: ModelGeometry, collect_queries: bool, keep: bool) -> None:
+    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, attention: bool) -> None:
         if collect_queries and self.capture is None:
-            self.capture = QueryCapture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
+            self.capture = query_capture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
-        if keep:  # every static cache: the user may have set the implementation back since the last one
+        _PrepareInputsForGeneration.install(self._model_ref())
+        if attachment.static:
+            _GetCompiledCall.install(self._model_ref())
+            _ValidAutoCompileCriteria.install(self._model_ref())
+        if attention:  # static or int8 caches (every one: the user may have set it back since the last one)
             before = use_grouped_sdpa(self._model_ref(), geometry)
             self._attention_before = before if before is not None else self._attention_before
-        self.keep = self.keep or keep
 
-    def remove(self, attachment: "ModelAttachment") -> None:
+    def remove(self, attachment: Attachment) -> None:
         self.attachments = [a for a in self.attachments if a is not attachment]
         if self.active is attachment:
             self.active = None
-        if self.attachments or self.keep:
+        if self.attachments:
             return
         if _dynamo_compiling():
             # A cache freed by the garbage collector in the middle of a compile (its finalizer runs here): taking
@@ -112,7 +124,7 @@ class SharedHooks:
         """Take every hook off now, static caches' included; the caches attached so far refuse further use."""
         for attachment in self.attachments:
             attachment.detached = True
-        self.attachments, self.active, self.keep = [], None, False
+        self.attachments, self.active = [], None
         self._remove_hooks()
 
     def _remove_hooks(self) -> None:
@@ -132,6 +144,9 @@ class SharedHooks:
         model = self._model_ref()
         if model is not None:
             restore_attention(model, self._attention_before)
+            _PrepareInputsForGeneration.uninstall(model)
+            _GetCompiledCall.uninstall(model)
+            _ValidAutoCompileCriteria.uninstall(model)
         self._attention_before = None
 
     # The hooks act through the attachment of the running forward's cache alone (``active``): a compiled forward
@@ -216,7 +231,7 @@ def _copied_hooks() -> SharedHooks:
     no attachment and no capture, which pass every forward through until the copy's next hooks replace them."""
     hooks = SharedHooks.__new__(SharedHooks)
     hooks._model_ref = lambda: None
-    hooks.attachments, hooks.capture, hooks.active, hooks.keep = [], None, None, False
+    hooks.attachments, hooks.capture, hooks.active = [], None, None
     hooks._detach_pending, hooks._attention_before, hooks._handles = False, None, []
     hooks.gate, hooks.copied = ForwardGate(), True
     return hooks

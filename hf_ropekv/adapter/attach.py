@@ -38,7 +38,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..model.capture import QueryCapture
+from ..model.query_hooks import HookedQueryCapture
 from ..model.geometry import ModelGeometry
+from .generate_methods import StepPreparer, with_canonical_strides
+from .graphed_step import not_capturable
 from .shared_hooks import SharedHooks
 
 
@@ -57,6 +60,7 @@ class AttachedCache(Protocol):
 
     geometry: ModelGeometry
     coordinator: Announcements
+    static: bool
 
     def get_seq_length(self) -> int: ...
 
@@ -65,12 +69,15 @@ class AttachedCache(Protocol):
     ) -> torch.Tensor | None:
         """A forward of ``new`` tokens starts; returns the 2-D mask the model must use instead, or None."""
 
+    def _expect_tokens(self, tokens: int | None) -> None:
+        """The running generate() call holds at most ``tokens`` tokens per row (static caches size their arenas)."""
+
     def _query_consumers(self) -> list[Any]:
         """What takes each forward's pre-RoPE queries: objects with ``add(layer_idx, queries)`` (``[B, S, H, D]``)
         and ``end_forward()`` (the forward finished without raising)."""
 
 
-class ModelAttachment:
+class ModelAttachment(StepPreparer):
     """Hooks of one cache (a :class:`~hf_ropekv.RopeKVCache`) on one model."""
 
     def __init__(self, model: nn.Module, cache: AttachedCache, collect_queries: bool) -> None:
@@ -84,24 +91,22 @@ class ModelAttachment:
         self._tokens_known = True  # False once a forward came as inputs_embeds: nothing to compare then
         # A static cache's forwards are prepared before generate's compiled call (prepare_inputs_for_generation);
         # the input tensor of the forward so prepared, for the pre-hook to recognise it.
-        self.static = bool(getattr(cache, "static", False))
+        self.static = bool(cache.static)
+        self.graphs = self.static and not_capturable(model, getattr(model, "device", torch.device("cpu"))) is None
         self._prepared: torch.Tensor | None = None
         # What takes each forward's queries (online statistics, a scorer's query window): they hold no reference
         # to the cache.
         self._query_consumers = cache._query_consumers()
         self._hooks = SharedHooks.of(model)
-        self._hooks.add(self, cache.geometry, collect_queries, keep=self.static)
+        self._hooks.add(self, cache.geometry, collect_queries,
+                        attention=self.static or getattr(cache.options, "kv_bits", None) is not None)
         self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
-        # A local import: generate_methods imports this module at its top (its wrappers find a cache's attachment
-        # with isinstance(..., ModelAttachment)), so importing it at the top here would make a cycle.
-        from .generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
-
-        _PrepareInputsForGeneration.install(model)
-        if self.static:
-            _GetCompiledCall.install(model)
-        if getattr(getattr(cache, "options", None), "static", None) == "auto":
-            _ValidAutoCompileCriteria.install(model)
+    def expect_tokens(self, tokens: int | None) -> None:
+        """A generate() call of this cache holds at most ``tokens`` tokens per row (its ``max_length``)."""
+        cache = self._cache_ref()
+        if cache is not None:
+            cache._expect_tokens(tokens)
 
     def remove(self) -> None:
         """Take this attachment off its model's hooks (its cache was assembled again: ``RopeKVCache._assemble``)."""
@@ -169,8 +174,6 @@ class ModelAttachment:
         state; so the cache takes this step's decisions here, eagerly, and the 4-D mask transformers builds for
         a compileable cache comes from the cache's slot mask.
         """
-        from .generate_methods import _with_canonical_strides  # a local import, as in __init__ (an import cycle)
-
         cache = self._cache_ref()
         self.check_attached()
         # A short critical section of its own, not held until the forward: a prepared forward that never runs
@@ -185,7 +188,7 @@ class ModelAttachment:
             replaced = self._start_forward(cache, new_ids, new_embeds, kwargs.get("attention_mask"))
             if replaced is not UNCHANGED:
                 kwargs = {**kwargs, "attention_mask": replaced}
-            model_inputs = _with_canonical_strides(prepare(input_ids, *args, **kwargs))
+            model_inputs = with_canonical_strides(prepare(input_ids, *args, **kwargs))
         source = model_inputs.get("input_ids")
         self._prepared = source if source is not None else model_inputs.get("inputs_embeds")
         return model_inputs
@@ -215,7 +218,7 @@ class ModelAttachment:
         self._hooks.active = self
         if self._hooks.capture is not None:  # a decoding step of a growing cache takes the capture's fast path
             self._hooks.capture.begin_forward(new == 1 and self._collect_queries and not self.static)
-        replaced = cache._forward_starts(mask, new, source.shape[0], source.device, input_ids)
+        replaced = cache._forward_starts(mask, new, source.shape[0], source.device)
         return UNCHANGED if replaced is mask else replaced
 
     # Called only while this attachment's cache runs the forward (SharedHooks.active), also inside compiled
@@ -319,6 +322,7 @@ def _binds_to_owner(value: Any) -> bool:
         value = list(value.values())
     if isinstance(value, (list, tuple, set)):
         return any(_binds_to_owner(item) for item in value)
-    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, nn.Module, SharedHooks)
+    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, HookedQueryCapture,
+               nn.Module, SharedHooks)
     return isinstance(value, binding)
 
