@@ -126,7 +126,7 @@ def speed_table(result: dict[str, Any]) -> str:
     e2e = {(e["point"], e["cache"]): e for e in result.get("e2e", [])}
     base = {r["point"]: r.get("decode_p50_ms") for r in result["rows"] if r["cache"] == "dynamic"}
     head = ("| point | cache | step p50 ms | p90 ms | prefill ms | GPU attention / matmul / other ms | host ms | "
-            "vs DynamicCache | TTFT s | end to end s |")
+            "vs DynamicCache | TTFT s | end to end s (last round) |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         gpu = r.get("gpu_ms") or {}
