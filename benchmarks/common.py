@@ -127,7 +127,7 @@ def run_metadata(name: str, script: str, argv: Sequence[str], device: torch.devi
         where = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
     return {
         "name": name,
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": where,
         "commit": git_commit(commit),
         "command": " ".join(["python", f"benchmarks/{script}", *map(shlex.quote, argv)]),

@@ -95,7 +95,10 @@ def measure(kind: str, model: torch.nn.Module, args: argparse.Namespace, device:
             log: common.Clock) -> list[dict[str, Any]]:
     """One cache to every checkpoint: bytes held, peak growth, decode step."""
     gen = torch.Generator(device=device).manual_seed(0)
-    random_ids = lambda n: torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=gen)
+
+    def random_ids(n: int) -> torch.Tensor:
+        return torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=gen)
+
     cuda = device.type == "cuda"
     common.sync(device)
     if cuda:

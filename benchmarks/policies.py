@@ -15,7 +15,7 @@ from typing import Any
 from common import import_hf_ropekv
 
 hf_ropekv = import_hf_ropekv()
-from hf_ropekv import scorers
+from hf_ropekv import scorers  # noqa: E402  (after the checkout import above)
 
 FULL = "full"
 

@@ -34,7 +34,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from pathlib import Path
-from typing import Self
 
 DEFAULT_TIMEOUT_S = 5.0
 MEMORY_LIMIT_BYTES = 1 << 30  # address space of a program
@@ -191,7 +190,7 @@ class ProgramPool:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> "ProgramPool":
         return self
 
     def __exit__(self, *exc) -> None:

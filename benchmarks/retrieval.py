@@ -92,7 +92,10 @@ def build(tokenizer: Any, pool_ids: Sequence[list[int]], seed: int, length: int)
         keys += [key] if key not in keys else []
     asked = rng.randrange(needles)
     before, question_text = split_template(tokenizer)
-    encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     head = encode(before)
     needle_ids = [encode(" " + NEEDLE.format(label=label, key=key)) for label, key in zip(labels, keys)]
     room = length - 32 - len(head) - sum(map(len, needle_ids))

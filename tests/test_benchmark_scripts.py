@@ -17,12 +17,12 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-import common
-import gsm8k
-import program_runner
-import report
-import retrieval
-import ship_model
+import common  # noqa: E402
+import gsm8k  # noqa: E402
+import program_runner  # noqa: E402
+import report  # noqa: E402
+import retrieval  # noqa: E402
+import ship_model  # noqa: E402
 
 RUN_KEYS = {"name", "date", "device", "commit", "command", "versions"}
 ROW_KEYS = {"task", "model", "policy", "param", "setting", "score", "n", "extra"}
@@ -170,7 +170,8 @@ def test_report_rewrites_blocks_and_check_finds_stale_ones(tmp_path: Path) -> No
     results.mkdir()
     doc = tmp_path / "page.md"
     doc.write_text("# Page\n<!-- generated:quality_matrix -->\nold\n<!-- /generated:quality_matrix -->\n"
-                   "<!-- generated:speed -->\n<!-- /generated:speed -->\n<!-- generated:other -->x<!-- /generated:other -->\n")
+                   "<!-- generated:speed -->\n<!-- /generated:speed -->\n"
+                   "<!-- generated:other -->x<!-- /generated:other -->\n")
     assert report.main(["--results", str(results), str(doc)]) == 0
     assert doc.read_text().count(report.NO_RESULTS) == 2 and "-->x<!--" in doc.read_text()
     older = _quality_result("2026-12-01T00:00:00", [_row("full", 0.5, "1100"), _row("default", 0.25, "1000")])
