@@ -323,14 +323,15 @@ def find_model_file(name: str) -> Path:
 
 def load_real_model(name: str, *, model_path: str | None, model_cache: str | None, device: torch.device,
                     dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    """``(model, tokenizer)`` of an offline model: ``model_path`` (a GGUF file, or a folder ``save_pretrained``
-    wrote), else ``model_cache`` when it holds a saved copy, else the installed package's GGUF. A GGUF read is
-    saved to ``model_cache`` (dequantizing the 1.5B model takes about a minute; the next process reads the copy)."""
+    """``(model, tokenizer)`` of an offline model: a folder ``save_pretrained`` wrote (``model_path``, else
+    ``model_cache`` once it holds a copy), else a GGUF file (``model_path``, else the installed package's). A GGUF
+    read is saved to ``model_cache``: dequantizing the 1.5B model takes about a minute, the next process reads the
+    copy in seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
     source = Path(model_path) if model_path else None
-    if source is None and model_cache and (Path(model_cache) / "config.json").is_file():
+    if (source is None or source.is_file()) and model_cache and (Path(model_cache) / "config.json").is_file():
         source = Path(model_cache)
     if source is not None and source.is_dir():
         tokenizer = AutoTokenizer.from_pretrained(source)
