@@ -20,7 +20,7 @@ Cells (policies from ``policies.py``; ``full`` is generate's own DynamicCache):
 Writes one small JSON (``rows``: task, model, policy, param, setting, score, n, extra) after every cell, so a run cut
 by ``--max-minutes`` or the device's limit keeps what it measured; per-problem outputs go to a git-ignored JSONL
 (``--raw``, default ``benchmarks/results/raw/<stem>.jsonl``). A missing model or data file is one line and the run
-goes on with what it has (exit status 3 at the end).
+goes on with what it has (exit status 3 at the end; 1 if a cell failed, its error recorded and the next cells run).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Matrix:
         self.log = common.Clock(args.max_minutes)
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "raw", "commit", "max_minutes")}
         self.result: dict[str, Any] = {**common.run_metadata("quality", "quality.py", argv, device, args.commit),
-                                       "settings": settings, "rows": [], "not_run": [], "notes": []}
+                                       "settings": settings, "rows": [], "not_run": [], "errors": [], "notes": []}
         self.last_wall: dict[str, float] = {}
         self.missing = False
 
@@ -76,13 +76,25 @@ class Matrix:
         self.result["notes"].append(text)
         common.write_json(self.path, self.result)
 
-    def may_start(self, task: str, what: str) -> bool:
-        """Whether a cell fits before the deadline, reckoned at the last cell of the same task; else noted."""
-        if not self.log.out_of_time(self.last_wall.get(task, 0.0)):
-            return True
-        self.result["not_run"].append(f"{task} {what}")
-        common.write_json(self.path, self.result)
-        return False
+    def run_cell(self, task: str, what: str, measure: Callable[[], dict[str, Any]]) -> None:
+        """Run one cell and add its row: unless it would end past the deadline (reckoned at the last cell of the
+        same task; then it is listed as not run), and an error in it is recorded, not raised (the next cells run)."""
+        if self.log.out_of_time(self.last_wall.get(task, 0.0)):
+            self.result["not_run"].append(f"{task} {what}")
+            return common.write_json(self.path, self.result)
+        start = time.perf_counter()
+        try:
+            row = measure()
+        except Exception as err:  # noqa: BLE001 - one failed cell must not lose the run
+            self.result["errors"].append(f"{task} {what}: {type(err).__name__}: {str(err)[:400]}")
+            self.log(f"FAILED {task} {what}: {type(err).__name__}: {str(err)[:200]}")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return common.write_json(self.path, self.result)
+        finally:
+            self.last_wall[task] = time.perf_counter() - start
+        row["extra"]["wall_s"] = round(self.last_wall[task], 1)
+        self.add(row)
 
     def raw(self, records: list[dict[str, Any]]) -> None:
         self.raw_path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,12 +153,9 @@ def run_gsm8k(m: Matrix, name: str, model: torch.nn.Module, tokenizer: Any, doma
     stop_ids = common.stop_token_ids(tokenizer, model)
     pad_id = getattr(tokenizer, "pad_token_id", None)
     pad_id = pad_id if pad_id is not None else (stop_ids or [0])[0]
-    cells = [(p, g) for p in a.policies for g in ([None] if p == policies.FULL else a.G)]
-    for policy, G in cells:
+
+    def cell(policy: str, G: int | None) -> dict[str, Any]:
         param = "" if G is None else f"G={G}"
-        if not m.may_start(task, f"{name} {policy} {param}"):
-            continue
-        start = time.perf_counter()
         texts, kept, new_tokens = {}, [], []
         for batch in batches:
             budget = None if G is None else max(len(prompts[p.index]) for p in batch) + G
@@ -160,15 +169,18 @@ def run_gsm8k(m: Matrix, name: str, model: torch.nn.Module, tokenizer: Any, doma
         answers, errors = score_gsm8k(texts, domain, a)
         correct = {p.index: gsm8k.is_correct(answers[p.index], p.answer) for p in problems}
         k, n = sum(correct.values()), len(problems)
-        bits = "".join("1" if correct[p.index] else "0" for p in problems)
-        m.last_wall[task] = time.perf_counter() - start
         m.raw([{"task": task, "model": name, "policy": policy, "param": param, "index": p.index,
                 "answer": p.answer, "predicted": answers[p.index], "correct": correct[p.index],
                 "text": texts[p.index]} for p in problems])
-        m.add(row(task, name, policy, param, a.split, k / n, n, correct=k, wilson95=gsm8k.wilson_interval(k, n),
-                  G=G, problems=f"{problems[0].index}-{problems[-1].index}", bits=bits,
-                  mean_kept_generated=statistics.fmean(kept), mean_new_tokens=statistics.fmean(new_tokens),
-                  program_errors=errors, wall_s=round(m.last_wall[task], 1)))
+        return row(task, name, policy, param, a.split, k / n, n, correct=k, wilson95=gsm8k.wilson_interval(k, n),
+                   G=G, problems=f"{problems[0].index}-{problems[-1].index}",
+                   bits="".join("1" if correct[p.index] else "0" for p in problems),
+                   mean_kept_generated=statistics.fmean(kept), mean_new_tokens=statistics.fmean(new_tokens),
+                   program_errors=errors)
+
+    for policy in a.policies:
+        for G in [None] if policy == policies.FULL else a.G:
+            m.run_cell(task, f"{name} {policy} G={G}", lambda p=policy, g=G: cell(p, g))
 
 
 def score_gsm8k(texts: dict[int, str], domain: str, a: argparse.Namespace) -> tuple[dict[int, Any], int | None]:
@@ -187,20 +199,18 @@ def run_doc_ppl(m: Matrix, name: str, model: torch.nn.Module, tokenizer: Any) ->
     a = m.args
     docs = [doc_ppl.document_ids(tokenizer, d["text"], a.doc_tokens) for d in doc_ppl.load_documents()]
     setting = f"{a.doc_tokens} tokens, {a.doc_chunk}-token chunks"
-    for policy in a.policies:
-        if not m.may_start("doc_ppl", f"{name} {policy}"):
-            continue
-        start = time.perf_counter()
+
+    def cell(policy: str) -> dict[str, Any]:
         budget = None if policy == policies.FULL else a.doc_budget
-        # nothing pinned (a document, not a prompt); compaction once per chunk, as decoding would
-        make = lambda: policies.make_cache(model, budget, policy, protect_prompt=False,  # noqa: E731
-                                           compress_every=a.doc_chunk)
-        nll = torch.stack([doc_ppl.chunked_nll(model, ids, make(), a.doc_chunk) for ids in docs])  # [docs, T - 1]
-        m.last_wall["doc_ppl"] = time.perf_counter() - start
-        m.add(row("doc_ppl", name, policy, "" if budget is None else f"budget={budget}", setting,
-                  doc_ppl.perplexity(nll), len(docs), ppl_after_budget=doc_ppl.perplexity(nll[:, a.doc_budget:]),
-                  per_document=[round(doc_ppl.perplexity(x), 4) for x in nll], budget=budget,
-                  wall_s=round(m.last_wall["doc_ppl"], 1)))
+        nll = torch.stack([doc_ppl.chunked_nll(model, ids, policies.make_cache(
+            model, budget, policy, protect_prompt=False, compress_every=a.doc_chunk), a.doc_chunk) for ids in docs])
+        return row("doc_ppl", name, policy, "" if budget is None else f"budget={budget}", setting,
+                   doc_ppl.perplexity(nll), len(docs), ppl_after_budget=doc_ppl.perplexity(nll[:, a.doc_budget:]),
+                   per_document=[round(doc_ppl.perplexity(x), 4) for x in nll], budget=budget)
+
+    # nothing pinned (a document, not a prompt); one compaction a chunk, as decoding would
+    for policy in a.policies:
+        m.run_cell("doc_ppl", f"{name} {policy}", lambda p=policy: cell(p))
 
 
 # ---------------------------------------------------------------------------------------------- retrieval
@@ -209,34 +219,34 @@ def run_retrieval(m: Matrix, name: str, model: torch.nn.Module, tokenizer: Any) 
     seeds = list(retrieval.SEEDS[a.split])[: a.n_retrieval]
     pool = retrieval.pool_token_ids(tokenizer)
     stop_ids = common.stop_token_ids(tokenizer, model)
+
+    def cell(policy: str, length: int, ratio: int | None, setting: str) -> dict[str, Any]:
+        size = f"{length // 1024}K" if length % 1024 == 0 else str(length)
+        param = size + ("" if ratio is None else f"/{ratio}x")
+        budget = None if ratio is None else length // ratio
+        outputs: dict[int, str] = {}
+        for batch in batches[length]:
+            cache = policies.make_cache(model, budget, policy, protect_prompt=False)
+            for h, tokens in zip(batch, retrieval.answer(model, batch, cache, setting, a.answer_tokens, stop_ids)):
+                outputs[h.seed] = tokenizer.decode(tokens, skip_special_tokens=True)
+        haystacks = [h for batch in batches[length] for h in batch]
+        hits = {h.seed: retrieval.found(outputs[h.seed], h.key) for h in haystacks}
+        m.raw([{"task": "retrieval", "model": name, "policy": policy, "param": param, "setting": setting,
+                "seed": h.seed, "key": h.key, "output": outputs[h.seed], "correct": hits[h.seed]} for h in haystacks])
+        return row("retrieval", name, policy, param, setting, sum(hits.values()) / len(hits), len(hits),
+                   correct=sum(hits.values()), length=length, ratio=ratio, budget=budget,
+                   correct_by_kind=counts_by(haystacks, hits, "kind"),
+                   correct_by_needles=counts_by(haystacks, hits, "needles"))
+
+    batches: dict[int, list[list[retrieval.Haystack]]] = {}
     for length in a.lengths:
         haystacks = [retrieval.build(tokenizer, pool, seed, length) for seed in seeds]
-        batches = retrieval.group_batches(haystacks, max(1, a.batch_tokens // length))
+        batches[length] = retrieval.group_batches(haystacks, max(1, a.batch_tokens // length))
         for setting in a.settings:
-            cells = [(p, r) for p in a.policies for r in ([None] if p == policies.FULL else a.ratios)]
-            for policy, ratio in cells:
-                size = f"{length // 1024}K" if length % 1024 == 0 else str(length)
-                param = size + ("" if ratio is None else f"/{ratio}x")
-                if not m.may_start("retrieval", f"{name} {policy} {param} {setting}"):
-                    continue
-                start = time.perf_counter()
-                budget = None if ratio is None else length // ratio
-                outputs: dict[int, str] = {}
-                for batch in batches:
-                    cache = policies.make_cache(model, budget, policy, protect_prompt=False)
-                    for h, tokens in zip(batch, retrieval.answer(model, batch, cache, setting, a.answer_tokens,
-                                                                 stop_ids)):
-                        outputs[h.seed] = tokenizer.decode(tokens, skip_special_tokens=True)
-                hits = {h.seed: retrieval.found(outputs[h.seed], h.key) for h in haystacks}
-                m.last_wall["retrieval"] = time.perf_counter() - start
-                m.raw([{"task": "retrieval", "model": name, "policy": policy, "param": param, "setting": setting,
-                        "seed": h.seed, "key": h.key, "output": outputs[h.seed], "correct": hits[h.seed]}
-                       for h in haystacks])
-                m.add(row("retrieval", name, policy, param, setting, sum(hits.values()) / len(hits), len(hits),
-                          correct=sum(hits.values()), length=length, ratio=ratio, budget=budget,
-                          correct_by_kind=counts_by(haystacks, hits, "kind"),
-                          correct_by_needles=counts_by(haystacks, hits, "needles"),
-                          wall_s=round(m.last_wall["retrieval"], 1)))
+            for policy in a.policies:
+                for ratio in [None] if policy == policies.FULL else a.ratios:
+                    m.run_cell("retrieval", f"{name} {policy} {length} {ratio}x {setting}",
+                               lambda p=policy, n=length, r=ratio, st=setting: cell(p, n, r, st))
 
 
 def counts_by(haystacks: list[retrieval.Haystack], hits: dict[int, bool], attr: str) -> dict[str, list[int]]:
@@ -356,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     print(quality_table(m.result["rows"]), flush=True)
     if m.result["not_run"]:
         print(f"not run (--max-minutes): {len(m.result['not_run'])} cells, e.g. {m.result['not_run'][0]}")
-    return 3 if m.missing else 0
+    for error in m.result["errors"]:
+        print(f"error: {error}")
+    return 3 if m.missing else 1 if m.result["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
     python benchmarks/speed.py --points none --e2e --commit SHA        # end to end in fresh processes only
     python benchmarks/speed.py --dry-run --out /tmp/speed.json         # a tiny random model on the CPU
 
+The RopeKVCache is the library's default with ``protect_prompt=False`` (the prompts are longer than the budget).
 A random-weight model of a published shape (Qwen3-8B by default, bf16 on CUDA; exact for speed), cuDNN's sdpa off
 (it plans every new K/V length on the host). At each point (batch x prompt tokens) every cache is warmed up once
 (compiles, graph recordings), then timed ``--repeats`` times in alternation: greedy ``generate()`` of
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**common.run_metadata("speed", "speed.py", argv, device, args.commit), "rows": [], "e2e": [],
               "settings": {"shape": args.shape, "dtype": str(dtype), "budget": args.budget,
                            "new_tokens": args.new_tokens, "repeats": args.repeats, "cudnn_sdpa": False,
-                           "e2e_new_tokens": args.e2e_new_tokens}, "not_run": []}
+                           "protect_prompt": False, "e2e_new_tokens": args.e2e_new_tokens}, "not_run": []}
     model = common.build_random_model(args.shape, dtype=dtype, device=device)
     log(f"{args.shape} built on {device}")
     for batch, length in parse_points(args.points):

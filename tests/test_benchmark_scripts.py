@@ -49,6 +49,26 @@ def test_quality_dry_run_writes_every_task(tmp_path: Path) -> None:
     assert (tmp_path / "raw" / "q.jsonl").is_file()  # per-problem outputs beside, not in the result
 
 
+def test_quality_records_a_failed_cell_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import policies
+    import quality
+
+    make = policies.make_cache
+
+    def failing(model, budget, policy="default", **options):
+        if policy == "recency":
+            raise RuntimeError("boom")
+        return make(model, budget, policy, **options)
+
+    monkeypatch.setattr(policies, "make_cache", failing)
+    out = tmp_path / "q.json"
+    assert quality.main(["--dry-run", "--out", str(out), "--tasks", "doc_ppl",
+                         "--policies", "full,recency,default"]) == 1
+    result = json.loads(out.read_text())
+    assert [r["policy"] for r in result["rows"]] == ["full", "default"]
+    assert len(result["errors"]) == 1 and "boom" in result["errors"][0]
+
+
 def test_speed_dry_run_pairs_the_three_caches(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     import speed
 
