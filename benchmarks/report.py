@@ -5,8 +5,8 @@
     python benchmarks/report.py --check    # exit 1 if a block is stale (what a test or CI runs)
 
 A block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; NAME is one of
-``BLOCKS`` (quality_matrix, quality_summary, speed, memory, runs). A NAME with no result files says "no results
-yet". Result files are ``benchmarks/results/*.json``, each with ``name``, ``date``, ``device``, ``commit`` and
+``BLOCKS``: quality_matrix, quality_summary (one row per model), quality_vs_peers, speed, speed_summary, memory,
+runs. A NAME with no result files says "no results yet". Result files are ``benchmarks/results/*.json``, each with ``name``, ``date``, ``device``, ``commit`` and
 ``command``; quality rows of several files are merged (for one cell the newest run wins), speed and memory come
 from the newest file of their name. Pure Python: no torch needed.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-NO_RESULTS = "_no results yet_"
+NO_RESULTS = "no results yet"
 MIB = 2**20
 
 
@@ -92,7 +92,7 @@ def quality_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def quality_summary(rows: list[dict[str, Any]]) -> str:
+def quality_vs_peers(rows: list[dict[str, Any]]) -> str:
     """Per cell: the default against full, the best peer, and whether the default beats every peer there."""
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in finalize_rows(rows):
@@ -114,6 +114,51 @@ def quality_summary(rows: list[dict[str, Any]]) -> str:
         above = "" if not peers else ("yes" if all(better(default["vs_full"], r["vs_full"]) for r in peers) else "no")
         best_text = "" if best is None else f"{best['policy']} ({fmt(best['vs_full'])})"
         lines.append(f"| {task} | {model} | {setting} | {param} | {fmt(default['vs_full'])} | {best_text} | {above} |")
+    return "\n".join(lines) if len(lines) > 2 else NO_RESULTS
+
+
+def _natural(param: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", param))
+
+
+def _vs_full(task: str, value: float) -> str:
+    return f"{100 * value:+.1f} %" if task == "doc_ppl" else f"{value:.2f}"
+
+
+def quality_summary(rows: list[dict[str, Any]]) -> str:
+    """One row per model: the default's score against the full cache's in every cell, grouped by task and setting
+    (accuracy: a fraction of full; perplexity: the increase over full)."""
+    table: dict[str, dict[tuple, dict[str, str]]] = {}
+    for r in finalize_rows(rows):
+        if r["policy"] == "default" and r.get("vs_full") is not None:
+            table.setdefault(r["model"], {}).setdefault((r["task"], r["setting"]), {})[r["param"]] = _vs_full(
+                r["task"], r["vs_full"])
+    if not table:
+        return NO_RESULTS
+    groups = list(dict.fromkeys(g for cells in table.values() for g in cells))
+    params = {g: sorted({p for cells in table.values() for p in cells.get(g, {})}, key=_natural) for g in groups}
+    head = [f"{task}, {setting} ({' / '.join(params[(task, setting)])})" for task, setting in groups]
+    lines = ["| default vs full | " + " | ".join(head) + " |", "|" + "---|" * (len(groups) + 1)]
+    for model, cells in table.items():
+        values = [" / ".join(cells.get(g, {}).get(p, "–") for p in params[g]) for g in groups]
+        lines.append(f"| {model} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def speed_summary(result: dict[str, Any]) -> str:
+    """The default cache's decode step against DynamicCache's at each point, and end to end."""
+    steps = {(r["point"], r["cache"]): r.get("decode_p50_ms") for r in result["rows"]}
+    lines = ["| batch x prompt | DynamicCache step | default RopeKVCache step | speed-up |", "|---|---|---|---|"]
+    for point in dict.fromkeys(r["point"] for r in result["rows"]):
+        dyn, rope = steps.get((point, "dynamic")), steps.get((point, "ropekv"))
+        if dyn and rope:
+            lines.append(f"| {point} | {dyn:.1f} ms | {rope:.1f} ms | {dyn / rope:.2f}x |")
+    e2e = {(e["point"], e["cache"]): e for e in result.get("e2e", []) if e.get("total_s")}
+    for (point, cache), e in e2e.items():
+        dyn = e2e.get((point, "dynamic"))
+        if cache == "ropekv" and dyn:
+            lines.append(f"| {point}, {e['new_tokens']} tokens end to end | {dyn['total_s']:.1f} s | "
+                         f"{e['total_s']:.1f} s | {dyn['total_s'] / e['total_s']:.2f}x |")
     return "\n".join(lines) if len(lines) > 2 else NO_RESULTS
 
 
@@ -197,7 +242,9 @@ def runs_table(results: list[dict[str, Any]]) -> str:
 BLOCKS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "quality_matrix": lambda results: _quality(results, quality_table),
     "quality_summary": lambda results: _quality(results, quality_summary),
+    "quality_vs_peers": lambda results: _quality(results, quality_vs_peers),
     "speed": lambda results: _single(results, "speed", speed_table),
+    "speed_summary": lambda results: _single(results, "speed", speed_summary),
     "memory": lambda results: _single(results, "memory", memory_table),
     "runs": runs_table,
 }
