@@ -6,9 +6,9 @@
 
 A block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; NAME is one of
 ``BLOCKS``: quality_matrix, quality_summary (one row per model), quality_vs_peers, speed, speed_summary, memory,
-runs. A NAME with no result files says "no results yet". Result files are ``benchmarks/results/*.json``, each with ``name``, ``date``, ``device``, ``commit`` and
-``command``; quality rows of several files are merged (for one cell the newest run wins), speed and memory come
-from the newest file of their name. Pure Python: no torch needed.
+runs. A NAME with no result files says "no results yet". Result files are ``benchmarks/results/*.json``, each
+with ``name``, ``date``, ``device``, ``commit`` and ``command``; quality rows of several files are merged (for one
+cell the newest run wins), speed and memory come from the newest file of their name. Pure Python: no torch needed.
 """
 
 from __future__ import annotations
