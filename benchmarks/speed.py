@@ -42,13 +42,14 @@ ATTENTION = ("attention", "attn", "fmha", "flash", "sdpa", "softmax")
 MATMUL = ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "splitk", "matmul", "_mm")
 
 
-def make_cache(name: str, model: torch.nn.Module, prompt_len: int, args: argparse.Namespace) -> Any:
+def make_cache(name: str, model: torch.nn.Module, prompt_len: int, new_tokens: int, args: argparse.Namespace) -> Any:
+    """A fresh cache; ``StaticCache`` sized for the run (its attention reads every slot it has)."""
     from transformers import DynamicCache, StaticCache
 
     if name == "dynamic":
         return DynamicCache(config=model.config)
     if name == "static":  # generate compiles the decode step of a compileable cache by itself on CUDA
-        return StaticCache(config=model.config, max_cache_len=prompt_len + max(args.new_tokens, args.e2e_new_tokens))
+        return StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
     return policies.make_cache(model, args.budget, "default", protect_prompt=False)
 
 
@@ -118,7 +119,8 @@ def measure_point(model: torch.nn.Module, batch: int, length: int, args: argpars
             if name in errors:
                 continue
             try:
-                run = common.run_generate(model, make_cache(name, model, length, args), prompt, args.new_tokens)
+                cache = make_cache(name, model, length, args.new_tokens, args)
+                run = common.run_generate(model, cache, prompt, args.new_tokens)
                 if round_ >= 0:
                     timed[name].append(run)
             except Exception as err:  # noqa: BLE001 - one cache failing must not lose the others
@@ -133,7 +135,8 @@ def measure_point(model: torch.nn.Module, batch: int, length: int, args: argpars
             row.update(decode_p50_ms=common.percentile(steps, 50), decode_p90_ms=common.percentile(steps, 90),
                        steps=len(steps), prefill_ms=common.percentile([r["first_logits_ms"] for r in timed[name]], 50))
             clock = ProfilingClock(device, start=2, steps=args.profile_steps)
-            common.run_generate(model, make_cache(name, model, length, args), prompt, args.profile_steps + 3, clock)
+            cache = make_cache(name, model, length, args.new_tokens, args)  # the timed runs' size: no recompile
+            common.run_generate(model, cache, prompt, args.profile_steps + 3, clock)
             row.update(clock.summary())
             log(f"  {name}: p50 {row['decode_p50_ms']:.2f} ms, p90 {row['decode_p90_ms']:.2f} ms, "
                 f"prefill {row['prefill_ms']:.0f} ms, host {row['host_ms']:.2f} ms/step")
@@ -150,7 +153,7 @@ def e2e_child(args: argparse.Namespace) -> None:
     prompt = random_prompt(model, batch, length, device)
     common.sync(device)
     t0 = time.perf_counter()
-    cache = make_cache(args.child, model, length, args)
+    cache = make_cache(args.child, model, length, args.e2e_new_tokens, args)
     run = common.run_generate(model, cache, prompt, args.e2e_new_tokens)
     total = time.perf_counter() - t0
     print("E2E " + json.dumps({"point": args.e2e_point, "cache": args.child, "label": CACHES[args.child],
