@@ -56,6 +56,7 @@ class Matrix:
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.path = common.out_path("quality", args.out, device)
         self.raw_path = Path(args.raw) if args.raw else self.path.parent / "raw" / f"{self.path.stem}.jsonl"
+        self.raw_path.unlink(missing_ok=True)  # a run rewrites its result file: its raw file too
         self.log = common.Clock(args.max_minutes)
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "raw", "commit", "max_minutes")}
         self.result: dict[str, Any] = {**common.run_metadata("quality", "quality.py", argv, device, args.commit),
@@ -180,7 +181,7 @@ def run_gsm8k(m: Matrix, name: str, model: torch.nn.Module, tokenizer: Any, doma
 
     for policy in a.policies:
         for G in [None] if policy == policies.FULL else a.G:
-            m.run_cell(task, f"{name} {policy} G={G}", lambda p=policy, g=G: cell(p, g))
+            m.run_cell(task, f"{name} {policy} {'' if G is None else f'G={G}'}", lambda p=policy, g=G: cell(p, g))
 
 
 def score_gsm8k(texts: dict[int, str], domain: str, a: argparse.Namespace) -> tuple[dict[int, Any], int | None]:
