@@ -131,7 +131,7 @@ CASES = [
     (8, 2, 128, 128, torch.bfloat16, 150, 1, "holes", "bshd"),  # GQA 4, one program per (row, head)
     (8, 2, 128, 128, torch.float16, 150, 3, "band", "hbsd"),  # split 3 ways
     (7, 1, 80, 80, torch.bfloat16, 100, 8, "left", "bhsd"),  # G=7, D=80; 8 splits over 2 tiles: 6 empty
-    (4, 1, 64, 64, torch.float16, 33, None, None, "bhsd"),  # MQA, no mask, one partial tile
+    (8, 1, 64, 64, torch.float16, 33, None, None, "bhsd"),  # MQA with G=8, no mask, one partial tile
     (4, 2, 80, 48, torch.float32, 129, 2, "holes", "hbsd"),  # non-power D and Dv, different
     (10, 2, 64, 64, torch.bfloat16, 200, 4, "band", "bshd"),  # G=5
     (16, 1, 64, 64, torch.bfloat16, 128, None, "empty_row", "bhsd"),  # G=16, S a multiple of the tile
@@ -245,6 +245,7 @@ def test_edge_shapes():
     out = _run(q, empty, empty, torch.zeros(2, 0, dtype=torch.bool), scale=0.125, num_splits=1)
     assert (out == 0).all()
     assert kattn.decode_attention(q[:0], empty[:0], empty[:0], scale=0.125).shape == (0, 4, 64)
+    assert kattn._block_n(128) == BLOCK_N  # the S above are chosen against this tile
     # The automatic split count: many programs at batch 1, none beyond the tiles.
     assert kattn._auto_splits(1, 8, 34, 132) == 34
     assert kattn._auto_splits(32, 8, 34, 132) == 2
