@@ -337,8 +337,7 @@ def _decode_impl(
     vs_strides = vs.stride() if quant else (0, 0, 0)
     m_strides = mask_u8.stride() if mask is not None else (0, 0)
     interpreted = _interpreting()
-    # wrap_triton lets torch.compile see the kernels; interpreted kernels run as they are.
-    split_kernel = _decode_split_kernel if interpreted else wrap_triton(_decode_split_kernel)
+    split_kernel = _for_compile(_decode_split_kernel)
     split_kernel[(num_splits, H_kv, B)](
         query, keys, values, ks, vs, mask_u8, ws, out,
         S, chunk, ml_offset, scale, 1.0 if softcap is None else softcap,
@@ -367,7 +366,7 @@ def _decode_impl(
         num_warps=4,
     )
     if not direct:
-        combine_kernel = _decode_combine_kernel if interpreted else wrap_triton(_decode_combine_kernel)
+        combine_kernel = _for_compile(_decode_combine_kernel)
         combine_kernel[(H_q, B)](
             ws, out,
             num_splits, ml_offset,
@@ -379,15 +378,25 @@ def _decode_impl(
         )
 
 
-if HAS_TRITON and hasattr(torch.library, "triton_op"):
+#: The torch op ``hf_ropekv::decode_attention``, once :func:`register_op` made it (registering imports inductor,
+#: seconds a process that never compiles need not pay: eager steps and CUDA graphs call the implementation).
+_OP = None
+
+
+def register_op() -> None:
+    """Register the kernel as a torch op so ``torch.compile`` traces through it (call it eagerly, before compiling)."""
+    global _OP
+    if _OP is None and HAS_TRITON and hasattr(torch.library, "triton_op"):
+        _OP = torch.library.triton_op(OP_NAME, _decode_impl, mutates_args={"out"})
+
+
+def _for_compile(kernel):
+    """``kernel`` as torch.compile sees it inside the registered op (as it is elsewhere, and when interpreted)."""
+    if _OP is None or _interpreting():
+        return kernel
     from torch.library import wrap_triton
 
-    _decode_op = torch.library.triton_op(OP_NAME, _decode_impl, mutates_args={"out"})
-else:  # no Triton (the launcher refuses), or a torch without triton_op: plain call
-    _decode_op = _decode_impl
-
-    def wrap_triton(kernel):  # identity where torch has no wrap_triton
-        return kernel
+    return wrap_triton(kernel)
 
 
 def decode_attention(
@@ -430,7 +439,7 @@ def decode_attention(
         block = _block_n(max(16, _next_pow2(max(D, Dv))))
         num_splits = _auto_splits(B, H_kv, _cdiv(S, block), _sm_count(query.device))
     squeeze = query.dim() == 4
-    _decode_op(
+    (_OP or _decode_impl)(
         query[:, :, 0] if squeeze else query, keys, values, mask, float(scale),
         None if softcap is None else float(softcap), key_scale, value_scale,
         out[:, :, 0] if squeeze else out, int(num_splits),

@@ -359,5 +359,6 @@ def test_gpu_torch_compile_fullgraph(fresh_dynamo):
     def step(q, k, v, mask):
         return kattn.decode_attention(q * 1.0, k, v, mask, scale=0.088) + 1.0
 
+    kattn.register_op()  # what a static cache that compiles does, eagerly, before generate compiles
     compiled = torch.compile(step, fullgraph=True)  # fails on a graph break
     _assert_close(compiled(q, k, v, mask), step(q, k, v, mask), torch.bfloat16, "compiled vs eager")
