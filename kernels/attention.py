@@ -264,6 +264,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Plain helpers for the launcher: triton.cdiv / next_power_of_2 cost ~4 us a call from Python (Triton 3.9).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _block_n(block_d: int) -> int:
     """Slots per tile: 64 (16 KB bf16 K tiles at head_dim 128), 32 above head_dim 128 to bound shared memory."""
     return 64 if block_d <= 128 else 32
@@ -289,8 +298,8 @@ def _auto_splits(B: int, H_kv: int, n_blocks: int, sm_count: int) -> int:
     if programs >= target or n_blocks <= 1:
         return 1  # the rows and heads alone fill the GPU: no combine pass
     per_split = max(1, n_blocks * programs // target)
-    splits = triton.cdiv(n_blocks, per_split)
-    return triton.cdiv(n_blocks, triton.cdiv(n_blocks, splits))  # balance the chunks: none empty
+    splits = _cdiv(n_blocks, per_split)
+    return _cdiv(n_blocks, _cdiv(n_blocks, splits))  # balance the chunks: none empty
 
 
 def _decode_impl(
@@ -309,14 +318,14 @@ def _decode_impl(
     B, H_q, D = query.shape
     _, H_kv, S, Dv = values.shape
     G = H_q // H_kv
-    block_d = max(16, triton.next_power_of_2(D))
-    block_dv = max(16, triton.next_power_of_2(Dv))
+    block_d = max(16, _next_pow2(D))
+    block_dv = max(16, _next_pow2(Dv))
     block_n = _block_n(max(block_d, block_dv))
-    chunk = triton.cdiv(triton.cdiv(S, block_n), num_splits) * block_n
+    chunk = _cdiv(_cdiv(S, block_n), num_splits) * block_n
     quant = keys.dtype != query.dtype
     direct = num_splits == 1
     if direct:
-        ws, ml_offset = out, 0  # unused
+        ws, ml_offset = query, 0  # unused; not out, which torch.compile must see passed (and written) once
     else:
         parts = B * H_q * num_splits
         ws = torch.empty(parts * (Dv + 2), dtype=torch.float32, device=query.device)
@@ -328,8 +337,7 @@ def _decode_impl(
     vs_strides = vs.stride() if quant else (0, 0, 0)
     m_strides = mask_u8.stride() if mask is not None else (0, 0)
     interpreted = _interpreting()
-    # wrap_triton lets torch.compile see the kernels; interpreted kernels run as they are.
-    split_kernel = _decode_split_kernel if interpreted else wrap_triton(_decode_split_kernel)
+    split_kernel = _for_compile(_decode_split_kernel)
     split_kernel[(num_splits, H_kv, B)](
         query, keys, values, ks, vs, mask_u8, ws, out,
         S, chunk, ml_offset, scale, 1.0 if softcap is None else softcap,
@@ -341,7 +349,7 @@ def _decode_impl(
         *m_strides,
         *out.stride(),
         G=G,
-        G_PAD=max(16, triton.next_power_of_2(G)),
+        G_PAD=max(16, _next_pow2(G)),
         D=D,
         DV=Dv,
         BLOCK_D=block_d,
@@ -358,27 +366,37 @@ def _decode_impl(
         num_warps=4,
     )
     if not direct:
-        combine_kernel = _decode_combine_kernel if interpreted else wrap_triton(_decode_combine_kernel)
+        combine_kernel = _for_compile(_decode_combine_kernel)
         combine_kernel[(H_q, B)](
             ws, out,
             num_splits, ml_offset,
             *out.stride(),
             DV=Dv,
             BLOCK_DV=block_dv,
-            BLOCK_SPLITS=min(64, triton.next_power_of_2(num_splits)),
+            BLOCK_SPLITS=min(64, _next_pow2(num_splits)),
             num_warps=4,
         )
 
 
-if HAS_TRITON and hasattr(torch.library, "triton_op"):
+#: The torch op ``hf_ropekv::decode_attention``, once :func:`register_op` made it (registering imports inductor,
+#: seconds a process that never compiles need not pay: eager steps and CUDA graphs call the implementation).
+_OP = None
+
+
+def register_op() -> None:
+    """Register the kernel as a torch op so ``torch.compile`` traces through it (call it eagerly, before compiling)."""
+    global _OP
+    if _OP is None and HAS_TRITON and hasattr(torch.library, "triton_op"):
+        _OP = torch.library.triton_op(OP_NAME, _decode_impl, mutates_args={"out"})
+
+
+def _for_compile(kernel):
+    """``kernel`` as torch.compile sees it inside the registered op (as it is elsewhere, and when interpreted)."""
+    if _OP is None or _interpreting():
+        return kernel
     from torch.library import wrap_triton
 
-    _decode_op = torch.library.triton_op(OP_NAME, _decode_impl, mutates_args={"out"})
-else:  # no Triton (the launcher refuses), or a torch without triton_op: plain call
-    _decode_op = _decode_impl
-
-    def wrap_triton(kernel):  # identity where torch has no wrap_triton
-        return kernel
+    return wrap_triton(kernel)
 
 
 def decode_attention(
@@ -418,10 +436,10 @@ def decode_attention(
     if B == 0 or H_q == 0 or Dv == 0:
         return out
     if num_splits is None:
-        block = _block_n(max(16, triton.next_power_of_2(max(D, Dv))))
-        num_splits = _auto_splits(B, H_kv, triton.cdiv(S, block), _sm_count(query.device))
+        block = _block_n(max(16, _next_pow2(max(D, Dv))))
+        num_splits = _auto_splits(B, H_kv, _cdiv(S, block), _sm_count(query.device))
     squeeze = query.dim() == 4
-    _decode_op(
+    (_OP or _decode_impl)(
         query[:, :, 0] if squeeze else query, keys, values, mask, float(scale),
         None if softcap is None else float(softcap), key_scale, value_scale,
         out[:, :, 0] if squeeze else out, int(num_splits),

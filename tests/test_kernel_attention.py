@@ -131,7 +131,7 @@ CASES = [
     (8, 2, 128, 128, torch.bfloat16, 150, 1, "holes", "bshd"),  # GQA 4, one program per (row, head)
     (8, 2, 128, 128, torch.float16, 150, 3, "band", "hbsd"),  # split 3 ways
     (7, 1, 80, 80, torch.bfloat16, 100, 8, "left", "bhsd"),  # G=7, D=80; 8 splits over 2 tiles: 6 empty
-    (4, 1, 64, 64, torch.float16, 33, None, None, "bhsd"),  # MQA, no mask, one partial tile
+    (8, 1, 64, 64, torch.float16, 33, None, None, "bhsd"),  # MQA with G=8, no mask, one partial tile
     (4, 2, 80, 48, torch.float32, 129, 2, "holes", "hbsd"),  # non-power D and Dv, different
     (10, 2, 64, 64, torch.bfloat16, 200, 4, "band", "bshd"),  # G=5
     (16, 1, 64, 64, torch.bfloat16, 128, None, "empty_row", "bhsd"),  # G=16, S a multiple of the tile
@@ -245,6 +245,7 @@ def test_edge_shapes():
     out = _run(q, empty, empty, torch.zeros(2, 0, dtype=torch.bool), scale=0.125, num_splits=1)
     assert (out == 0).all()
     assert kattn.decode_attention(q[:0], empty[:0], empty[:0], scale=0.125).shape == (0, 4, 64)
+    assert kattn._block_n(128) == BLOCK_N  # the S above are chosen against this tile
     # The automatic split count: many programs at batch 1, none beyond the tiles.
     assert kattn._auto_splits(1, 8, 34, 132) == 34
     assert kattn._auto_splits(32, 8, 34, 132) == 2
@@ -289,41 +290,46 @@ def test_benchmark_arguments():
 GPU_SHAPE = {"H_q": 32, "H_kv": 8, "D": 128}  # Qwen3-8B
 
 
-def _gpu_inputs(B, S, gen, quant=False, capacity=2304):
+def _gpu_inputs(B, S, gen, storage="bf16", device="cuda"):
+    """Qwen3-8B-shaped inputs: arena views, NaN past S and in the holes, the last row fully masked (B > 1)."""
     H_q, H_kv, D = GPU_SHAPE["H_q"], GPU_SHAPE["H_kv"], GPU_SHAPE["D"]
-    q = torch.randn(B, H_q, 1, D, generator=gen, device="cuda").bfloat16()
-    k = _arena_view((B, H_kv, S, D), torch.bfloat16, gen, capacity=capacity, device="cuda")
-    v = _arena_view((B, H_kv, S, D), torch.bfloat16, gen, capacity=capacity, device="cuda")
-    mask = _mask(B, S, "holes", gen, device="cuda")
+    q = torch.randn(B, H_q, 1, D, generator=gen, device=device).bfloat16()
+    k = _arena_view((B, H_kv, S, D), torch.bfloat16, gen, capacity=2304, device=device)
+    v = _arena_view((B, H_kv, S, D), torch.bfloat16, gen, capacity=2304, device=device)
+    mask = _mask(B, S, "holes" if B == 1 else "empty_row", gen, device=device)
     extra = {}
-    if quant:
-        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+    if storage != "bf16":
+        qdtype = torch.int8 if storage == "int8" else torch.float8_e4m3fn
+        (k, ks), (v, vs) = quantize_kv(k, qdtype), quantize_kv(v, qdtype)
         extra = {"key_scale": ks, "value_scale": vs}
+    else:
+        _poison_holes(k, mask)
+        _poison_holes(v, mask)
     return q, k, v, mask, extra
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("storage", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("S", [2176, 33])
 @pytest.mark.parametrize("B", [1, 4, 32])
-def test_gpu_matches_reference(B, S, quant):
+def test_gpu_matches_reference(B, S, storage):
     gen = _gen("cuda")
-    q, k, v, mask, extra = _gpu_inputs(B, S, gen, quant)
+    q, k, v, mask, extra = _gpu_inputs(B, S, gen, storage)
     scale = GPU_SHAPE["D"] ** -0.5
     ref = kattn.decode_attention_reference(q, k, v, mask, scale=scale, **extra)
     for num_splits in (None, 1, 7):
         out = torch.full_like(ref, float("nan"))
         kattn.decode_attention(q, k, v, mask, scale=scale, out=out, num_splits=num_splits, **extra)
         err = _assert_close(out, ref, torch.bfloat16, f"num_splits={num_splits}")
-        print(f"B={B} S={S} {'int8' if quant else 'bf16'} num_splits={num_splits}: max error {err:.3g}")
+        print(f"B={B} S={S} {storage} num_splits={num_splits}: max error {err:.3g}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant", [False, True], ids=["bf16", "int8"])
-def test_gpu_cuda_graph_replay(quant):
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_gpu_cuda_graph_replay(storage):
     gen = _gen("cuda")
     B, S = 4, 2176
-    q, k, v, mask, extra = _gpu_inputs(B, S, gen, quant)
+    q, k, v, mask, extra = _gpu_inputs(B, S, gen, storage)
     scale = GPU_SHAPE["D"] ** -0.5
     out = torch.empty(B, GPU_SHAPE["H_q"], 1, GPU_SHAPE["D"], device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
@@ -335,7 +341,7 @@ def test_gpu_cuda_graph_replay(quant):
     with torch.cuda.graph(graph):
         kattn.decode_attention(q, k, v, mask, scale=scale, out=out, **extra)
     # New values in the same buffers: the replay must compute the new result.
-    q2, k2, v2, mask2, extra2 = _gpu_inputs(B, S, gen, quant)
+    q2, k2, v2, mask2, extra2 = _gpu_inputs(B, S, gen, storage)
     for dst, src in [(q, q2), (k, k2), (v, v2), (mask, mask2)] + [(extra[n], extra2[n]) for n in extra]:
         dst.copy_(src)
     out.fill_(float("nan"))
@@ -353,5 +359,6 @@ def test_gpu_torch_compile_fullgraph(fresh_dynamo):
     def step(q, k, v, mask):
         return kattn.decode_attention(q * 1.0, k, v, mask, scale=0.088) + 1.0
 
+    kattn.register_op()  # what a static cache that compiles does, eagerly, before generate compiles
     compiled = torch.compile(step, fullgraph=True)  # fails on a graph break
     _assert_close(compiled(q, k, v, mask), step(q, k, v, mask), torch.bfloat16, "compiled vs eager")

@@ -19,6 +19,7 @@ from transformers.configuration_utils import PretrainedConfig
 
 from ..adapter.attach import ModelAttachment
 from ..eviction.compactor import Compactor
+from ..kernels.attention import register_op
 from ..model.geometry import ModelGeometry, describe, shared_geometry
 from ..scorers.base import Scorer
 from ..storage.buffers import BufferLease, BufferPool, step_is_recorded
@@ -120,6 +121,8 @@ class RopeKVCache(Cache):
             self._attachment = ModelAttachment(model, self, collect_queries=collect)
             if self._queries is not None:
                 self._queries.scales = [getattr(m, "scaling", None) for m in self._attachment.attention_modules]
+            if self.static and not self._attachment.graphs:  # generate will compile the decode step
+                register_op()
 
     # ------------------------------------------------------------------ public introspection
     @property
