@@ -17,6 +17,8 @@ from .selection import Guards, select_keep, slot_masks
 #: stay under about 256 MiB, so a user near the end of a small card's memory meets no new gigabyte. It still ranks
 #: every layer of a batch-1 Qwen3-8B (36 x 8 heads x 2,176 slots) in one go.
 SELECTION_WORKSPACE = 1 << 21
+#: The share of a row's room (its target less its pinned prompt and sink) that the default recent window may take.
+RECENT_SHARE = 1.0
 
 
 class StoredLayer(Protocol):
@@ -73,7 +75,7 @@ class Compactor:
             return self.window
         pads = pads_host or (0,) * len(plan.kept_after)
         room = [max(0, target - max(0, pinned - pad) - self.sink) for target, pad in zip(plan.kept_after, pads)]
-        return torch.tensor([min(self.window, r) for r in room], device=device)
+        return torch.tensor([min(self.window, int(r * RECENT_SHARE)) for r in room], device=device)
 
     def _select(self, layers: Sequence[StoredLayer], plan: Plan, pads: torch.Tensor, pads_host: tuple[int, ...],
                 pinned: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .buffers import mark_static, static_buffer
+from ..kernels.quantize import quantize_into_
 from .paged import PagedKV, attention_view
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ class StaticKV(PagedKV):
     (:meth:`write`), so a recorded step reads no host counter.
 
     A forward longer than the arena (a long prompt that is not pinned, sent in one piece) spills into a temporary
-    larger arena; the compaction that brings the layer back within it moves the survivors back (:meth:`_shrink_to_hint`).
+    larger arena; the compaction that brings the layer back within it moves the survivors back.
     """
 
     def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: "BufferLease | None" = None,
@@ -73,7 +74,7 @@ class StaticKV(PagedKV):
         self._mark()
         if needed > self.static_capacity:  # nothing is stored before the first forward: a temporary arena, no copy
             self.planes = None
-            super()._reserve(like, needed)
+            self._reserve(like, needed)
             self._zero_from(0)
 
     def _new_arena(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,7 +88,7 @@ class StaticKV(PagedKV):
     def reserve(self, needed: int) -> None:
         """Make room for ``needed`` slots before a forward: beyond the fixed arena, a temporary one (eager only)."""
         if self.planes is not None and needed > self.capacity:
-            super()._reserve(self.planes, needed)
+            self._reserve(self.planes, needed)
             self._zero_from(self.length)
 
     def _zero_from(self, slot: int) -> None:
@@ -101,8 +102,12 @@ class StaticKV(PagedKV):
         if self.write_index is None:  # allocated by this forward's first write: its slots are known now
             start, count = self.planned_write
             self.write_index = torch.arange(start, start + count, device=key_states.device)
-        for plane, part in zip(self.planes, self.encode(key_states, value_states)):
-            plane.index_copy_(2, self.write_index, part)
+        if self.bits is None:
+            self.keys.index_copy_(2, self.write_index, key_states)
+            self.values.index_copy_(2, self.write_index, value_states)
+        else:  # codes and scales in one launch per tensor (a recorded step would run a dozen kernels a layer)
+            quantize_into_(self.planes[0], self.planes[2], key_states, self.write_index)
+            quantize_into_(self.planes[1], self.planes[3], value_states, self.write_index)
         return self.keys, self.values  # marked for attention outside the step (see _mark), so it traces no setattr
 
     def _mark(self) -> None:
