@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .buffers import mark_static, static_buffer
+from .buffers import mark_static, normal_tensors, static_buffer
 from ..kernels.quantize import quantize_into_
 from .paged import PagedKV, attention_view
 
@@ -37,6 +37,7 @@ class StaticKV(PagedKV):
         self.write_index: torch.Tensor | None = None  # int64 [q] on the arena's device: slots of this forward's tokens
         self.planned_write = (0, 0)  # (first slot, tokens) of the coming forward, for a layer not allocated yet
 
+    @normal_tensors
     def fit(self, tokens: int) -> None:
         """Size the fixed arena for a generation of at most ``tokens`` tokens per row (whole pages, never past the
         steady-state bound). An arena allocated already only grows, its live slots copied."""
@@ -126,6 +127,7 @@ class StaticKV(PagedKV):
     def append(self, *args, **kwargs):  # type: ignore[override]
         raise TypeError("StaticKV is written with plan_write() + write(); append() belongs to the growing PagedKV.")
 
+    @normal_tensors
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder rows in place (beam search keeps the arena's address); a new row count reallocates."""
         if self.planes is None:
@@ -164,6 +166,7 @@ class StaticKV(PagedKV):
             self._arena = self.planes
             mark_static(*self._arena)
 
+    @normal_tensors
     def _shrink_to_hint(self) -> None:
         """After a compaction: leave a temporary arena for the fixed one once the survivors fit in it."""
         if self._arena is None or self.planes is self._arena or self.length > self.static_capacity:
