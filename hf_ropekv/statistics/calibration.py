@@ -1,19 +1,8 @@
-"""Calibrate the RoPE scorer's query statistics on ordinary text.
+"""Calibrate the RoPE scorer's query statistics on ordinary text or on the model's answers to prompts.
 
-    stats = hf_ropekv.calibrate(model, tokenizer, [open("book.txt").read()])   # the function, exported at top level
-    stats.save("model.ropekv.safetensors")
-
-or from the command line::
-
-    python -m hf_ropekv calibrate --model Qwen/Qwen3-8B --text book.txt --out qwen3-8b.safetensors
-
-The model runs forward without a cache over up to ``max_tokens`` tokens; :func:`~hf_ropekv.model.query_hooks.query_capture` hands every
-layer's pre-RoPE queries to a :class:`FrequencyAccumulator`.
-
-On the user's own prompts, in one call (the model answers each greedily, in its chat template when the
-tokenizer has one, and the statistics cover prompt and answer: the queries a cache meets when it serves them)::
-
+    stats = hf_ropekv.calibrate(model, tokenizer, [open("book.txt").read()])
     stats = hf_ropekv.calibrate(model, tokenizer, prompts=["Solve: ...", ...], max_new_tokens=256)
+    stats.save("model.ropekv.safetensors")   # or: python -m hf_ropekv calibrate --model ... --text ... --out ...
 """
 
 from __future__ import annotations
@@ -42,7 +31,7 @@ Texts = Union[str, Sequence[str], torch.Tensor, Sequence[int], Sequence[Sequence
 
 DEFAULT_MAX_TOKENS = 32768
 DEFAULT_CHUNK_TOKENS = 4096
-DEFAULT_ANSWER_BATCH = 16  # prompts answered by one generate(): one at a time took minutes for a few hundred on a GPU
+DEFAULT_ANSWER_BATCH = 16
 
 
 def calibrate(
@@ -58,26 +47,21 @@ def calibrate(
     max_new_tokens: int = 256,
     batch_size: int = DEFAULT_ANSWER_BATCH,
 ) -> "FrequencyStats":
-    """Average the pre-RoPE queries of ``model`` over ``texts`` (README "How it works": the score).
+    """Average the pre-RoPE queries of ``model`` over ``texts`` (or ``prompts`` with the model's answers).
 
     Args:
         model: a decoder-only RoPE model (any dtype, device or ``device_map``; weight-quantized works).
         tokenizer: its tokenizer; may be ``None`` when ``texts`` are token ids.
-        texts: a string, a list of strings (each tokenized on its own, with special tokens), or token ids:
-            a 1-D / 2-D ``input_ids`` tensor (rows are separate sequences, unpadded), a list of ids or a list
-            of id lists.
+        texts: a string, a list of strings (each tokenized on its own, with special tokens), or token ids: a
+            1-D / 2-D ``input_ids`` tensor (rows are unpadded sequences), a list of ids or a list of id lists.
         max_tokens: at most this many tokens are used in total.
-        chunk_tokens: at most this many tokens (batch x padded length) go through one forward; longer texts
-            are cut into consecutive pieces, short ones share a right-padded batch.
+        chunk_tokens: at most this many tokens (batch x padded length) per forward.
         source: description of the text stored in the statistics (default: a summary of ``texts``).
         progress: show a tqdm progress bar.
-        prompts: instead of ``texts``, prompts of the workload: the model answers each (greedy, up to
-            ``max_new_tokens`` tokens, with a ``DynamicCache``; in the chat template when
-            ``tokenizer.chat_template`` is set) and the statistics cover each prompt with its answer.
-        max_new_tokens: the longest answer generated per prompt.
-        batch_size: prompts answered together (left-padded). Each answer is cut after its end-of-sequence
-            token, so the filler ``generate()`` feeds a finished row until the batch's longest answer ends is
-            never calibrated on.
+        prompts: instead of ``texts``: the model answers each (greedy, ``DynamicCache``, in the chat template
+            when the tokenizer has one) and the statistics cover each prompt with its answer.
+        max_new_tokens: the longest answer per prompt.
+        batch_size: prompts answered together (left-padded); each answer is cut after its end-of-sequence token.
 
     Returns:
         float32 :class:`FrequencyStats` covering every decoder layer.
@@ -133,9 +117,8 @@ def calibrate(
 def answered_prompts(model: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int,
                      max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = False,
                      batch_size: int = DEFAULT_ANSWER_BATCH) -> list[list[int]]:
-    """Token ids of each prompt followed by the model's greedy answer (at most ``max_new_tokens``, cut after its
-    end-of-sequence token), ``batch_size`` prompts per ``generate()``, stopping once ``max_tokens`` tokens are
-    there."""
+    """Token ids of each prompt followed by the model's greedy answer (cut after its end-of-sequence token),
+    ``batch_size`` prompts per ``generate()``, until ``max_tokens`` tokens are there."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts \
             or not all(isinstance(p, str) for p in prompts):
         raise TypeError("prompts must be a non-empty list of strings (one user message each).")
@@ -201,14 +184,12 @@ def _answer(model: nn.Module, batch: list[list[int]], max_new_tokens: int, pad_i
 
 
 def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
-    """The ids an answer ends at: the model's generation config's end of sequence and the tokenizer's (a chat
-    tokenizer's end-of-turn marker, which a converted checkpoint's generation config may lack)."""
+    """The generation config's end-of-sequence ids and the tokenizer's (a chat end-of-turn marker may be only there)."""
     return token_ids(generation_token_ids(model, ("eos_token_id",)), getattr(tokenizer, "eos_token_id", None))
 
 
 def _cut_after_eos(answer: list[int], eos_ids: list[int]) -> list[int]:
-    """``answer`` up to and including its first end-of-sequence token: what follows is the pad filler a finished
-    row of a batch is fed, not text of the workload."""
+    """``answer`` up to and including its first end-of-sequence token (what follows is a finished row's filler)."""
     for i, token in enumerate(answer):
         if token in eos_ids:
             return answer[: i + 1]
@@ -252,10 +233,8 @@ def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[lis
 
 
 def _batches(pieces: list[list[int]], chunk_tokens: int, pad_id: int):
-    """Right-padded ``(input_ids, attention_mask)`` batches of at most ``chunk_tokens`` padded tokens each.
-
-    Right padding keeps real tokens at positions 0..n-1 and, under the causal mask, unaffected by padding.
-    """
+    """Right-padded ``(input_ids, attention_mask)`` batches of at most ``chunk_tokens`` padded tokens each (right
+    padding leaves the real tokens' positions and, under the causal mask, their queries unchanged)."""
     order = sorted(pieces, key=len, reverse=True)  # similar lengths together: little padding
     start = 0
     while start < len(order):
@@ -278,7 +257,6 @@ def _input_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-# ---------------------------------------------------------------------- command line
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m hf_ropekv calibrate",
