@@ -1,10 +1,5 @@
-"""What the cache needs to know about a model: attention geometry, layer kinds and RoPE frequencies.
-
-Everything is read from the model's own config and its own rotary-embedding module, so llama3 / YaRN /
-linear scaling and partial rotary dims come out exactly as the model applies them. How the model pairs
-dimensions (``rotate_half`` or interleaved) is learned by calling its own rotary function on probe vectors
-(``hf_ropekv.model.rotary``), which also measures the frequencies of families whose rotary module keeps only a
-sin/cos table (GPT-J, CodeGen).
+"""What the cache needs to know about a model: attention geometry, layer kinds, RoPE frequencies and pair layout,
+read from its own config and rotary module (so scaled and partial RoPE come out as the model applies them).
 """
 
 from __future__ import annotations
@@ -34,19 +29,10 @@ _SUPPORTED_LAYER_TYPES = (FULL, SLIDING)
 class ModelGeometry:
     """Attention geometry and RoPE setting of a decoder-only model.
 
-    Attributes:
-        model_type: `config.model_type` of the text decoder (e.g. ``"llama"``).
-        num_layers: number of decoder layers.
-        num_q_heads / num_kv_heads / head_dim: attention shape (GQA when ``num_q_heads > num_kv_heads``).
-        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``.
-        sliding_windows: per layer, the window of a sliding layer, else ``None``.
-        rope_type / rope_theta / rope_parameters: the RoPE setting of the full-attention layers.
-        inv_freq: float32 CPU tensor ``[F]``, the rotary frequencies of the full-attention layers;
-            ``rotary_dim = 2 * F`` may be smaller than ``head_dim`` (partial rotary).
-        rotary_layout: how RoPE pairs dims, ``"rotate_half"`` (f, f + F) or ``"interleaved"`` (2f, 2f + 1)
-            (``hf_ropekv.model.layouts``); ``None`` when it could not be learned, with the reason in
-            ``rotary_problem`` (such a model works with nothing evicted and with scorers that need no
-            query statistics).
+    ``layer_types`` holds ``"full_attention"`` or ``"sliding_attention"`` per layer, ``sliding_windows`` a sliding
+    layer's window (else ``None``); the RoPE fields are those of the full-attention layers, ``inv_freq`` a float32 CPU
+    ``[F]`` (``rotary_dim = 2F`` may be below ``head_dim``). ``rotary_layout`` is ``None`` when it could not be learned,
+    with the reason in ``rotary_problem`` (then only scorers without query statistics work).
     """
 
     model_type: str
@@ -91,16 +77,12 @@ class ModelGeometry:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
 
-#: model -> the geometry its caches share (see :func:`shared_geometry`).
 _SHARED_GEOMETRY: "weakref.WeakKeyDictionary[nn.Module, ModelGeometry]" = weakref.WeakKeyDictionary()
 
 
 def shared_geometry(model: nn.Module, geometry: ModelGeometry) -> ModelGeometry:
-    """One geometry object per model while it stays the same: the caches of a model then share it.
-
-    A compiled forward guards on the identity of the objects it reads through the model's (shared) hooks and
-    through the cache; a fresh but equal geometry per cache would recompile it for every new cache.
-    """
+    """One geometry object per model while it stays the same, so that a compiled forward (which guards on the
+    identity of what it reads) is not recompiled for every new cache."""
     known = _SHARED_GEOMETRY.get(model)
     if known is not None and _same_geometry(known, geometry):
         return known
@@ -127,12 +109,10 @@ def text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> Pretrain
 
 
 def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeometry:
-    """Read the attention geometry and RoPE frequencies of a decoder-only RoPE model.
+    """The attention geometry and RoPE frequencies of a decoder-only RoPE model (or its config).
 
-    Raises:
-        TypeError: if the argument is neither a model nor a config.
-        ValueError: for encoder-decoder models, cross-attention, models without RoPE, or layer kinds the
-            cache cannot hold (linear attention, chunked attention, ...). The message names the problem.
+    Raises ``TypeError`` for anything else, and ``ValueError`` naming the problem for models the cache cannot hold
+    (encoder-decoder, cross-attention, no RoPE, layer kinds other than full and sliding attention).
     """
     config = text_config(model_or_config)
     name = getattr(config, "model_type", type(config).__name__)
@@ -200,7 +180,7 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
 
 
 def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...]) -> list[int]:
-    """Layers whose attention skips RoPE, as the config tells it (checked at run time too, by the capture)."""
+    """Layers whose attention skips RoPE, as the config tells it (the capture checks it at run time too)."""
     flags = getattr(config, "no_rope_layers", None)  # SmolLM3, Llama 4: 1 = RoPE, 0 = NoPE
     if isinstance(flags, (list, tuple)) and len(flags) == len(layer_types):
         return [i for i, use in enumerate(flags) if not use]
@@ -224,12 +204,10 @@ def _frequencies_and_layout(
 ) -> tuple[torch.Tensor, str | None, str | None]:
     """``(inv_freq, layout, problem)`` from the rotary module's buffer and a probe of the model's own RoPE."""
     buffer = _full_attention_inv_freq(rotary)
-    if any(b.is_meta for b in rotary.buffers()):  # weights not materialised here: rebuild it from the config
-        cls = _rotary_class(config)
-        if cls is not None:
-            with torch.device("cpu"):
-                rotary = cls(config=config)
-            buffer = _full_attention_inv_freq(rotary)
+    if any(b.is_meta for b in rotary.buffers()):  # not materialised: rebuild it from the config
+        rebuilt = _rotary_from_config(config)
+        if rebuilt is not None:
+            rotary, buffer = rebuilt, _full_attention_inv_freq(rebuilt)
     function = find_rotary_function(getattr(rotary, "modeling_module", type(rotary).__module__))
     problem = None
     if function is None:
@@ -240,8 +218,9 @@ def _frequencies_and_layout(
     else:
         max_position = getattr(config, "max_position_embeddings", None)
         try:
-            probe = probe_rotary(rotary, function, None if buffer is None else buffer.float(), max_position, name)
-            return probe.inv_freq, probe.layout, None
+            inv_freq, layout = probe_rotary(rotary, function, None if buffer is None else buffer.float(), max_position,
+                                            name)
+            return inv_freq, layout, None
         except ValueError as err:
             problem = str(err)
     if buffer is None:
@@ -251,7 +230,7 @@ def _frequencies_and_layout(
 
 
 def _infer_layer_types(config: PretrainedConfig, num_layers: int) -> list[str]:
-    # Mistral-style configs mark every layer sliding through one `sliding_window` field.
+    # Mistral-style configs make every layer sliding through one `sliding_window` field.
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return [SLIDING] * num_layers
     return [FULL] * num_layers
@@ -281,10 +260,9 @@ def _rotary_module(
             if type(module).__name__.endswith("RotaryEmbedding"):
                 return module
     else:
-        cls = _rotary_class(config)
-        if cls is not None:
-            with torch.device("cpu"):
-                return cls(config=config)
+        rotary = _rotary_from_config(config)
+        if rotary is not None:
+            return rotary
     legacy = _compat.sinusoid_table_rotary(model_or_config, config)  # GPT-J / CodeGen before 5.2x
     if legacy is not None:
         return legacy
@@ -295,8 +273,8 @@ def _rotary_module(
     )
 
 
-def _rotary_class(config: PretrainedConfig) -> type[nn.Module] | None:
-    # The modeling module sits beside the config's module: .../configuration_x.py -> .../modeling_x.py
+def _rotary_from_config(config: PretrainedConfig) -> nn.Module | None:
+    """The family's rotary-embedding module built from ``config`` on the CPU (None if its class is not found)."""
     module_name = type(config).__module__.replace(".configuration_", ".modeling_")
     try:
         module = importlib.import_module(module_name)
@@ -309,11 +287,14 @@ def _rotary_class(config: PretrainedConfig) -> type[nn.Module] | None:
     ]
     # Prefer the text model's class when a modeling file defines several (e.g. vision + text).
     candidates.sort(key=lambda c: ("Vision" in c.__name__, len(c.__name__)))
-    return candidates[0] if candidates else None
+    if not candidates:
+        return None
+    with torch.device("cpu"):
+        return candidates[0](config=config)
 
 
 def _full_attention_inv_freq(rotary: nn.Module) -> torch.Tensor | None:
-    # A model whose layers are all sliding windows (nothing to compress) still has frequencies: take those.
+    # A model whose layers are all sliding windows still has frequencies: take those.
     names = ["inv_freq", f"{FULL}_inv_freq"] + [n for n, _ in rotary.named_buffers() if n.endswith("_inv_freq")]
     for attr in names:
         value = getattr(rotary, attr, None)
