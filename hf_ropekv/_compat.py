@@ -109,8 +109,7 @@ def crop_target(length: int, n: int) -> int:
         if TRANSFORMERS_VERSION >= _POSITIVE_CROP_REFUSED_FROM:
             raise ValueError(
                 f"crop({n}): transformers {transformers.__version__} takes the number of tokens to remove as a "
-                f"negative int (crop(-k)); a positive length to keep is no longer accepted."
-            )
+                f"negative int (crop(-k)); a positive length to keep is no longer accepted.")
         return min(n, length)
     return max(0, length + n)
 

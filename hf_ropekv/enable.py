@@ -60,8 +60,7 @@ class _Enablement:
 _LAST: "weakref.WeakKeyDictionary[nn.Module, CacheSummary | weakref.ref]" = weakref.WeakKeyDictionary()
 #: The caches made during the innermost wrapped generate() call of this thread / async task.
 _CACHES_MADE: contextvars.ContextVar[list[RopeKVCache] | None] = contextvars.ContextVar(
-    "hf_ropekv_caches_made", default=None
-)
+    "hf_ropekv_caches_made", default=None)
 
 
 def enable(model: ModelT, budget: int | None = None, **options: Any) -> ModelT:

@@ -85,10 +85,9 @@ class ModelAttachment(StepPreparer):
     def check_attached(self) -> None:
         """Raise if :func:`hf_ropekv.detach` took this cache's hooks off its model."""
         if self.detached:
-            raise RuntimeError(
-                "This RopeKVCache was attached to a model that hf_ropekv.detach(model) has since cleaned: its hooks are "
-                "gone, so the cache cannot follow the model's forwards. Create a new RopeKVCache(model, ...)."
-            )
+            raise RuntimeError("This RopeKVCache was attached to a model that hf_ropekv.detach(model) has since "
+                               "cleaned: its hooks are gone, so the cache cannot follow the model's forwards. Create a "
+                               "new RopeKVCache(model, ...).")
 
     def copy_for(self, cache: AttachedCache, memo: dict) -> "ModelAttachment":
         """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, with this one's state
@@ -158,8 +157,7 @@ class ModelAttachment(StepPreparer):
                 raise ValueError(
                     f"attention_mask covers {mask.shape[-1]} tokens, but this RopeKVCache has seen {seen} and {new} "
                     "arrive now. The cache belongs to another sequence: create a fresh RopeKVCache per batch "
-                    "(or use hf_ropekv.enable(model, ...))."
-                )
+                    "(or use hf_ropekv.enable(model, ...)).")
         else:
             mask = None
         if input_ids is None:
@@ -232,14 +230,12 @@ class ModelAttachment(StepPreparer):
             input_ids.shape[1] > seen
             and self._tokens is not None
             and input_ids.shape[0] == self._tokens.shape[0]
-            and bool((input_ids[:, :seen].to(self._tokens.device) == self._tokens[:, :seen]).all())
-        )
+            and bool((input_ids[:, :seen].to(self._tokens.device) == self._tokens[:, :seen]).all()))
         if not same:
             raise ValueError(
                 f"This RopeKVCache already holds {seen} tokens of another sequence; the new inputs do not continue "
                 "them. Reusing a cache across batches corrupts the output: create a fresh RopeKVCache for every "
-                "generate() call (or use hf_ropekv.enable(model, ...), which does it for you)."
-            )
+                "generate() call (or use hf_ropekv.enable(model, ...), which does it for you).")
 
     def _next_prefill_chunk(self, new: int, attention_mask: Any, position_ids: Any) -> bool:
         """Whether ``new`` tokens are the next chunk of generate's chunked prefill: its mask covers the tokens held

@@ -77,11 +77,8 @@ class Compactor:
         slot_positions = torch.stack([layer.storage.live_positions() for layer in layers])  # [L, B, H, S]
         rows = slot_positions.shape[0]  # layers ranked side by side
         flat_positions = slot_positions.flatten(0, 1)
-        guards = Guards(
-            pinned=pinned,
-            sink=self.sink,
-            window=window.repeat(rows) if isinstance(window, torch.Tensor) else window,
-        )
+        guards = Guards(pinned=pinned, sink=self.sink,
+                        window=window.repeat(rows) if isinstance(window, torch.Tensor) else window)
         row_pads = pads.repeat(rows)
         is_hole, protected = slot_masks(flat_positions, holes.repeat(rows), row_pads, seen, guards)
         candidates = (~(is_hole | protected)).view(slot_positions.shape)

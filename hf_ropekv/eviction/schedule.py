@@ -54,15 +54,8 @@ class Plan:
         return tuple(r for r, (a, b) in enumerate(zip(self.kept_after, self.kept_before)) if a < b)
 
 
-def plan_forward(
-    seen: int,
-    new: int,
-    slots: int,
-    holes: tuple[int, ...],
-    budget: int | None,
-    compress_every: int,
-    decode_step: int | None = None,
-) -> Plan:
+def plan_forward(seen: int, new: int, slots: int, holes: tuple[int, ...], budget: int | None, compress_every: int,
+                 decode_step: int | None = None) -> Plan:
     """The plan of a forward appending ``new`` tokens to layers of ``slots`` slots with ``holes`` per row."""
     kept = tuple(slots - h for h in holes)
     targets = tuple(row_target(k, new, budget, compress_every, decode_step) for k in kept)

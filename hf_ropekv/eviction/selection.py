@@ -19,9 +19,8 @@ class Guards:
     window: int | torch.Tensor = 0
 
 
-def slot_masks(
-    slot_positions: torch.Tensor, holes: torch.Tensor, pads: torch.Tensor, tokens_seen: int, guards: Guards
-) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_masks(slot_positions: torch.Tensor, holes: torch.Tensor, pads: torch.Tensor, tokens_seen: int,
+               guards: Guards) -> tuple[torch.Tensor, torch.Tensor]:
     """``(is_hole, protected)`` bool masks ``[B, H, S]`` of the live slots, from the token index each slot holds
     (int64 ``[B, H, S]``), each row's holes in front of its real tokens and its left padding (int64 ``[B]``)."""
     device = slot_positions.device
@@ -37,14 +36,8 @@ def slot_masks(
     return is_hole, protected & ~is_hole
 
 
-def select_keep(
-    scores: torch.Tensor,
-    is_hole: torch.Tensor,
-    protected: torch.Tensor,
-    targets: torch.Tensor,
-    slots_after: int,
-    noise: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def select_keep(scores: torch.Tensor, is_hole: torch.Tensor, protected: torch.Tensor, targets: torch.Tensor,
+                slots_after: int, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The slots each row keeps, right-aligned: ``(keep [B, H, slots_after], start [B])``.
 
     Row ``b`` keeps its ``targets[b]`` best real slots (protected ones first) in their original order, in
@@ -58,12 +51,12 @@ def select_keep(
         raise ValueError(
             f"{int(num_protected[row].max())} tokens of row {row} are protected (pinned prompt, sink and window) but "
             f"only {int(targets[row])} can be kept. Raise `budget`, shrink `window`/`sink`, or pass "
-            "`protect_prompt=False`."
-        )
+            "`protect_prompt=False`.")
     ranked = scores.float() + TIE_BREAK_NOISE * noise
     ranked = ranked.masked_fill(protected, float("inf")).masked_fill(is_hole, float("-inf"))
     order = ranked.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
     chosen = rank < targets.view(-1, 1, 1)
     slot = torch.arange(scores.shape[-1], device=scores.device).expand_as(rank)
     # Unchosen slots sort to the front as -1; the last `slots_after` entries are the row's survivors, ascending.

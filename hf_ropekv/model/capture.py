@@ -33,13 +33,11 @@ def find_attention_modules(model: nn.Module, geometry: ModelGeometry | None = No
         raise ValueError(
             f"hf_ropekv could not find the attention modules of {name}: no decoder layer list (`layers` or `h`) "
             "whose layers hold a `self_attn` / `attention` / `attn` / `self_attention` module. The RoPE scorer "
-            "needs them for query statistics; RecencyScorer, KeyNormScorer and RandomScorer do not."
-        )
+            "needs them for query statistics; RecencyScorer, KeyNormScorer and RandomScorer do not.")
     if geometry is not None and len(modules) != geometry.num_layers:
         raise ValueError(
             f"hf_ropekv could not find the attention module of every layer of {name}: found {len(modules)} "
-            f"for {geometry.num_layers} decoder layers."
-        )
+            f"for {geometry.num_layers} decoder layers.")
     return modules
 
 
@@ -60,7 +58,8 @@ def _from_decoder_layers(model: nn.Module) -> list[nn.Module]:
                 continue
             found = []
             for layer in layers:
-                attn = next((getattr(layer, n) for n in _ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None)
+                attn = next((getattr(layer, n) for n in _ATTENTION_NAMES
+                             if isinstance(getattr(layer, n, None), nn.Module)), None)
                 if attn is None:
                     break
                 found.append(attn)
@@ -77,8 +76,7 @@ def _from_layer_idx(model: nn.Module) -> list[nn.Module]:
             if idx in by_index:
                 raise ValueError(
                     f"hf_ropekv could not find the attention modules of {type(model).__name__} unambiguously: "
-                    f"several attention modules claim layer_idx {idx}."
-                )
+                    f"several attention modules claim layer_idx {idx}.")
             by_index[idx] = module
     if sorted(by_index) != list(range(len(by_index))):
         return []
@@ -235,8 +233,7 @@ class _Frame:
                 f"Layer {self.layer_idx} ({name}) ran without rotating its query through "
                 f"{self.function.module.__name__}.{self.function.name}: it applies no RoPE (NoPE) or applies it "
                 "elsewhere, so hf_ropekv cannot gather its query statistics. Use RecencyScorer, KeyNormScorer or "
-                "RandomScorer (hf_ropekv.scorers), which need none."
-            )
+                "RandomScorer (hf_ropekv.scorers), which need none.")
         return output
 
     def see(self, args: tuple, kwargs: dict) -> None:
@@ -250,8 +247,7 @@ class _Frame:
             raise ValueError(
                 f"{fn.module.__name__}.{fn.name} received a query of shape "
                 f"{tuple(getattr(q, 'shape', ()))} in layer {self.layer_idx}; hf_ropekv expects a 4-D "
-                "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor."
-            )
+                "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor.")
         self.capture.callback(self.layer_idx, _as_query(q, heads_dim, self.head_dim))
 
 
@@ -316,8 +312,7 @@ def _rotary_function_of(model: nn.Module, attention: nn.Module) -> rotary.Rotary
             f"hf_ropekv could not find where {type(model).__name__} applies RoPE to its queries: "
             f"{type(attention).forward.__module__} has no apply_rotary_pos_emb(q, k, cos, sin) or "
             "apply_rotary_pos_emb(tensor, sin, cos). The RoPE scorer needs the queries; RecencyScorer, "
-            "KeyNormScorer and RandomScorer (hf_ropekv.scorers) do not, and budget=None never evicts."
-        )
+            "KeyNormScorer and RandomScorer (hf_ropekv.scorers) do not, and budget=None never evicts.")
     return fn
 
 
@@ -327,6 +322,5 @@ def _query_call_of(model: nn.Module, attention: nn.Module, fn: rotary.RotaryFunc
         raise ValueError(
             f"hf_ropekv could not tell which call of {fn.module.__name__}.{fn.name} rotates the query in "
             f"{type(attention).__name__}.forward of {type(model).__name__}. Use RecencyScorer, KeyNormScorer or "
-            "RandomScorer (hf_ropekv.scorers), which need no query statistics."
-        )
+            "RandomScorer (hf_ropekv.scorers), which need no query statistics.")
     return index

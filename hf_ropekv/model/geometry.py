@@ -54,8 +54,7 @@ class ModelGeometry:
         if self.rotary_layout is None:
             raise ValueError(
                 f"{self.rotary_problem} The RoPE scorer needs it; RecencyScorer, KeyNormScorer, RandomScorer "
-                "(hf_ropekv.scorers) work without query statistics, and budget=None never evicts."
-            )
+                "(hf_ropekv.scorers) work without query statistics, and budget=None never evicts.")
         return self.rotary_layout
 
     @property
@@ -103,8 +102,7 @@ def text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> Pretrain
     if not isinstance(config, PretrainedConfig):
         raise TypeError(
             f"Expected a transformers PreTrainedModel or PretrainedConfig, got {type(model_or_config).__name__}. "
-            "Pass the model itself (recommended) or `model.config`."
-        )
+            "Pass the model itself (recommended) or `model.config`.")
     return config.get_text_config(decoder=True)
 
 
@@ -119,23 +117,19 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"hf_ropekv supports decoder-only models; '{name}' is an encoder-decoder model. "
-            "Use a decoder-only RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
-        )
+            "Use a decoder-only RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...).")
     if getattr(config, "add_cross_attention", False):
         raise ValueError(
             f"'{name}' is configured with cross-attention (add_cross_attention=True); hf_ropekv only compresses "
-            "self-attention caches of decoder-only models."
-        )
+            "self-attention caches of decoder-only models.")
     if getattr(config, "kv_lora_rank", None):
         raise ValueError(
             f"'{name}' uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}: DeepSeek-V2/V3 style), "
-            "whose keys hold a non-rotary part before a shared rotary part; hf_ropekv does not support it yet."
-        )
+            "whose keys hold a non-rotary part before a shared rotary part; hf_ropekv does not support it yet.")
     if getattr(config, "alibi", False):
         raise ValueError(
             f"'{name}' is configured with ALiBi position biases (alibi=True), not rotary position embeddings; "
-            "hf_ropekv scores keys from RoPE geometry and needs a RoPE model (Falcon with alibi=False, Llama, ...)."
-        )
+            "hf_ropekv scores keys from RoPE geometry and needs a RoPE model (Falcon with alibi=False, Llama, ...).")
     num_layers = config.num_hidden_layers
     num_q_heads = config.num_attention_heads
     num_kv_heads = _kv_heads(config, num_q_heads)
@@ -146,8 +140,7 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
     if unsupported:
         raise ValueError(
             f"'{name}' has layers of kind {unsupported}; hf_ropekv handles only full and sliding-window "
-            "attention layers."
-        )
+            "attention layers.")
     window = getattr(config, "sliding_window", None)
     sliding_windows = tuple(window if t == SLIDING else None for t in layer_types)
 
@@ -157,26 +150,15 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
     if nope and layout is not None:
         layout, problem = None, (
             f"'{name}' applies no RoPE in its full-attention layers {nope} (NoPE layers), so their keys carry no "
-            "rotary phase for the RoPE scorer to read."
-        )
+            "rotary phase for the RoPE scorer to read.")
     if 2 * inv_freq.numel() > head_dim:
         raise ValueError(f"'{name}': rotary dim {2 * inv_freq.numel()} exceeds head_dim {head_dim}.")
     rope = _full_attention_rope_parameters(config)
     return ModelGeometry(
-        model_type=name,
-        num_layers=num_layers,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        layer_types=layer_types,
-        sliding_windows=sliding_windows,
-        rope_type=str(rope.get("rope_type", "default")),
-        rope_theta=rope.get("rope_theta"),
-        rope_parameters=_jsonable(rope),
-        inv_freq=inv_freq,
-        rotary_layout=layout,
-        rotary_problem=problem,
-    )
+        model_type=name, num_layers=num_layers, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        layer_types=layer_types, sliding_windows=sliding_windows, rope_type=str(rope.get("rope_type", "default")),
+        rope_theta=rope.get("rope_theta"), rope_parameters=_jsonable(rope), inv_freq=inv_freq, rotary_layout=layout,
+        rotary_problem=problem)
 
 
 def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...]) -> list[int]:
@@ -213,8 +195,7 @@ def _frequencies_and_layout(
     if function is None:
         problem = (
             f"hf_ropekv could not find how '{name}' applies RoPE: {type(rotary).__module__} has no "
-            "apply_rotary_pos_emb(q, k, cos, sin) or apply_rotary_pos_emb(tensor, sin, cos)."
-        )
+            "apply_rotary_pos_emb(q, k, cos, sin) or apply_rotary_pos_emb(tensor, sin, cos).")
     else:
         max_position = getattr(config, "max_position_embeddings", None)
         try:
@@ -269,8 +250,7 @@ def _rotary_module(
     raise ValueError(
         f"'{name}' has no rotary position embedding (RoPE); hf_ropekv reads a model's attention geometry from its "
         "rotary embedding, so it refuses this model whatever the scorer. Keep transformers' DynamicCache for it, "
-        "or use a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
-    )
+        "or use a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...).")
 
 
 def _rotary_from_config(config: PretrainedConfig) -> nn.Module | None:

@@ -60,7 +60,7 @@ class RotaryFunction:
         object.__setattr__(self, "key", id(self.module))
 
     def query_and_heads_dim(self, args: tuple, kwargs: dict) -> tuple[Any, int]:
-        """The query (or tensor) of one call and the dim holding its heads (1: ``[B, H, S, R]``, 2: ``[B, S, H, R]``)."""
+        """The query (or tensor) of one call and its heads' dim (1: ``[B, H, S, R]``, 2: ``[B, S, H, R]``)."""
         name, index, default = self._call_layout
         q = args[0] if args else kwargs.get(name)
         if "unsqueeze_dim" in kwargs:
@@ -135,9 +135,8 @@ def rotary_matrix(dims: int, layout: str, inv_freq: torch.Tensor, position: int)
     return m
 
 
-def probe_rotary(
-    rotary: nn.Module, function: RotaryFunction, inv_freq: torch.Tensor | None, max_position: int | None, name: str
-) -> tuple[torch.Tensor, str]:
+def probe_rotary(rotary: nn.Module, function: RotaryFunction, inv_freq: torch.Tensor | None, max_position: int | None,
+                 name: str) -> tuple[torch.Tensor, str]:
     """``(inv_freq float32 [F], layout)`` learned from the model's own RoPE on basis vectors (the frequencies are
     measured when ``inv_freq`` is None); ``ValueError`` if the rotation matches neither layout."""
     # Far enough that every pair turns by a visible angle, inside tables of precomputed positions (GPT-J).
@@ -160,8 +159,7 @@ def probe_rotary(
         raise ValueError(
             f"hf_ropekv does not recognise how '{name}' pairs the dimensions it rotates: its "
             f"{function.module.__name__}.{function.name} matches neither the rotate_half pairs (f, f + F) nor "
-            "interleaved pairs (2f, 2f + 1). Use RecencyScorer, KeyNormScorer or RandomScorer instead."
-        )
+            "interleaved pairs (2f, 2f + 1). Use RecencyScorer, KeyNormScorer or RandomScorer instead.")
     _, layout, freqs = min(matches, key=lambda c: (c[0], c[1] != ROTATE_HALF))
     return freqs.detach().to("cpu", torch.float32).contiguous(), layout
 
@@ -185,9 +183,8 @@ def _cos_sin(rotary: nn.Module, position: int) -> tuple[torch.Tensor, torch.Tens
     return cos / scale, sin / scale
 
 
-def _rotate_basis(
-    rotary: nn.Module, function: RotaryFunction, position: int, widths: tuple[int, ...] | None = None
-) -> list[torch.Tensor]:
+def _rotate_basis(rotary: nn.Module, function: RotaryFunction, position: int,
+                  widths: tuple[int, ...] | None = None) -> list[torch.Tensor]:
     """Per width the function accepts (``widths``, or the cos width and twice it: GPT-J's table holds one entry per
     pair), float64 CPU ``[R, R]`` whose row ``j`` is the model's RoPE at ``position`` applied to ``e_j``."""
     cos, sin = _cos_sin(rotary, position)
@@ -212,14 +209,13 @@ def _rotate_basis(
         matrices.append(rotated.double().cpu())
     if not matrices:
         raise ValueError(
-            f"hf_ropekv could not call {function.module.__name__}.{function.name} on a probe query ({'; '.join(tried)})."
-        )
+            f"hf_ropekv could not call {function.module.__name__}.{function.name} on a probe query "
+            f"({'; '.join(tried)}).")
     return matrices
 
 
-def _measured_frequencies(
-    rotary: nn.Module, function: RotaryFunction, layout: str, dims: int, far: int
-) -> torch.Tensor:
+def _measured_frequencies(rotary: nn.Module, function: RotaryFunction, layout: str, dims: int,
+                          far: int) -> torch.Tensor:
     """Frequencies read from rotation angles at position 1, refined at doubling positions up to ``far``."""
     pairs = dims // 2
     stride, offset = pair_strides(layout, pairs)

@@ -13,14 +13,8 @@ from .base import ScoreContext
 _CHUNK_ELEMENTS = 1 << 26
 
 
-def attention_from_queries(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    slot_positions: torch.Tensor,
-    valid: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def attention_from_queries(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                           slot_positions: torch.Tensor, valid: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Softmax attention of each query over the valid, causal slots.
 
     Args:
@@ -42,14 +36,8 @@ def attention_from_queries(
     return out
 
 
-def summed_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    slot_positions: torch.Tensor,
-    valid: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def summed_attention(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                     slot_positions: torch.Tensor, valid: torch.Tensor | None, scale: float) -> torch.Tensor:
     """``attention_from_queries(...).sum(dim=2)``, float32 ``[B, H_q, S]``, one chunk of queries at a time."""
     batch, q_heads = queries.shape[:2]
     total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=keys.device)
@@ -81,8 +69,7 @@ def require_queries(ctx: ScoreContext, scorer: str) -> tuple[torch.Tensor, torch
         raise RuntimeError(
             f"{scorer} ranks keys by attention and needs the layer's post-RoPE queries, but the ScoreContext has "
             "none (ctx.queries is None). Use it with a RopeKVCache that captures queries for scorers with a "
-            "`query_window` attribute, or pick a query-free scorer (FrequencyScorer, RecencyScorer, ...)."
-        )
+            "`query_window` attribute, or pick a query-free scorer (FrequencyScorer, RecencyScorer, ...).")
     return ctx.queries, ctx.query_positions
 
 
@@ -91,14 +78,8 @@ def context_scale(ctx: ScoreContext, head_dim: int) -> float:
     return ctx.attention_scale if ctx.attention_scale is not None else head_dim**-0.5
 
 
-def _chunk_probabilities(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    slot_positions: torch.Tensor,
-    valid: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def _chunk_probabilities(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                         slot_positions: torch.Tensor, valid: torch.Tensor | None, scale: float) -> torch.Tensor:
     """float32 ``[B, H_kv, G, n, S]`` probabilities of a chunk of queries (G = query heads per KV head)."""
     batch, q_heads, n, dim = queries.shape
     kv_heads = keys.shape[1]
@@ -114,32 +95,24 @@ def _chunk_probabilities(
     return torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros((), device=probs.device))
 
 
-def _check_shapes(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    slot_positions: torch.Tensor,
-    valid: torch.Tensor | None,
-) -> None:
+def _check_shapes(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                  slot_positions: torch.Tensor, valid: torch.Tensor | None) -> None:
     if queries.dim() != 4 or keys.dim() != 4:
         raise ValueError(
             f"queries must be [B, H_q, N, D] and keys [B, H_kv, S, D]; got {tuple(queries.shape)} and "
-            f"{tuple(keys.shape)}."
-        )
+            f"{tuple(keys.shape)}.")
     batch, q_heads, n_queries, dim = queries.shape
     k_batch, kv_heads, slots, k_dim = keys.shape
     if batch != k_batch or dim != k_dim:
         raise ValueError(
-            f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} must agree on batch size and head dim."
-        )
+            f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} must agree on batch size and head dim.")
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads}) for GQA.")
     if tuple(query_positions.shape) != (batch, n_queries):
         raise ValueError(f"query_positions must be [B, N] = {(batch, n_queries)}; got {tuple(query_positions.shape)}.")
     if tuple(slot_positions.shape) != (batch, kv_heads, slots):
         raise ValueError(
-            f"slot_positions must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(slot_positions.shape)}."
-        )
+            f"slot_positions must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(slot_positions.shape)}.")
     if valid is not None and tuple(valid.shape) != (batch, kv_heads, slots):
         raise ValueError(f"valid must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(valid.shape)}.")
 

@@ -109,8 +109,7 @@ def _heads_of_this_rank(
     if heads != total_q or total_kv % kv_heads:
         raise ValueError(
             f"Query statistics of {heads} heads do not fit {kv_heads} KV heads (the model has {total_q} query and "
-            f"{total_kv} KV heads)."
-        )
+            f"{total_kv} KV heads).")
     shards = total_kv // kv_heads
     rank = torch.distributed.get_rank() % shards if torch.distributed.is_initialized() else 0
     per = total_q // shards

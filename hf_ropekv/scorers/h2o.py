@@ -60,8 +60,7 @@ class H2OScorer:
             or new >= ctx.tokens_seen
             or ctx.tokens_seen < state.tokens_seen
             or state.totals.shape[:2] != (batch, kv_heads)
-            or state.totals.device != keys.device
-        )
+            or state.totals.device != keys.device)
         if fresh:
             totals = torch.zeros(batch, kv_heads, max(ctx.tokens_seen, 1), dtype=torch.float32, device=keys.device)
             state = _LayerAccumulator(totals=totals, tokens_seen=-1)

@@ -27,21 +27,18 @@ Position = Union[int, torch.Tensor]
 def _check_stats(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor) -> None:
     if not torch.is_tensor(q_mean) or not q_mean.is_complex():
         raise ValueError(
-            f"q_mean must be a complex tensor [H_q, F] or [B, H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}"
-        )
+            f"q_mean must be a complex tensor [H_q, F] or [B, H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}")
     if q_mean.dim() not in (2, 3) or q_mean.shape[-1] == 0:
         raise ValueError(
             f"q_mean must be [H_q, F] (shared by all rows) or [B, H_q, F] (one set per row) with F > 0, "
-            f"got shape {tuple(q_mean.shape)}"
-        )
+            f"got shape {tuple(q_mean.shape)}")
     if q_abs_mean.is_complex() or not q_abs_mean.is_floating_point():
         raise ValueError(f"q_abs_mean must be a real floating tensor, got {q_abs_mean.dtype}")
     if q_abs_mean.shape != q_mean.shape:
         raise ValueError(f"q_abs_mean shape {tuple(q_abs_mean.shape)} must equal q_mean shape {tuple(q_mean.shape)}")
     if inv_freq.dim() != 1 or inv_freq.shape[0] != q_mean.shape[-1]:
         raise ValueError(
-            f"inv_freq must be [F] = [{q_mean.shape[-1]}] (one frequency per rotary pair), got {tuple(inv_freq.shape)}"
-        )
+            f"inv_freq must be [F] = [{q_mean.shape[-1]}] (one frequency per rotary pair), got {tuple(inv_freq.shape)}")
 
 
 def _positions(position: Position, device: torch.device) -> torch.Tensor:
@@ -59,13 +56,8 @@ def _positions(position: Position, device: torch.device) -> torch.Tensor:
     raise ValueError(f"position must be an int or an integer tensor [B], got {type(position).__name__}")
 
 
-def query_weights(
-    q_mean: torch.Tensor,
-    q_abs_mean: torch.Tensor,
-    inv_freq: torch.Tensor,
-    position: Position,
-    offsets: Optional[Sequence[int]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def query_weights(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor, position: Position,
+                  offsets: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The statistics folded into per-head scoring weights.
 
     ``q_mean`` complex ``[H_q, F]`` or ``[B, H_q, F]``, ``q_abs_mean`` (``A``) real of the same shape, ``inv_freq``
@@ -84,8 +76,7 @@ def query_weights(
     t = _positions(position, dev)
     if t.shape[0] not in (1, q_mean.shape[0]) and q_mean.shape[0] != 1:
         raise ValueError(
-            f"position has {t.shape[0]} entries but the statistics have {q_mean.shape[0]} rows; give one per batch row"
-        )
+            f"position has {t.shape[0]} entries but the statistics have {q_mean.shape[0]} rows; give one per batch row")
     delta = torch.tensor(offs, dtype=torch.float64, device=dev)
     omega = inv_freq.to(device=dev, dtype=torch.float64)
     phase = omega[None, None, :] * (t[:, None, None] + delta[None, :, None])  # [B, n_offsets, F]
@@ -96,15 +87,8 @@ def query_weights(
     return w, c
 
 
-def score_keys_weighted(
-    keys: torch.Tensor,
-    w: torch.Tensor,
-    c: torch.Tensor,
-    *,
-    backend: Optional[str] = None,
-    out: Optional[torch.Tensor] = None,
-    layout: str = ROTATE_HALF,
-) -> torch.Tensor:
+def score_keys_weighted(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, backend: Optional[str] = None,
+                        out: Optional[torch.Tensor] = None, layout: str = ROTATE_HALF) -> torch.Tensor:
     """float32 ``[B, H_q, S]`` scores of ``keys [B, H_kv, S, D]`` (any strides, fp16/bf16/fp32) from weights ``w
     [B or 1, H_q, 2F]`` and ``c [B or 1, H_q, F]``. ``backend``: ``"triton"``, ``"torch"`` or ``None`` (Triton on
     CUDA when installed)."""
@@ -118,17 +102,9 @@ def score_keys_weighted(
     raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
 
 
-def score_keys(
-    keys: torch.Tensor,
-    q_mean: torch.Tensor,
-    q_abs_mean: torch.Tensor,
-    inv_freq: torch.Tensor,
-    position: Position,
-    offsets: Optional[Sequence[int]] = None,
-    *,
-    backend: Optional[str] = None,
-    layout: str = ROTATE_HALF,
-) -> torch.Tensor:
+def score_keys(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor,
+               position: Position, offsets: Optional[Sequence[int]] = None, *, backend: Optional[str] = None,
+               layout: str = ROTATE_HALF) -> torch.Tensor:
     """Raw scores (float32 ``[B, H_q, S]``) of post-RoPE keys ``[B, H_kv, S, D]``: :func:`query_weights`, checked,
     then :func:`score_keys_weighted` (query head ``h`` reads KV head ``h // (H_q // H_kv)``)."""
     if not torch.is_tensor(keys) or keys.dim() != 4:

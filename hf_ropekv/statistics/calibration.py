@@ -34,19 +34,10 @@ DEFAULT_CHUNK_TOKENS = 4096
 DEFAULT_ANSWER_BATCH = 16
 
 
-def calibrate(
-    model: nn.Module,
-    tokenizer: Any,
-    texts: Texts | None = None,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    source: str | None = None,
-    progress: bool = True,
-    *,
-    prompts: Sequence[str] | None = None,
-    max_new_tokens: int = 256,
-    batch_size: int = DEFAULT_ANSWER_BATCH,
-) -> "FrequencyStats":
+def calibrate(model: nn.Module, tokenizer: Any, texts: Texts | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, source: str | None = None, progress: bool = True, *,
+              prompts: Sequence[str] | None = None, max_new_tokens: int = 256,
+              batch_size: int = DEFAULT_ANSWER_BATCH) -> "FrequencyStats":
     """Average the pre-RoPE queries of ``model`` over ``texts`` (or ``prompts`` with the model's answers).
 
     Args:
@@ -98,11 +89,7 @@ def calibrate(
         ) as bar:
             for input_ids, attention_mask in _batches(pieces, chunk_tokens, pad_id):
                 current_mask["mask"] = attention_mask.bool() if not bool(attention_mask.all()) else None
-                model(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    use_cache=False,
-                )
+                model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
                 bar.update(int(attention_mask.sum()))
     finally:
         model.train(was_training)
@@ -219,8 +206,7 @@ def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[lis
     else:
         raise TypeError(
             "texts must be a non-empty string, list of strings, input_ids tensor, list of ids or list of id lists; "
-            f"got {type(texts).__name__}."
-        )
+            f"got {type(texts).__name__}.")
     sequences, budget = [], max_tokens
     for row in rows:
         row = [int(t) for t in row[:budget]]
@@ -306,10 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype_name), **extra)
     model.to(args.device)
     source = "text files: " + ", ".join(Path(n).name for n in args.text)
-    stats = calibrate(
-        model, tokenizer, texts,
-        max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, source=source, progress=not args.no_progress,
-    )
+    stats = calibrate(model, tokenizer, texts, max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens,
+                      source=source, progress=not args.no_progress)
     stats.save(args.out)
     logger.info("Wrote %s: %d layers x %d query heads, %d tokens.", args.out, *stats.q_mean.shape[:2], stats.tokens)
     return 0

@@ -91,8 +91,7 @@ def warn_if_other_weights(metadata: Mapping[str, Any], model: nn.Module, where: 
             "fine-tune or another checkpoint?): eviction would rank keys by another model's queries. Recalibrate "
             "with hf_ropekv.calibrate / python -m hf_ropekv calibrate on this model. (A quantized copy of the "
             "calibrated model also has another fingerprint; statistics of the unquantized model are then still a "
-            "good fit.)"
-        )
+            "good fit.)")
     return True
 
 

@@ -28,15 +28,9 @@ FORMAT_VERSION = 1
 _HEADER_KEY = "hf_ropekv"
 _FIX = "recalibrate with hf_ropekv.calibrate / python -m hf_ropekv calibrate for this model"
 _EXPECTED_SAFETENSORS = "a safetensors file of hf_ropekv query statistics (written by FrequencyStats.save)"
-_IDENTITY_FIELDS = {
-    "model_type": "model type",
-    "num_layers": "layers",
-    "num_q_heads": "query heads",
-    "num_kv_heads": "KV heads",
-    "head_dim": "head dim",
-    "rotary_dim": "rotary dim",
-    "rope_type": "rope type",
-    "rotary_layout": "rotary pair layout",
+_IDENTITY_FIELDS = {  # metadata key -> its name in messages
+    "model_type": "model type", "num_layers": "layers", "num_q_heads": "query heads", "num_kv_heads": "KV heads",
+    "head_dim": "head dim", "rotary_dim": "rotary dim", "rope_type": "rope type", "rotary_layout": "rotary pair layout",
 }
 _DEFAULTS = {"rotary_layout": ROTATE_HALF}
 
@@ -61,8 +55,7 @@ class FrequencyStats:
         if self.q_mean.ndim != 3 or self.q_mean.shape != self.q_abs_mean.shape:
             raise ValueError(
                 f"FrequencyStats needs q_mean and q_abs_mean of the same shape [layers, q_heads, rotary_dim/2]; "
-                f"got {tuple(self.q_mean.shape)} and {tuple(self.q_abs_mean.shape)}."
-            )
+                f"got {tuple(self.q_mean.shape)} and {tuple(self.q_abs_mean.shape)}.")
         if not self.q_mean.is_complex():
             raise TypeError(f"FrequencyStats.q_mean must be complex (complex64), got {self.q_mean.dtype}.")
         self.q_mean = self.q_mean.to(torch.complex64)
@@ -84,8 +77,7 @@ class FrequencyStats:
         layers, heads, pairs = self.q_mean.shape
         return (
             f"FrequencyStats(model_type={self.metadata.get('model_type')!r}, layers={layers}, q_heads={heads}, "
-            f"pairs={pairs}, tokens={self.tokens}, source={self.metadata.get('source')!r})"
-        )
+            f"pairs={pairs}, tokens={self.tokens}, source={self.metadata.get('source')!r})")
 
     def save(self, path: str | os.PathLike) -> None:
         """Write a safetensors file (float32 real / imaginary / modulus tensors, metadata as header JSON)."""
@@ -106,8 +98,7 @@ class FrequencyStats:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(
-                f"No statistics file at {path}; create one with hf_ropekv.calibrate / python -m hf_ropekv calibrate."
-            )
+                f"No statistics file at {path}; create one with hf_ropekv.calibrate / python -m hf_ropekv calibrate.")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 header = f.metadata() or {}
@@ -118,8 +109,7 @@ class FrequencyStats:
         if _HEADER_KEY not in header:
             raise ValueError(
                 f"{path} is a safetensors file but holds no hf_ropekv statistics (no '{_HEADER_KEY}' header); "
-                f"expected {_EXPECTED_SAFETENSORS}: {_FIX}."
-            )
+                f"expected {_EXPECTED_SAFETENSORS}: {_FIX}.")
         try:
             metadata = json.loads(header[_HEADER_KEY])
         except ValueError:
@@ -130,8 +120,7 @@ class FrequencyStats:
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"{path} has statistics format {version}, newer than this hf_ropekv understands ({FORMAT_VERSION}); "
-                "upgrade hf_ropekv."
-            )
+                "upgrade hf_ropekv.")
         missing = {"q_mean_real", "q_mean_imag", "q_abs_mean"} - tensors.keys()
         if missing:
             raise ValueError(f"{path} lacks the tensors {sorted(missing)}; {_FIX}.")
@@ -139,9 +128,8 @@ class FrequencyStats:
         return cls(q_mean=q_mean, q_abs_mean=tensors["q_abs_mean"].float(), metadata=metadata)
 
     @classmethod
-    def resolve(
-        cls, stats_or_path: "FrequencyStats | str | os.PathLike", geometry: ModelGeometry, model: nn.Module | None = None
-    ) -> "FrequencyStats":
+    def resolve(cls, stats_or_path: "FrequencyStats | str | os.PathLike", geometry: ModelGeometry,
+                model: nn.Module | None = None) -> "FrequencyStats":
         """Statistics from an object or a file, checked against the model's geometry and, given ``model``, its
         weights' fingerprint (a warning)."""
         if isinstance(stats_or_path, FrequencyStats):
@@ -150,8 +138,7 @@ class FrequencyStats:
             stats = cls.load(stats_or_path)
         else:
             raise TypeError(
-                f"stats must be a FrequencyStats or the path of a statistics file, got {type(stats_or_path).__name__}."
-            )
+                f"stats must be a FrequencyStats or the path of a statistics file, got {type(stats_or_path).__name__}.")
         stats.check_compatible(geometry)
         if model is not None:
             where = str(stats_or_path) if isinstance(stats_or_path, (str, os.PathLike)) else None
@@ -181,16 +168,15 @@ class FrequencyStats:
         model_scaling = _rope_scaling(geometry.rope_parameters)
         if not _same_params(ours_scaling, model_scaling):
             differ("rope scaling", ours_scaling, model_scaling)
-        inv_freq = torch.tensor(meta.get("inv_freq") or [], dtype=torch.float32)
-        if inv_freq.shape != geometry.inv_freq.shape or not torch.allclose(inv_freq, geometry.inv_freq, rtol=1e-5, atol=0):
+        inv_freq, model_freq = torch.tensor(meta.get("inv_freq") or [], dtype=torch.float32), geometry.inv_freq
+        if inv_freq.shape != model_freq.shape or not torch.allclose(inv_freq, model_freq, rtol=1e-5, atol=0):
             problems.append("inv_freq (RoPE frequencies): the statistics were taken with other rotary frequencies")
         if problems:
             source = meta.get("source", "unknown source")
             raise ValueError(
                 f"These query statistics ({source}) do not fit this model ('{geometry.model_type}'):\n  - "
                 + "\n  - ".join(problems)
-                + f"\nStatistics belong to one model: {_FIX}."
-            )
+                + f"\nStatistics belong to one model: {_FIX}.")
 
 
 class FrequencyAccumulator:
@@ -216,8 +202,7 @@ class FrequencyAccumulator:
         if heads < 1 or g.num_q_heads % heads or queries.shape[3] < g.rotary_dim or self._heads not in (None, heads):
             raise ValueError(
                 f"Expected pre-RoPE queries [batch, seq, {self._heads or g.num_q_heads} heads (or a tensor-parallel "
-                f"share of them), >= {g.rotary_dim} dims], got {tuple(queries.shape)}."
-            )
+                f"share of them), >= {g.rotary_dim} dims], got {tuple(queries.shape)}.")
         self._heads = heads
         device = queries.device
         if device.type == "mps":  # no float64 there
@@ -251,21 +236,15 @@ class FrequencyAccumulator:
         if empty:
             raise ValueError(
                 f"No queries were recorded for layers {empty}: run the model forward over some text with "
-                "QueryCapture attached (hf_ropekv.calibrate does this) before building statistics."
-            )
+                "QueryCapture attached (hf_ropekv.calibrate does this) before building statistics.")
         if len(set(counts)) > 1:
             warn(
                 f"Layers saw different numbers of query positions ({min(counts)} to {max(counts)}): a forward stopped "
-                "part way through calibration? The statistics use each layer's own count."
-            )
+                "part way through calibration? The statistics use each layer's own count.")
         sums = torch.stack([s.cpu() for s in self._sums])  # [L, 3, H, F] float64
         q_mean, q_abs_mean = complex_means(sums, torch.tensor(counts, dtype=torch.float64))
-        metadata = {
-            **geometry_metadata(self.geometry),
-            "tokens": min(counts),
-            "source": source,
-            "format_version": FORMAT_VERSION,
-        }
+        metadata = {**geometry_metadata(self.geometry), "tokens": min(counts), "source": source,
+                    "format_version": FORMAT_VERSION}
         return FrequencyStats(q_mean=q_mean, q_abs_mean=q_abs_mean, metadata=metadata)
 
 

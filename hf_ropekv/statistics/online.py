@@ -188,8 +188,7 @@ class OnlineStatistics:
         if not self._counts or len(self._slot) < len(self.geometry.full_attention_layers):
             raise RuntimeError(
                 "RopeKVCache has no query statistics: no prompt went through the model with the cache attached. "
-                "Build the cache from the model, or pass FrequencyScorer(stats=...) from hf_ropekv.calibrate."
-            )
+                "Build the cache from the model, or pass FrequencyScorer(stats=...) from hf_ropekv.calibrate.")
         q_mean, q_abs = [], []
         for layer_idx in range(self.geometry.num_layers):
             if layer_idx not in self._slot:  # a layer that gave no queries (sliding layers are never scored)
@@ -261,8 +260,7 @@ class OnlineStatistics:
         g, shape = self.geometry, queries.shape
         if len(shape) != 4 or g.num_q_heads % shape[2] or shape[3] < 2 * self._pairs:  # TP: a share of the heads
             raise ValueError(
-                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], got {tuple(shape)}."
-            )
+                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], got {tuple(shape)}.")
 
     def _mask_on(self, queries: torch.Tensor) -> torch.Tensor | None:
         if self._mask is None:

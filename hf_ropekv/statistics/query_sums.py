@@ -21,7 +21,7 @@ def masked_parts(parts: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
 
 
 def complex_means(sums: torch.Tensor, counts: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sums [..., 3, H, F]`` (float64) over ``counts`` -> ``(q_mean complex64, q_abs_mean float32)`` ``[..., H, F]``."""
+    """float64 ``sums [..., 3, H, F]`` over ``counts`` -> ``(q_mean complex64, q_abs_mean float32)`` ``[..., H, F]``."""
     if isinstance(counts, torch.Tensor):
         counts = counts.clamp_min(1e-12).view(*counts.shape, *(1,) * (sums.dim() - counts.dim()))
     means = sums / counts
