@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from .adapter.generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
+from .adapter.generate_methods import GENERATE_WRAPPERS
 from .adapter.shared_hooks import SharedHooks, _drop_copied_hooks
 from .enable import _generating_model, disable
 from .model.attention import restore_attention
@@ -28,7 +28,7 @@ def detach(model: ModelT) -> ModelT:
     hooks = SharedHooks._BY_MODEL.get(target)
     if hooks is not None:
         hooks.detach_model()
-    for wrapper in (_PrepareInputsForGeneration, _GetCompiledCall, _ValidAutoCompileCriteria):  # a copy's
+    for wrapper in GENERATE_WRAPPERS:  # a copy's, made by its original's caches
         wrapper.uninstall(target)
     _drop_copied_hooks(target)
     restore_attention(target, "sdpa")  # a copy may have come switched to grouped_sdpa by its original's hooks

@@ -140,6 +140,10 @@ class _ValidAutoCompileCriteria(ModelMethodWrapper):
         return original(model_kwargs, generation_config, *args, **kwargs)
 
 
+#: The generate methods a cache's attachment wraps (the static cache's two last).
+GENERATE_WRAPPERS = (_PrepareInputsForGeneration, _GetCompiledCall, _ValidAutoCompileCriteria)
+
+
 def is_class_method(method: Any, model: nn.Module, name: str) -> bool:
     """The class's own method bound to ``model`` (what an unpickled model may hold): nothing to chain to."""
     return (getattr(method, "__self__", None) is model

@@ -18,7 +18,8 @@ from .. import _compat
 from ..model.attention import restore_attention, use_grouped_sdpa
 from ..model.query_hooks import query_capture
 from ..model.geometry import ModelGeometry
-from .generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
+from .generate_methods import (GENERATE_WRAPPERS, _GetCompiledCall, _PrepareInputsForGeneration,
+                               _ValidAutoCompileCriteria)
 
 
 class Attachment(Protocol):
@@ -82,10 +83,9 @@ class SharedHooks:
             self.capture = query_capture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
         _PrepareInputsForGeneration.install(self._model_ref())
-        if static:
+        if static:  # grouped sdpa again for every static cache: the user may have set the implementation back since
             _GetCompiledCall.install(self._model_ref())
             _ValidAutoCompileCriteria.install(self._model_ref())
-        if static:  # every static cache: the user may have set the implementation back since the last one
             before = use_grouped_sdpa(self._model_ref(), geometry)
             self._attention_before = before if before is not None else self._attention_before
 
@@ -130,9 +130,8 @@ class SharedHooks:
         model = self._model_ref()
         if model is not None:
             restore_attention(model, self._attention_before)
-            _PrepareInputsForGeneration.uninstall(model)
-            _GetCompiledCall.uninstall(model)
-            _ValidAutoCompileCriteria.uninstall(model)
+            for wrapper in GENERATE_WRAPPERS:
+                wrapper.uninstall(model)
         self._attention_before = None
 
     # The hooks act through the running forward's attachment alone (``active``). Never compiled: preparing a forward

@@ -96,23 +96,18 @@ def _same_geometry(a: ModelGeometry, b: ModelGeometry) -> bool:
     return key(a) == key(b)
 
 
-def text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
-    """The decoder text config of a model or config (multimodal configs nest it)."""
-    config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
-    if not isinstance(config, PretrainedConfig):
-        raise TypeError(
-            f"Expected a transformers PreTrainedModel or PretrainedConfig, got {type(model_or_config).__name__}. "
-            "Pass the model itself (recommended) or `model.config`.")
-    return config.get_text_config(decoder=True)
-
-
 def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeometry:
     """The attention geometry and RoPE frequencies of a decoder-only RoPE model (or its config).
 
     Raises ``TypeError`` for anything else, and ``ValueError`` naming the problem for models the cache cannot hold
     (encoder-decoder, cross-attention, no RoPE, layer kinds other than full and sliding attention).
     """
-    config = text_config(model_or_config)
+    config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(
+            f"Expected a transformers PreTrainedModel or PretrainedConfig, got {type(model_or_config).__name__}. "
+            "Pass the model itself (recommended) or `model.config`.")
+    config = config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
     name = getattr(config, "model_type", type(config).__name__)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
@@ -157,8 +152,8 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
     return ModelGeometry(
         model_type=name, num_layers=num_layers, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         layer_types=layer_types, sliding_windows=sliding_windows, rope_type=str(rope.get("rope_type", "default")),
-        rope_theta=rope.get("rope_theta"), rope_parameters=_jsonable(rope), inv_freq=inv_freq, rotary_layout=layout,
-        rotary_problem=problem)
+        rope_theta=rope.get("rope_theta"), rope_parameters=json.loads(json.dumps(rope, default=str)),
+        inv_freq=inv_freq, rotary_layout=layout, rotary_problem=problem)
 
 
 def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...]) -> list[int]:
@@ -226,10 +221,6 @@ def _full_attention_rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
         params["rope_theta"] = config.rope_theta
     params.setdefault("rope_type", params.get("type", "default"))
     return params
-
-
-def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(params, default=str))
 
 
 def _rotary_module(

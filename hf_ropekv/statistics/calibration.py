@@ -20,7 +20,6 @@ from transformers.utils import logging
 
 from ..model.query_hooks import query_capture
 from ..model.geometry import describe
-from ..model.special_tokens import generation_token_ids, token_ids
 from ..warnings import warn
 from .fingerprint import calibration_metadata
 from .frequency_stats import FrequencyAccumulator, FrequencyStats
@@ -154,12 +153,7 @@ def _answer(model: nn.Module, batch: list[list[int]], max_new_tokens: int, pad_i
 
     from .._compat import cache_kwarg
 
-    width = max(len(ids) for ids in batch)
-    input_ids = torch.full((len(batch), width), 0 if pad_id is None else int(pad_id), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(batch):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
+    input_ids, attention_mask = _padded(batch, 0 if pad_id is None else int(pad_id), left=True)
     # An explicit DynamicCache: an hf_ropekv-enabled model must not answer with an evicting cache.
     kwargs: dict[str, Any] = {cache_kwarg(model): DynamicCache(config=model.config)}
     if eos_ids:  # stop where _cut_after_eos cuts
@@ -167,20 +161,24 @@ def _answer(model: nn.Module, batch: list[list[int]], max_new_tokens: int, pad_i
     with torch.no_grad():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                              do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **kwargs)
-    return out[:, width:].tolist()
+    return out[:, input_ids.shape[1]:].tolist()
 
 
 def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
-    """The generation config's end-of-sequence ids and the tokenizer's (a chat end-of-turn marker may be only there)."""
-    return token_ids(generation_token_ids(model, ("eos_token_id",)), getattr(tokenizer, "eos_token_id", None))
+    """The generation config's end-of-sequence ids, then the tokenizer's (a chat end-of-turn marker may be only
+    there), without repeats."""
+    found: list[int] = []
+    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool) and token not in found:
+                found.append(token)
+    return found
 
 
 def _cut_after_eos(answer: list[int], eos_ids: list[int]) -> list[int]:
     """``answer`` up to and including its first end-of-sequence token (what follows is a finished row's filler)."""
-    for i, token in enumerate(answer):
-        if token in eos_ids:
-            return answer[: i + 1]
-    return answer
+    return next((answer[: i + 1] for i, token in enumerate(answer) if token in eos_ids), answer)
 
 
 def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[list[list[int]], str]:
@@ -224,16 +222,21 @@ def _batches(pieces: list[list[int]], chunk_tokens: int, pad_id: int):
     order = sorted(pieces, key=len, reverse=True)  # similar lengths together: little padding
     start = 0
     while start < len(order):
-        width = len(order[start])
-        rows = max(1, chunk_tokens // width)
-        group = order[start : start + rows]
+        group = order[start : start + max(1, chunk_tokens // len(order[start]))]
         start += len(group)
-        input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(group), width), dtype=torch.long)
-        for i, piece in enumerate(group):
-            input_ids[i, : len(piece)] = torch.tensor(piece, dtype=torch.long)
-            attention_mask[i, : len(piece)] = 1
-        yield input_ids, attention_mask
+        yield _padded(group, pad_id, left=False)
+
+
+def _padded(rows: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``(input_ids, attention_mask)`` of ``rows`` padded to the longest, on the left or the right."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        input_ids[i, span] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, span] = 1
+    return input_ids, attention_mask
 
 
 def _input_device(model: nn.Module) -> torch.device:
@@ -243,7 +246,10 @@ def _input_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     parser = argparse.ArgumentParser(
         prog="python -m hf_ropekv calibrate",
         description="Calibrate hf_ropekv query statistics (per layer and query head) for one model.",
@@ -258,14 +264,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="model dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    args = _parse_args(argv)
+    args = parser.parse_args(argv)
     if not logger.handlers:
         handler = pylogging.StreamHandler(sys.stderr)
         handler.setFormatter(pylogging.Formatter("%(message)s"))
