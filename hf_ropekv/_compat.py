@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
@@ -128,23 +129,25 @@ class SinusoidTableRotary(torch.nn.Module):
         return tuple(torch.split(sincos, sincos.shape[-1] // 2, dim=-1))  # type: ignore[return-value]
 
 
+def modeling_module(config: Any) -> Any:
+    """The modeling module beside a config's (``.../configuration_x.py`` -> ``.../modeling_x.py``), or None."""
+    try:
+        return importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return None
+
+
 def sinusoid_table_rotary(model_or_config: Any, config: Any) -> SinusoidTableRotary | None:
     """A :class:`SinusoidTableRotary` for a model (or config) whose attention keeps a sin/cos table, else None."""
-    import importlib
-
     if isinstance(model_or_config, torch.nn.Module):
         for module in model_or_config.modules():
             table = getattr(module, "embed_positions", None)
             if isinstance(table, torch.Tensor) and table.ndim == 2 and hasattr(module, "rotary_dim"):
                 return SinusoidTableRotary(table, type(module).__module__)
         return None
-    name = type(config).__module__.replace(".configuration_", ".modeling_")
-    try:
-        modeling = importlib.import_module(name)
-    except ImportError:
-        return None
+    modeling = modeling_module(config)
     build = getattr(modeling, "create_sinusoidal_positions", None)
     if build is None or not hasattr(config, "rotary_dim"):
         return None
     dim = config.rotary_dim or config.hidden_size
-    return SinusoidTableRotary(build(config.max_position_embeddings, dim), name)
+    return SinusoidTableRotary(build(config.max_position_embeddings, dim), modeling.__name__)

@@ -226,8 +226,6 @@ def _drop_copied_hooks(model: nn.Module) -> None:
 
 def _dynamo_compiling() -> bool:
     """Whether dynamo is compiling a frame on this thread right now."""
-    try:
-        from torch._guards import TracingContext
-    except ImportError:  # a torch without dynamo's tracing context: nothing is compiled
-        return False
+    from torch._guards import TracingContext
+
     return TracingContext.try_get() is not None

@@ -187,7 +187,6 @@ class _Frame:
         self.live = True
         # The class's forward is kept as the plain function: a bound method would hold the module from its __dict__.
         self.inner = attention.__dict__.get("forward")
-        self.had_instance_forward = self.inner is not None
         self.class_forward = type(attention).forward
         attention.forward = self.forward
 
@@ -205,7 +204,7 @@ class _Frame:
             return
         current = attention.__dict__.get("forward")
         if _frame_of(current) is self:
-            if self.had_instance_forward:
+            if self.inner is not None:
                 attention.forward = self.inner
             else:
                 del attention.forward  # back to the class's forward
@@ -213,7 +212,7 @@ class _Frame:
         outer = _frame_of(current)
         while outer is not None:
             if _frame_of(outer.inner) is self:
-                outer.inner, outer.had_instance_forward = self.inner, self.had_instance_forward
+                outer.inner = self.inner
                 return
             outer = _frame_of(outer.inner)
 
@@ -252,17 +251,11 @@ class _Frame:
 
 
 def _as_query(q: torch.Tensor, heads_dim: int, head_dim: int) -> torch.Tensor:
-    """A query as RoPE received it, as ``[B, S, H, D]``, the whole head."""
+    """A query as RoPE received it, as ``[B, S, H, D]``. Where it is a rotary slice ``q[..., :R]`` (Persimmon,
+    StableLM, Phi, GPT-J), the whole head: the same storage seen ``head_dim`` wide, where the strides and the storage
+    leave room for it."""
     if heads_dim == 1:
         q = q.transpose(1, 2)
-    if q.shape[-1] < head_dim:  # only the rotary part: see _whole_head
-        q = _whole_head(q, head_dim)
-    return q
-
-
-def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The whole head behind a rotary slice ``q[..., :R]`` (Persimmon, StableLM, Phi, GPT-J): the same storage seen
-    ``head_dim`` wide, where the strides and the storage leave room for it; otherwise ``q``."""
     if q.shape[-1] >= head_dim or q.stride(-1) != 1:
         return q
     if any(stride < head_dim for size, stride in zip(q.shape[:-1], q.stride()[:-1]) if size > 1):
@@ -279,7 +272,7 @@ class _CopiedForward(_Frame):
 
     def __init__(self, attention: nn.Module, inner: Any = None) -> None:
         self._attention_ref = weakref.ref(attention)
-        self.inner, self.had_instance_forward, self.live = inner, inner is not None, False
+        self.inner, self.live = inner, False
         self.class_forward = type(attention).forward
 
     def restore(self) -> nn.Module:

@@ -4,7 +4,6 @@ read from its own config and rotary module (so scaled and partial RoPE come out 
 
 from __future__ import annotations
 
-import importlib
 import json
 import weakref
 from dataclasses import dataclass, field, fields
@@ -246,16 +245,11 @@ def _rotary_module(
 
 def _rotary_from_config(config: PretrainedConfig) -> nn.Module | None:
     """The family's rotary-embedding module built from ``config`` on the CPU (None if its class is not found)."""
-    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
+    module = _compat.modeling_module(config)
+    if module is None:
         return None
-    candidates = [
-        obj
-        for attr, obj in vars(module).items()
-        if attr.endswith("RotaryEmbedding") and isinstance(obj, type) and issubclass(obj, nn.Module)
-    ]
+    candidates = [obj for attr, obj in vars(module).items()
+                  if attr.endswith("RotaryEmbedding") and isinstance(obj, type) and issubclass(obj, nn.Module)]
     # Prefer the text model's class when a modeling file defines several (e.g. vision + text).
     candidates.sort(key=lambda c: ("Vision" in c.__name__, len(c.__name__)))
     if not candidates:

@@ -41,20 +41,15 @@ class RotaryFunction:
     def __deepcopy__(self, memo: dict) -> "RotaryFunction":
         return self  # immutable, and modules cannot be copied
 
-    @property
-    def tensor_param(self) -> str:
-        """Name of the parameter holding the query (paired) or the tensor (one per call)."""
-        return next(iter(self.signature.parameters))
-
     def __post_init__(self) -> None:
         # Plain values read once (torch.compile traces the per-call path without a graph break; dynamo cannot id()
-        # a module, so frames are filed by the module's id taken here).
+        # a module, so frames are filed by the module's id taken here). The first parameter holds the query.
         params = self.signature.parameters
         if "unsqueeze_dim" not in params:
-            call_layout = (self.tensor_param, None, 1 if self.paired else 2)
+            call_layout = (next(iter(params)), None, 1 if self.paired else 2)
         else:
             default = params["unsqueeze_dim"].default
-            call_layout = (self.tensor_param, list(params).index("unsqueeze_dim"),
+            call_layout = (next(iter(params)), list(params).index("unsqueeze_dim"),
                            1 if default is inspect.Parameter.empty else int(default))
         object.__setattr__(self, "_call_layout", call_layout)
         object.__setattr__(self, "key", id(self.module))

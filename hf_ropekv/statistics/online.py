@@ -65,7 +65,7 @@ class OnlineStatistics:
         self._snapshot: RowStatistics | None = None
         self._fold_index: dict[tuple, tuple[torch.Tensor | None, int]] = {}
         self._weights: dict[tuple, torch.Tensor] = {}  # decay weights of n deferred steps, by (device, n)
-        self._on_buffers = False
+        self.on_buffers = False  # a static cache's sums: its recorded steps fold in place
         self._static_step: list[tuple[int, torch.Tensor]] = []
         self._static_layers: dict[torch.device, tuple[int, ...]] = {}
         self._static_last: dict[int, torch.device] = {}
@@ -74,7 +74,7 @@ class OnlineStatistics:
         """A forward of ``new_tokens`` starts; queries of a forward that never finished (it raised) are dropped."""
         self._pending, self._stash, self._step, self._static_step = {}, [], None, []
         self._mask, self._new = new_token_mask, new_tokens
-        if self._on_buffers and new_tokens == 1:  # the step folds its queries itself; the counts move here
+        if self.on_buffers and new_tokens == 1:  # the step folds its queries itself; the counts move here
             for device, counts in self._counts.items():
                 _decay_then_add(counts, self._factor(1), self._count_on(device))
             self._snapshot = None
@@ -83,7 +83,7 @@ class OnlineStatistics:
         """One layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
         self._check(queries)
         queries = queries.detach()
-        if queries.shape[1] == 1 and self._on_buffers:
+        if queries.shape[1] == 1 and self.on_buffers:
             self._static_step.append((layer_idx, queries))
             device = self._static_last.get(layer_idx)
             if device is not None:
@@ -98,7 +98,7 @@ class OnlineStatistics:
         """A decoding step's queries of ``layers`` at once (``[B, 1, H, D]`` with ``heads_dim`` 2, ``[B, H, 1, D]``
         with 1): one concatenation instead of a call per layer."""
         device = queries[0].device
-        if self._on_buffers or self._stash or self._step is not None or any(q.device != device for q in queries):
+        if self.on_buffers or self._stash or self._step is not None or any(q.device != device for q in queries):
             for layer_idx, q in zip(layers, queries):
                 self.add(layer_idx, q.transpose(1, 2) if heads_dim == 1 else q)
             return
@@ -210,10 +210,6 @@ class OnlineStatistics:
         )
         return self._snapshot
 
-    @property
-    def on_buffers(self) -> bool:
-        return self._on_buffers
-
     def move_to_buffers(self, take: Callable[..., torch.Tensor]) -> None:
         """Move the sums into buffers from ``take(purpose, shape, dtype, make)`` (a static cache's lease), which a
         recorded decoding step updates in place."""
@@ -224,7 +220,7 @@ class OnlineStatistics:
                 table[device] = buffer.copy_(value)
         self._static_layers = {device: self._layers_on(device) for device in self._sums}
         self._static_last = {layers[-1]: device for device, layers in self._static_layers.items() if layers}
-        self._on_buffers, self._snapshot = True, None
+        self.on_buffers, self._snapshot = True, None
 
     def _fold_static_step(self, device: torch.device) -> None:
         """Fold the static step's queries of ``device``'s layers into their sums in place: decay, then add."""
