@@ -194,17 +194,17 @@ class ModelAttachment(StepPreparer):
             for consumer in self._query_consumers:
                 consumer.add(layer_idx, queries)
 
-    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None:
+    def _on_step(self, layers: tuple, queries: list) -> None:
         """A recorded decoding step's queries (``StepCallback``), in one call where a consumer takes them so."""
         if not self._collecting:
             return
         for consumer in self._query_consumers:
             add_step = getattr(consumer, "add_step", None)
             if add_step is not None:
-                add_step(layers, queries, heads_dim)
+                add_step(layers, queries)
             else:
                 for layer_idx, q in zip(layers, queries):
-                    consumer.add(layer_idx, q.transpose(1, 2) if heads_dim == 1 else q)
+                    consumer.add(layer_idx, q)
 
     def _log_tokens(self, input_ids: torch.Tensor) -> None:
         batch, new = input_ids.shape[:2]

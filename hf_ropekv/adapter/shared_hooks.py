@@ -32,7 +32,7 @@ class Attachment(Protocol):
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None: ...
     def _forward_ends(self) -> None: ...
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None: ...
-    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None: ...
+    def _on_step(self, layers: tuple, queries: list) -> None: ...
 
 
 class SharedHooks:
@@ -164,9 +164,9 @@ class SharedHooks:
         if self.active is not None:
             self.active._on_query(layer_idx, queries)
 
-    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None:
+    def _on_step(self, layers: tuple, queries: list) -> None:
         if self.active is not None:
-            self.active._on_step(layers, queries, heads_dim)
+            self.active._on_step(layers, queries)
 
 
 class ForwardGate:

@@ -14,8 +14,8 @@ from torch import nn
 from .capture import QUERY_NORM_NAMES, CaptureBase, QueryCallback, QueryCapture, find_attention_modules
 from .geometry import ModelGeometry
 
-#: ``(layers, queries, heads_dim)``: one decoding step's queries (``[B, 1, H, D]`` with ``heads_dim`` 2).
-StepCallback = Callable[[tuple, list, int], None]
+#: ``(layers, queries)``: one decoding step's queries of ``layers``, ``[B, 1, H, D]`` each.
+StepCallback = Callable[[tuple, list], None]
 
 #: Model types whose every attention layer hands RoPE ``norm?(q_proj(x))`` viewed per head.
 HOOKED_MODEL_TYPES = frozenset({
@@ -75,7 +75,7 @@ class HookedQueryCapture(CaptureBase):
     def finish_forward(self) -> None:
         step, self._step = self._step, None
         if step:
-            self.step_callback(tuple(layer for layer, _ in step), [q for _, q in step], 2)
+            self.step_callback(tuple(layer for layer, _ in step), [q for _, q in step])
 
     def see(self, layer_idx: int, output: torch.Tensor) -> None:
         if self._heads_first:

@@ -94,15 +94,15 @@ class OnlineStatistics:
             parts = masked_parts(query_parts(queries, self._layout, self._pairs), self._mask_on(queries))
             self._pending[layer_idx] = parts.sum(dim=1, dtype=torch.float64)
 
-    def add_step(self, layers: tuple[int, ...], queries: list[torch.Tensor], heads_dim: int) -> None:
-        """A decoding step's queries of ``layers`` at once (``[B, 1, H, D]`` with ``heads_dim`` 2, ``[B, H, 1, D]``
-        with 1): one concatenation instead of a call per layer."""
+    def add_step(self, layers: tuple[int, ...], queries: list[torch.Tensor]) -> None:
+        """A decoding step's queries of ``layers`` (``[B, 1, H, D]`` each) at once: one concatenation instead of a
+        call per layer."""
         device = queries[0].device
         if self.on_buffers or self._stash or self._step is not None or any(q.device != device for q in queries):
             for layer_idx, q in zip(layers, queries):
-                self.add(layer_idx, q.transpose(1, 2) if heads_dim == 1 else q)
+                self.add(layer_idx, q)
             return
-        stacked = torch.cat(queries, dim=2).transpose(1, 2) if heads_dim == 1 else torch.cat(queries, dim=1)
+        stacked = torch.cat(queries, dim=1)
         self._check(stacked)
         self._step = (layers, stacked.detach())
 
