@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import inspect
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
@@ -47,7 +47,7 @@ MANY_ROWS = 64  # batch rows from which the per-row budget is worth a warning
 SMALL_BUDGET = 256  # budgets below this leave little room beside the pinned prompt
 
 
-@dataclass(eq=False)
+@dataclasses.dataclass(eq=False)
 class _Enablement:
     """What ``enable`` stored on a model: the checked cache options and the model's geometry."""
 
@@ -158,8 +158,8 @@ def _checked(model: nn.Module, budget: Any, options: dict[str, Any]) -> _Enablem
     if isinstance(scorer, FrequencyScorer) and scorer.stats is not None:  # loaded once; every cache shares them
         from .statistics.frequency_stats import FrequencyStats
 
-        options = {**options, "scorer": FrequencyScorer(FrequencyStats.resolve(scorer.stats, geometry, model),
-                                                         scorer.half_life, scorer.head_shrink, scorer.offsets)}
+        stats = FrequencyStats.resolve(scorer.stats, geometry, model)
+        options = {**options, "scorer": dataclasses.replace(scorer, stats=stats)}
     if options.get("static") is True:
         from .cache.model_checks import check_static
 

@@ -110,7 +110,7 @@ class _GetCompiledCall(ModelMethodWrapper):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, original = self._model_and_original()
-        compiled = original(*args, **kwargs)
+        compiled: list[Any] = []  # built at the first step that needs it: torch.compile imports inductor (seconds)
 
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
             attachment = attachment_of(call_kwargs)
@@ -121,7 +121,9 @@ class _GetCompiledCall(ModelMethodWrapper):
                     return model(*call_args, **call_kwargs)
                 if attachment.graphs:
                     return self.graphed(_compat.cache_from_forward_kwargs(call_kwargs), *call_args, **call_kwargs)
-            return compiled(*call_args, **call_kwargs)
+            if not compiled:
+                compiled.append(original(*args, **kwargs))
+            return compiled[0](*call_args, **call_kwargs)
 
         return forward
 

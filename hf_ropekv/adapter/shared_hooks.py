@@ -26,6 +26,7 @@ class Attachment(Protocol):
     """One cache's ``attach.ModelAttachment``."""
 
     detached: bool
+    static: bool
 
     def owns(self, cache: Any) -> bool: ...
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None: ...
@@ -37,8 +38,8 @@ class Attachment(Protocol):
 
 class SharedHooks:
     """The hooks of every cache attached to one model, installed once per model; each forward goes to the
-    attachment of its own cache. A static cache also switches an sdpa grouped-query model to ``grouped_sdpa`` while
-    the hooks stay. Nothing here holds the model strongly."""
+    attachment of its own cache. A static or int8 cache also switches an sdpa grouped-query model to hf_ropekv's
+    attention while the hooks stay. Nothing here holds the model strongly."""
 
     _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, SharedHooks]" = weakref.WeakKeyDictionary()
     copied = False  # True for what a copied model brought along
@@ -68,7 +69,7 @@ class SharedHooks:
         self.capture: Any = None  # the model's query capture, while a cache collects queries
         self.active: Attachment | None = None  # the attachment of the forward in progress
         self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
-        self._attention_before: str | None = None  # the implementation a static cache replaced
+        self._attention_before: str | None = None  # the implementation a static or int8 cache replaced
         self.gate = ForwardGate()
         _drop_copied_hooks(model)
         self._handles = [
@@ -78,14 +79,15 @@ class SharedHooks:
         ]
         weakref.finalize(model, self._detach)  # the hooks go with the model
 
-    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, static: bool) -> None:
+    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, attention: bool) -> None:
         if collect_queries and self.capture is None:
             self.capture = query_capture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
         _PrepareInputsForGeneration.install(self._model_ref())
-        if static:  # grouped sdpa again for every static cache: the user may have set the implementation back since
+        if attachment.static:
             _GetCompiledCall.install(self._model_ref())
             _ValidAutoCompileCriteria.install(self._model_ref())
+        if attention:  # static or int8 caches (every one: the user may have set it back since the last one)
             before = use_grouped_sdpa(self._model_ref(), geometry)
             self._attention_before = before if before is not None else self._attention_before
 

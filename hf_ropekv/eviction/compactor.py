@@ -15,6 +15,8 @@ from .selection import Guards, select_keep, slot_masks
 
 #: Slots (layers x rows x KV heads x slots) one batched selection ranks at most: its temporaries stay under ~256 MiB.
 SELECTION_WORKSPACE = 1 << 21
+#: The share of a row's room (its target less its pinned prompt and sink) that the default recent window may take.
+RECENT_SHARE = 1.0
 
 
 class StoredLayer(Protocol):
@@ -62,7 +64,7 @@ class Compactor:
             return self.window
         pads = pads_host or (0,) * len(plan.kept_after)
         room = [max(0, target - max(0, pinned - pad) - self.sink) for target, pad in zip(plan.kept_after, pads)]
-        return torch.tensor([min(self.window, r) for r in room], device=device)
+        return torch.tensor([min(self.window, int(r * RECENT_SHARE)) for r in room], device=device)
 
     def _select(self, layers: Sequence[StoredLayer], plan: Plan, pads: torch.Tensor, pads_host: tuple[int, ...],
                 pinned: int) -> tuple[torch.Tensor, torch.Tensor]:
