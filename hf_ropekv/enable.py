@@ -104,7 +104,8 @@ def disable(model: ModelT) -> ModelT:
 def enabled(model: ModelT, budget: int | None = None, **options: Any) -> Iterator[ModelT]:
     """:func:`enable` for a block: on exit the model is as it was on entry (outer options included)."""
     target = _generating_model(model)
-    previous = target.__dict__.get(_STATE_ATTR)
+    state = target.__dict__.get(_STATE_ATTR)
+    previous = None if state is None else dict(state.options)  # a copy: enable() replaces the options in place
     enable(model, budget, **options)
     try:
         yield model
@@ -112,9 +113,9 @@ def enabled(model: ModelT, budget: int | None = None, **options: Any) -> Iterato
         if previous is None:
             disable(target)
         elif _STATE_ATTR in target.__dict__:
-            target.__dict__[_STATE_ATTR].options = previous.options
+            target.__dict__[_STATE_ATTR].options = previous
         else:  # disabled inside the block: enabled again with the outer options
-            enable(target, **previous.options)
+            enable(target, **previous)
 
 
 def is_enabled(model: nn.Module) -> bool:

@@ -102,7 +102,7 @@ class FrequencyStats:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 header = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # not a map of the file
         except Exception as err:  # safetensors raises its own error types for corrupt or foreign files
             fix = "recalibrate: hf_ropekv.calibrate / python -m hf_ropekv calibrate"
             raise ValueError(f"{path} could not be read as {_EXPECTED_SAFETENSORS} ({err}); {fix}.") from None

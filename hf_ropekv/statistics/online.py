@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..model.geometry import ModelGeometry
-from ..storage.buffers import mark_static
+from ..storage.buffers import mark_static, normal_tensors
 from .query_sums import complex_means, masked_parts, query_parts
 
 #: Eager decoding steps folded in one go, holding at most DEFER_BYTES of queries.
@@ -243,6 +243,7 @@ class OnlineStatistics:
 
     step_tensors = buffers  # every table a static decoding step reads or updates (a CUDA graph holds their addresses)
 
+    @normal_tensors
     def select_batch(self, index: torch.Tensor) -> None:
         """Rows were reordered, selected or repeated (beam search, expansion)."""
         self.flush()
@@ -270,6 +271,7 @@ class OnlineStatistics:
             return torch.full((self._counts[device].shape[0],), float(self._new), dtype=torch.float64, device=device)
         return self._mask.to(device).sum(dim=1, dtype=torch.float64)
 
+    @normal_tensors
     def _place(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.device, int]:
         """``(device, row)`` of ``layer_idx``'s sums, made at its first queries."""
         if layer_idx not in self._slot:
