@@ -5,7 +5,7 @@
     python benchmarks/report.py --check    # exit 1 if a block is stale (what a test or CI runs)
 
 A block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; NAME is one of
-``BLOCKS``: quality_matrix, quality_summary (one row per model), quality_vs_peers, speed, speed_summary, memory,
+``BLOCKS``: quality_matrix, quality_summary (the default against full), quality_vs_peers, speed, speed_summary, memory,
 runs. A NAME with no result files says "no results yet". Result files are ``benchmarks/results/*.json``, each
 with ``name``, ``date``, ``device``, ``commit`` and ``command``; quality rows of several files are merged (for one
 cell the newest run wins), speed and memory come from the newest file of their name. Pure Python: no torch needed.
@@ -126,22 +126,24 @@ def _vs_full(task: str, value: float) -> str:
 
 
 def quality_summary(rows: list[dict[str, Any]]) -> str:
-    """One row per model: the default's score against the full cache's in every cell, grouped by task and setting
-    (accuracy: a fraction of full; perplexity: the increase over full)."""
-    table: dict[str, dict[tuple, dict[str, str]]] = {}
+    """The default's score against the full cache's, one line per task and setting, one column per model
+    (accuracy: a fraction of full; perplexity: the increase over full); the cells' params in the first column."""
+    table: dict[tuple, dict[str, dict[str, str]]] = {}
     for r in finalize_rows(rows):
         if r["policy"] == "default" and r.get("vs_full") is not None:
-            table.setdefault(r["model"], {}).setdefault((r["task"], r["setting"]), {})[r["param"]] = _vs_full(
+            table.setdefault((r["task"], r["setting"]), {}).setdefault(r["model"], {})[r["param"]] = _vs_full(
                 r["task"], r["vs_full"])
     if not table:
         return NO_RESULTS
-    groups = list(dict.fromkeys(g for cells in table.values() for g in cells))
-    params = {g: sorted({p for cells in table.values() for p in cells.get(g, {})}, key=_natural) for g in groups}
-    head = [f"{task}, {setting} ({' / '.join(params[(task, setting)])})" for task, setting in groups]
-    lines = ["| default vs full | " + " | ".join(head) + " |", "|" + "---|" * (len(groups) + 1)]
-    for model, cells in table.items():
-        values = [" / ".join(cells.get(g, {}).get(p, "–") for p in params[g]) for g in groups]
-        lines.append(f"| {model} | " + " | ".join(values) + " |")
+    order = ("gsm8k_cot", "gsm8k_pot", "doc_ppl", "retrieval")
+    groups = sorted(table, key=lambda g: (order.index(g[0]) if g[0] in order else len(order), g[1]))
+    models = list(dict.fromkeys(m for g in groups for m in table[g]))
+    lines = ["| default vs full | " + " | ".join(models) + " |", "|" + "---|" * (len(models) + 1)]
+    for task, setting in groups:
+        by_model = table[(task, setting)]
+        params = sorted({p for cells in by_model.values() for p in cells}, key=_natural)
+        values = [" / ".join(by_model[m].get(p, "–") for p in params) if m in by_model else "" for m in models]
+        lines.append(f"| {task}, {setting} ({' / '.join(params)}) | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 
@@ -248,7 +250,8 @@ BLOCKS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "memory": lambda results: _single(results, "memory", memory_table),
     "runs": runs_table,
 }
-_BLOCK = re.compile(r"(<!-- generated:([\w-]+) -->)(.*?)(<!-- /generated:\2 -->)", re.DOTALL)
+# A marker is a line of its own: the same text inside prose (`<!-- generated:NAME -->` in backquotes) is no block.
+_BLOCK = re.compile(r"^(<!-- generated:([\w-]+) -->\n)(.*?)(^<!-- /generated:\2 -->)$", re.DOTALL | re.MULTILINE)
 
 
 def rewrite(text: str, results: list[dict[str, Any]]) -> tuple[str, list[str]]:
@@ -260,7 +263,7 @@ def rewrite(text: str, results: list[dict[str, Any]]) -> tuple[str, list[str]]:
         if name not in BLOCKS:
             print(f"unknown generated block {name!r}: left as it is (known: {', '.join(BLOCKS)})", file=sys.stderr)
             return match.group(0)
-        body = f"\n{BLOCKS[name](results)}\n"
+        body = f"{BLOCKS[name](results)}\n"
         if body != match.group(3):
             changed.append(name)
         return match.group(1) + body + match.group(4)

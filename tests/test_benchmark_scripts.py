@@ -191,9 +191,11 @@ def test_report_rewrites_blocks_and_check_finds_stale_ones(tmp_path: Path) -> No
     doc = tmp_path / "page.md"
     doc.write_text("# Page\n<!-- generated:quality_matrix -->\nold\n<!-- /generated:quality_matrix -->\n"
                    "<!-- generated:speed -->\n<!-- /generated:speed -->\n"
-                   "<!-- generated:other -->x<!-- /generated:other -->\n")
+                   "<!-- generated:other -->\nx\n<!-- /generated:other -->\n"
+                   "In prose, `<!-- generated:speed -->` is no block.\n")
     assert report.main(["--results", str(results), str(doc)]) == 0
-    assert doc.read_text().count(report.NO_RESULTS) == 2 and "-->x<!--" in doc.read_text()
+    text = doc.read_text()
+    assert text.count(report.NO_RESULTS) == 2 and "-->\nx\n<!--" in text and "`<!-- generated:speed -->` is" in text
     older = _quality_result("2026-12-01T00:00:00", [_row("full", 0.5, "1100"), _row("default", 0.25, "1000")])
     newer = _quality_result("2026-12-02T00:00:00", [_row("default", 0.5, "1010")])
     (results / "quality_a.json").write_text(json.dumps(older))
