@@ -16,12 +16,17 @@ from common import import_hf_ropekv
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import scorers  # noqa: E402  (after the checkout import above)
+from hf_ropekv.eviction import compactor  # noqa: E402
 
 FULL = "full"
 
 #: name -> cache keyword arguments. Built fresh per cache: a scorer may hold state of its own.
 POLICIES: dict[str, Callable[[], dict[str, Any]]] = {
     "default": dict,
+    "default_nowindow": lambda: {"scorer": hf_ropekv.FrequencyScorer(prompt_window=0)},
+    "default_share50": dict,  # the default recent window takes at most half a row's room (compactor.RECENT_SHARE)
+    "int8": lambda: {"kv_bits": 8},
+    "int8_2x": lambda: {"kv_bits": 8},  # twice the budget: the bytes of the default at this budget
     "recency": lambda: {"scorer": scorers.RecencyScorer()},
     "sink_recent": lambda: {"scorer": scorers.RecencyScorer(), "sink": 4},
     "snapkv": lambda: {"scorer": scorers.SnapKVScorer()},
@@ -45,4 +50,7 @@ def make_cache(model: Any, budget: int | None, policy: str = "default", **option
     ``compress_every``, ``static``, ...) go to ``RopeKVCache`` and win over the policy's."""
     if policy == FULL:
         return None
+    compactor.RECENT_SHARE = 0.5 if policy == "default_share50" else 1.0  # read at each compaction
+    if policy.endswith("_2x") and budget is not None:
+        budget *= 2
     return hf_ropekv.RopeKVCache(model, budget, **{**POLICIES[policy](), **options})
