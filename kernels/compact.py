@@ -172,9 +172,8 @@ def compact_triton_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: 
 # --------------------------------------------------------------------------- PyTorch twin
 
 
-def compact_reference_(
-    tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: Optional[torch.Tensor] = None, *, chunk: int = 256
-) -> None:
+def compact_reference_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: Optional[torch.Tensor] = None, *,
+                       chunk: int = 256) -> None:
     """Pure-PyTorch twin of :func:`compact_triton_`, also in place: ascending chunks of ``chunk`` slots gathered
     into a small temporary, then written (a chunk's destinations lie below every later chunk's sources); with
     ``start``, each row's used entries gathered whole."""
