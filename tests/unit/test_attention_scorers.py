@@ -11,9 +11,6 @@ import math
 import pytest
 import torch
 
-from conftest import padded_batch, tiny_model
-from hf_ropekv import RopeKVCache
-from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.scorers import H2OScorer, RKVScorer, ScoreContext, SnapKVScorer, attention_from_queries, standardize
 from hf_ropekv.scorers import attention as attention_module
 from hf_ropekv.scorers.rkv import key_redundancy
@@ -288,62 +285,3 @@ def test_rkv_importance_decides_among_distinct_keys_and_padding_is_ignored() -> 
     assert scores.isfinite().all() and (scores[..., 2:].argmax(-1) == 4).all()  # slot 6 among the valid slots
     redundancy = key_redundancy(keys, positions, valid, 0.5)
     assert redundancy[..., :2].abs().max() == 0
-
-
-# ----------------------------------------------------------------------------------------------- end to end
-@pytest.mark.parametrize(
-    "scorer", [SnapKVScorer(window=4), H2OScorer(), RKVScorer(window=4)], ids=lambda s: type(s).__name__
-)
-def test_generate_with_attention_scorer(scorer) -> None:
-    model = tiny_model("llama")
-    ids, mask = padded_batch(model.config.vocab_size)
-    seen_queries = []
-    original = scorer.score
-
-    def spy(keys, ctx):
-        seen_queries.append(ctx.queries is not None and ctx.query_positions is not None)
-        return original(keys, ctx)
-
-    object.__setattr__(scorer, "score", spy)
-    cache = RopeKVCache(model, budget=16, compress_every=8, scorer=scorer)
-    cache_kw = {cache_kwarg(model): cache}
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, pad_token_id=0, **cache_kw)
-    assert out.shape == (3, ids.shape[1] + 30)
-    assert cache.num_compactions >= 2 and 16 <= cache.tokens_kept <= 16 + 8
-    assert seen_queries and all(seen_queries)
-
-
-def test_cache_hands_scorers_the_models_own_post_rope_queries(monkeypatch) -> None:
-    """The queries a scorer receives equal the queries the model's attention used (its own RoPE applied),
-    with padding marked -1, covering every query since the layer's last compaction."""
-    import transformers.models.llama.modeling_llama as llama
-
-    model = tiny_model("llama")
-    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
-    calls: list[torch.Tensor] = []  # one per layer per forward, in layer order
-    seen = []
-
-    class Spy(SnapKVScorer):
-        def score(self, keys, ctx):
-            seen.append((ctx.layer_idx, ctx.queries.clone(), ctx.query_positions.clone(), ctx.new_queries))
-            return super().score(keys, ctx)
-
-    # The recorder goes in after the cache is built: building it probes the model's rotary function once.
-    cache = RopeKVCache(model, budget=12, compress_every=4, scorer=Spy(window=3))
-    apply = llama.apply_rotary_pos_emb
-
-    def recording(q, k, cos, sin, *args, **kwargs):
-        q_rot, k_rot = apply(q, k, cos, sin, *args, **kwargs)
-        calls.append(q_rot.detach().clone())
-        return q_rot, k_rot
-
-    monkeypatch.setattr(llama, "apply_rotary_pos_emb", recording)
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, **{cache_kwarg(model): cache})
-    assert seen, "no compaction happened"
-    layer, queries, positions, new = seen[0]  # the first compaction: prompt + decoding steps before it
-    steps = torch.cat(calls[layer :: model.config.num_hidden_layers], dim=2)  # [B, H, tokens, D], forward order
-    assert new == queries.shape[2] < steps.shape[2]  # the forwards finished before the compaction
-    real = positions >= 0
-    assert real.tolist() == torch.cat([mask, torch.ones(2, new - mask.shape[1], dtype=mask.dtype)], 1).bool().tolist()
-    torch.testing.assert_close(queries[real[:, None, :].expand(-1, queries.shape[1], -1)],
-                               steps[:, :, :new][real[:, None, :].expand(-1, queries.shape[1], -1)], atol=1e-5, rtol=1e-5)

@@ -1,4 +1,8 @@
-"""FrequencyStats files, compatibility checks, reference import, and FrequencyAccumulator arithmetic."""
+"""FrequencyStats files and compatibility checks, and FrequencyAccumulator arithmetic against hand-written means.
+
+(The import of the TriAttention reference's ``.pt`` statistics files went with ``FrequencyStats.from_reference_pt``:
+statistics files are safetensors written by ``FrequencyStats.save`` only.)
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config, StableLmConfig
 
-from hf_ropekv import HfRopeKVWarning
 from hf_ropekv.model.geometry import describe
 from hf_ropekv.statistics.frequency_stats import FrequencyAccumulator, FrequencyStats
 
@@ -147,71 +150,6 @@ def test_load_refuses_files_that_are_not_statistics(tmp_path):
         FrequencyStats.resolve(tmp_path / "missing.safetensors", describe(_qwen3_config()))
 
 
-# ---------------------------------------------------------------------- reference .pt import
-def _reference_payload(layers: int, heads: int, pairs: int, head_dim: int, seed: int = 0) -> dict:
-    """A file as the TriAttention reference writes it (scripts/calibrate.py, save_head_frequency_stats)."""
-    gen = torch.Generator().manual_seed(seed)
-    stats = {
-        f"layer{l:02d}_head{h:02d}": {
-            "q_mean_real": torch.randn(pairs, generator=gen),
-            "q_mean_imag": torch.randn(pairs, generator=gen),
-            "q_abs_mean": torch.rand(pairs, generator=gen) + 1,
-        }
-        for l in range(layers)
-        for h in range(heads)
-    }
-    metadata = {
-        "num_traces": 1, "head_dim": head_dim, "dtype": "bfloat16", "use_chat_template": False,
-        "system_prompt": "", "prompt_template": "", "kv_budget": 0, "attn_implementation": "flash_attention_2",
-        "rope_style": "half", "rope_type": "default",
-        "sampled_heads": [[l, h] for l in range(layers) for h in range(heads)],
-    }
-    return {"metadata": metadata, "stats": stats}
-
-
-def test_reference_pt_import(tmp_path):
-    config = _qwen3_config()
-    geometry = describe(config)
-    payload = _reference_payload(2, 4, 16, 32)
-    path = tmp_path / "qwen3_stats.pt"
-    torch.save(payload, path)
-    with pytest.warns(HfRopeKVWarning, match="q_norm"):  # Qwen3 normalises queries; the reference calibration did not
-        stats = FrequencyStats.from_reference_pt(path, config)
-    entry = payload["stats"]["layer01_head03"]
-    assert torch.equal(stats.q_mean[1, 3], torch.complex(entry["q_mean_real"], entry["q_mean_imag"]))
-    assert torch.equal(stats.q_abs_mean[1, 3], entry["q_abs_mean"])
-    assert stats.tokens == 0 and "qwen3_stats.pt" in stats.metadata["source"]
-    stats.check_compatible(geometry)
-    with pytest.warns(HfRopeKVWarning, match="q_norm"):
-        resolved = FrequencyStats.resolve(path, geometry)  # .pt paths go through the importer
-    assert torch.equal(resolved.q_mean, stats.q_mean)
-    saved = tmp_path / "converted.safetensors"
-    resolved.save(saved)
-    assert FrequencyStats.load(saved).metadata["reference_metadata"]["rope_style"] == "half"
-
-
-def test_reference_pt_import_refuses_mismatches(tmp_path):
-    config = _qwen3_config()
-    payload = _reference_payload(2, 4, 16, 32)
-    del payload["stats"]["layer01_head02"]
-    payload["metadata"]["rope_type"] = "yarn"
-    path = tmp_path / "bad.pt"
-    torch.save(payload, path)
-    with pytest.raises(ValueError) as err:
-        FrequencyStats.from_reference_pt(path, config)
-    assert "layer01_head02" in str(err.value)
-    payload = _reference_payload(2, 4, 16, 32)
-    payload["metadata"]["rope_type"] = "yarn"
-    payload["metadata"]["head_dim"] = 64
-    torch.save(payload, path)
-    with pytest.raises(ValueError) as err:
-        FrequencyStats.from_reference_pt(path, config)
-    assert "rope_type" in str(err.value) and "head_dim" in str(err.value)
-    torch.save({"metadata": {}, "layer_stats": {0: {}}}, path)
-    with pytest.raises(ValueError, match="per KV head"):
-        FrequencyStats.from_reference_pt(path, config)
-
-
 # ---------------------------------------------------------------------- rotary layout
 def _cohere_config(**overrides):
     from transformers import CohereConfig
@@ -259,21 +197,6 @@ def test_layout_is_recorded_and_checked_on_load(tmp_path):
     del old.metadata["rotary_layout"]
     old.save(tmp_path / "old.safetensors")
     FrequencyStats.load(tmp_path / "old.safetensors").check_compatible(qwen3)
-
-
-def test_reference_pt_rope_style_must_match_the_models_layout(tmp_path):
-    config = _cohere_config()
-    geometry = describe(config)
-    payload = _reference_payload(2, 4, geometry.rotary_dim // 2, geometry.head_dim)
-    path = tmp_path / "cohere_half.pt"
-    torch.save(payload, path)
-    with pytest.raises(ValueError, match="rope_style 'half'.*interleaved"):
-        FrequencyStats.from_reference_pt(path, config)
-    payload["metadata"]["rope_style"] = "interleaved"
-    torch.save(payload, path)
-    stats = FrequencyStats.from_reference_pt(path, config)
-    assert stats.metadata["rotary_layout"] == "interleaved"
-    stats.check_compatible(geometry)
 
 
 # ---------------------------------------------------------------------- tensor parallelism
@@ -330,18 +253,17 @@ def _assert_refused_safely(err: BaseException, path) -> None:
         pytest.param(lambda path: path.write_bytes(b"\x80\x04garbage that is no pickle"), id="garbage"),
         pytest.param(lambda path: torch.save({"stats": {"layer00_head00": _NotATensor()}}, path), id="code-object"),
         pytest.param(lambda path: path.write_bytes(pickle.dumps(_NotATensor())), id="plain-pickle"),
-        pytest.param(
-            lambda path: (torch.save(_reference_payload(2, 4, 16, 32), path), path.write_bytes(path.read_bytes()[:200])),
-            id="truncated",
-        ),
+        pytest.param(lambda path: torch.save({"q_mean_real": torch.randn(2, 4, 16)}, path), id="torch-save"),
     ],
 )
-def test_corrupt_pt_file_gives_our_error_without_unsafe_advice(tmp_path, content):
+def test_a_pickle_file_is_refused_without_unsafe_advice(tmp_path, content):
+    """Statistics are safetensors only: a pickle (``torch.save``, a code object, garbage) is never unpickled, and the
+    error names the file and the fix, not ``weights_only=False``."""
     path = tmp_path / "stats.pt"
     content(path)
     geometry = describe(_qwen3_config())
-    for read in (lambda: FrequencyStats.resolve(path, geometry), lambda: FrequencyStats.from_reference_pt(path, geometry)):
-        with pytest.raises(ValueError, match="could not be read as a TriAttention reference statistics file") as err:
+    for read in (lambda: FrequencyStats.resolve(path, geometry), lambda: FrequencyStats.load(path)):
+        with pytest.raises(ValueError, match="could not be read as a safetensors file of hf_ropekv") as err:
             read()
         _assert_refused_safely(err.value, path)
 
@@ -358,23 +280,12 @@ def test_corrupt_safetensors_file_names_the_file_and_the_fix(tmp_path):
         _assert_refused_safely(err.value, path)
 
 
-def test_load_of_a_reference_pt_file_points_at_the_importer(tmp_path):
-    """FrequencyStats.load reads safetensors only; a .pt file is told where reference files go, not 'must end in .pt'."""
-    path = tmp_path / "reference.pt"
-    torch.save(_reference_payload(2, 4, 16, 32), path)
-    with pytest.raises(ValueError, match=r"from_reference_pt") as err:
-        FrequencyStats.load(path)
-    assert "must end in" not in str(err.value)
-    _assert_refused_safely(err.value, path)
-
-
 def test_missing_statistics_file_is_named_everywhere(tmp_path):
     geometry = describe(_qwen3_config())
     for path in (tmp_path / "absent.safetensors", tmp_path / "absent.pt"):
         for read in (
             lambda: FrequencyStats.load(path),
             lambda: FrequencyStats.resolve(path, geometry),
-            lambda: FrequencyStats.from_reference_pt(path, geometry),
         ):
             with pytest.raises(FileNotFoundError, match="python -m hf_ropekv calibrate") as err:
                 read()

@@ -1,18 +1,14 @@
 """The grouped-query sdpa a static cache attends with (``hf_ropekv.model.attention``): transformers' sdpa without
-copying the key/value heads for masked queries (a decoding token, a prefill chunk), and the switch a static
-cache makes to it."""
+copying the key/value heads for masked queries (a decoding token, a prefill chunk). The switch a static cache makes
+to it is checked in ``tests/integration/test_static_cache.py``."""
 
 from __future__ import annotations
-
-import gc
 
 import pytest
 import torch
 
-from conftest import padded_batch, tiny_model
-from hf_ropekv import RopeKVCache
-from hf_ropekv._compat import cache_kwarg, sdpa_attention_forward
-from hf_ropekv.model.attention import GROUPED_SDPA, _fold_is_cheaper, grouped_sdpa
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from hf_ropekv.model.attention import _fold_is_cheaper, grouped_sdpa
 
 BATCH, HEADS, KV_HEADS, SLOTS, DIM = 3, 8, 2, 37, 16
 
@@ -74,36 +70,3 @@ def test_every_other_call_is_transformers_sdpa(case: str) -> None:
     got, _ = grouped_sdpa(module, query, key, value, mask)
     expected, _ = sdpa_attention_forward(module, query, key, value, mask)
     assert torch.equal(got, expected)
-
-
-def test_a_static_cache_switches_the_model_to_it() -> None:
-    """An sdpa grouped-query model attends with it while static caches are about (again after the user set sdpa
-    back); the generated tokens are the ones transformers' sdpa gives; eager and plain multi-head models are
-    left alone."""
-    model = tiny_model("llama")
-    assert model.config.num_key_value_heads < model.config.num_attention_heads
-    ids, mask = padded_batch(model.config.vocab_size, lengths=(14, 9))
-    kwargs = dict(attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
-
-    def run() -> torch.Tensor:
-        cache = RopeKVCache(model, budget=12, compress_every=4, protect_prompt=False, static=True)
-        return model.generate(ids, **kwargs, **{cache_kwarg(model): cache})
-
-    grouped = run()
-    assert model.config._attn_implementation == GROUPED_SDPA
-    model.config._attn_implementation = "sdpa"  # the user opts out: the next static cache switches again
-    assert torch.equal(grouped, run()) and model.config._attn_implementation == GROUPED_SDPA
-    model.config._attn_implementation = "sdpa"
-    cache = RopeKVCache(model, budget=12, compress_every=4, protect_prompt=False, static=True)
-    model.config._attn_implementation = "sdpa"  # opted out for this cache's whole generation
-    stock = model.generate(ids, **kwargs, **{cache_kwarg(model): cache})
-    assert torch.equal(grouped, stock)
-
-    eager = tiny_model("llama", attn_implementation="eager")
-    RopeKVCache(eager, budget=12, static=True)
-    assert eager.config._attn_implementation == "eager"
-    multi_head = tiny_model("llama", num_key_value_heads=4)
-    RopeKVCache(multi_head, budget=12, static=True)
-    assert multi_head.config._attn_implementation == "sdpa"
-    del cache
-    gc.collect()

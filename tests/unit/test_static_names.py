@@ -16,7 +16,7 @@ api = pytest.importorskip("pyflakes.api")
 from pyflakes import messages  # noqa: E402
 from pyflakes.reporter import Reporter  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("hf_ropekv", "kernels", "benchmarks", "examples", "tests")
 UNDEFINED = (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)
 
