@@ -343,7 +343,8 @@ class PreRopeQueries:
         self._handles = []
 
     def __enter__(self) -> "PreRopeQueries":
-        self._handles.append(self.model.register_forward_pre_hook(lambda *a: self.forwards.append({})))
+        # prepend: a forward counts as started before any hook of hf_ropekv's runs
+        self._handles.append(self.model.register_forward_pre_hook(lambda *a: self.forwards.append({}), prepend=True))
         for i, attn in enumerate(attention_modules(self.model)):
             def hook(module, args, kwargs, i=i):
                 hidden = kwargs.get("hidden_states", args[0] if args else None)

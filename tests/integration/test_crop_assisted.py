@@ -75,19 +75,6 @@ def test_crop_follows_dynamic_cache_convention(model, n: int) -> None:
     assert isinstance(ours.get_seq_length(), int)
 
 
-def test_crop_target_per_version() -> None:
-    assert _compat.crop_target(10, 0) == 10
-    assert _compat.crop_target(10, -3) == 7
-    assert _compat.crop_target(10, -30) == 0
-    assert _compat.crop_target(10, torch.tensor(-2)) == 8  # assisted decoding hands over 0-d tensors
-    if _compat.TRANSFORMERS_VERSION >= _compat._POSITIVE_CROP_REFUSED_FROM:
-        with pytest.raises(ValueError, match="negative int"):
-            _compat.crop_target(10, 4)
-    else:
-        assert _compat.crop_target(10, 4) == 4
-        assert _compat.crop_target(10, 40) == 10
-
-
 @pytest.mark.parametrize("budget", [None, 200])
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_rolling_back_modes_match_dynamic_cache(model, assistant, mode: str, budget: int | None) -> None:
