@@ -155,3 +155,27 @@ def test_default_window_yields_to_a_long_pinned_prompt_but_an_explicit_one_is_ke
     explicit = RopeKVCache(model, budget=16, compress_every=4, window=4)
     with pytest.raises(ValueError, match="protected .* only 16 can be kept"):
         model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, explicit), max_new_tokens=12, pad_token_id=0)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: slot positions made by a compaction under torch.inference_mode() are inference tensors, and the "
+    "positions of later tokens are written into them lazily, in place: a second turn outside inference mode (or "
+    "cache.kept_positions()) raises 'Inplace update to inference tensor outside InferenceMode'; DynamicCache "
+    "continues fine"))
+def test_a_cache_filled_under_inference_mode_continues_outside_it() -> None:
+    """A first turn under torch.inference_mode(), a second without (what DynamicCache allows): the tokens of the
+    same two turns both run without inference mode, and the kept positions readable."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(12,))
+    outs, caches = [], []
+    for inference in (False, True):
+        cache = RopeKVCache(model, budget=16, compress_every=4)
+        kw = dict(do_sample=False, pad_token_id=0, **cache_kw(model, cache))
+        with torch.inference_mode(inference):
+            first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **kw)
+        assert cache.evicted
+        more = torch.cat([first, ids[:, :3]], dim=1).clone()
+        outs.append(model.generate(input_ids=more, attention_mask=torch.ones_like(more), max_new_tokens=10, **kw))
+        caches.append(cache)
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(caches[1].kept_positions(0), caches[0].kept_positions(0))

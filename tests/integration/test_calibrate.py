@@ -1,4 +1,4 @@
-"""QueryCapture and calibrate(): statistics of the query exactly as RoPE receives it, on tiny random models."""
+"""calibrate(): statistics of the query exactly as RoPE receives it (after q_proj and any query norm, before\nrotation), against queries recomputed by hand from each attention's input, on tiny random models."""
 
 from __future__ import annotations
 
@@ -16,21 +16,13 @@ from transformers import (
     StableLmForCausalLM,
 )
 
-from hf_ropekv.statistics.calibration import calibrate, main
-from hf_ropekv.model.capture import QueryCapture, find_attention_modules
+from conftest import attention_modules, leftovers, randomize_query_norms, rotary_is_patched
 from hf_ropekv.model.geometry import describe
+from hf_ropekv.statistics.calibration import calibrate, main
 from hf_ropekv.statistics.frequency_stats import FrequencyStats
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
-
-
-def _randomize_norms(model: nn.Module) -> None:
-    """Query/key norms start as identity; random weights make a skipped norm visible in the statistics."""
-    gen = torch.Generator().manual_seed(123)
-    for name, param in model.named_parameters():
-        if any(n in name for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm")):
-            param.data = torch.rand(param.shape, generator=gen) * 1.5 + 0.25
 
 
 def _build(kind: str) -> nn.Module:
@@ -48,7 +40,7 @@ def _build(kind: str) -> nn.Module:
         model = StableLmForCausalLM(StableLmConfig(**SMALL, partial_rotary_factor=0.5, qk_layernorm=True))
     else:
         raise ValueError(kind)
-    _randomize_norms(model)
+    randomize_query_norms(model)
     return model.eval()
 
 
@@ -59,7 +51,7 @@ def _recompute_queries(
     geometry = describe(model)
     heads, head_dim = geometry.num_q_heads, geometry.head_dim
     hidden: dict[int, torch.Tensor] = {}
-    attns = find_attention_modules(model)
+    attns = attention_modules(model)
     handles = [
         attn.register_forward_pre_hook(
             lambda m, args, kwargs, i=i: hidden.__setitem__(i, kwargs.get("hidden_states", args[0] if args else None)),
@@ -133,32 +125,31 @@ def test_calibrate_equals_statistics_of_hand_recomputed_queries(kind):
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3", "stablelm"])
-def test_capture_layout_when_sequence_length_equals_head_count(kind):
-    """S == H makes [B, S, H, D] and [B, H, S, D] the same shape: the capture must still transpose right."""
+def test_sequence_length_equal_to_the_head_count(kind):
+    """S == H makes [B, S, H, D] and [B, H, S, D] the same shape: the statistics must still be per head, not per
+    token position."""
     model = _build(kind)
     geometry = describe(model)
-    ids = torch.randint(0, 128, (2, geometry.num_q_heads), generator=torch.Generator().manual_seed(3))
-    got: dict[int, torch.Tensor] = {}
-    with torch.no_grad(), QueryCapture(model, geometry, lambda i, q: got.__setitem__(i, q.clone())) as capture:
-        model(input_ids=ids, use_cache=False)
-    assert not capture.attached
-    for layer, expected in enumerate(_recompute_queries(model, kind, ids)):
-        # The whole head, also on StableLM, whose RoPE receives only the rotary slice of the query.
-        assert got[layer].shape[-1] == geometry.head_dim
-        torch.testing.assert_close(got[layer], expected, rtol=1e-5, atol=1e-6)
+    ids = torch.randint(0, 128, (1, geometry.num_q_heads), generator=torch.Generator().manual_seed(3))
+    stats = calibrate(model, None, ids, progress=False)
+    mean, abs_mean = _hand_stats([[q] for q in _recompute_queries(model, kind, ids)], geometry.rotary_dim // 2)
+    torch.testing.assert_close(stats.q_mean, mean.to(torch.complex64), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stats.q_abs_mean, abs_mean.float(), rtol=1e-4, atol=1e-5)
 
 
-def test_capture_detach_and_missing_projection_error():
-    model = _build("llama3")
-    calls = []
-    capture = QueryCapture(model, describe(model), lambda i, q: calls.append(i)).attach()
+def test_calibration_leaves_nothing_on_the_model():
+    """No hook, wrapper or patched rotary function after calibrate(), and the model's outputs are unchanged."""
+    import importlib
+
+    model = _build("qwen3")
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
-        capture.detach()
-        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
-    assert calls == [0, 1]
-    with pytest.raises(ValueError, match="could not find the attention modules"):
-        find_attention_modules(nn.Sequential(nn.Linear(4, 4)))
+        want = model(input_ids=ids, use_cache=False).logits
+    calibrate(model, None, ids, progress=False)
+    assert leftovers(model) == []
+    assert not rotary_is_patched(importlib.import_module(type(model).__module__))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, want, atol=0, rtol=0)
 
 
 def _tiny_tokenizer(words: list[str]):

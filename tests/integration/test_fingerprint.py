@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_model
 
 import hf_ropekv
-from hf_ropekv import FrequencyStats, HfRopeKVWarning, RopeKVCache
+from hf_ropekv import FrequencyScorer, FrequencyStats, HfRopeKVWarning, RopeKVCache
 from hf_ropekv.statistics import fingerprint
 from hf_ropekv.model.geometry import describe
 
@@ -88,15 +88,15 @@ def test_statistics_of_other_weights_warn_naming_both(tmp_path, warned) -> None:
     calibrated(finetune).save(path)
     ours, theirs = fingerprint.weights_fingerprint(model), fingerprint.weights_fingerprint(finetune)
 
-    cache = RopeKVCache(model, budget=16, compress_every=4, stats=path)  # geometry fits: it still loads
+    cache = RopeKVCache(model, budget=16, compress_every=4, scorer=FrequencyScorer(stats=path))  # geometry fits: it still loads
     assert len(warned) == 1
     message = str(warned[0].message)
     assert ours in message and theirs in message and str(path) in message
     assert "input_ids" in message  # the statistics' source (calibration text)
     assert cache.scorer.stats.metadata["weights_fingerprint"] == theirs
 
-    RopeKVCache(model, budget=16, compress_every=4, stats=path)  # once per pair, not per cache
-    hf_ropekv.enable(model, budget=16, compress_every=4, stats=path)  # (enable warns about the small budget)
+    RopeKVCache(model, budget=16, compress_every=4, scorer=FrequencyScorer(stats=path))  # once per pair, not per cache
+    hf_ropekv.enable(model, budget=16, compress_every=4, scorer=FrequencyScorer(stats=path))  # (enable warns about the small budget)
     hf_ropekv.disable(model)
     assert [str(w.message) for w in warned if "fingerprint" in str(w.message)] == [message]
 
@@ -107,21 +107,21 @@ def test_other_weights_warning_is_an_hf_ropekv_warning_at_the_users_line(tmp_pat
     model = tiny_model("llama")
     stats = calibrated(tiny_model("llama", seed=1))
     with pytest.warns(HfRopeKVWarning, match="other weights") as record:
-        RopeKVCache(model, budget=16, compress_every=4, stats=stats)
+        RopeKVCache(model, budget=16, compress_every=4, scorer=FrequencyScorer(stats=stats))
     assert [w.filename for w in record if issubclass(w.category, HfRopeKVWarning)] == [__file__]
 
 
 def test_matching_and_unfingerprinted_statistics_load_silently(tmp_path, warned) -> None:
     model = tiny_model("llama")
     stats = calibrated(model)
-    RopeKVCache(model, budget=16, stats=stats)
-    RopeKVCache(tiny_model("llama"), budget=16, stats=stats)  # the same weights loaded again
+    RopeKVCache(model, budget=16, scorer=FrequencyScorer(stats=stats))
+    RopeKVCache(tiny_model("llama"), budget=16, scorer=FrequencyScorer(stats=stats))  # the same weights loaded again
 
     older = calibrated(tiny_model("llama", seed=1))
     for key in ("weights_fingerprint", "weights_source"):
         del older.metadata[key]
     older.save(tmp_path / "older.safetensors")  # a file written before fingerprints existed
-    RopeKVCache(model, budget=16, stats=tmp_path / "older.safetensors")
+    RopeKVCache(model, budget=16, scorer=FrequencyScorer(stats=tmp_path / "older.safetensors"))
     FrequencyStats.resolve(calibrated(tiny_model("llama", seed=1)), describe(model))  # no model: nothing to compare
     assert warned == []
 

@@ -1,4 +1,4 @@
-"""Inspecting what enable() did: last_cache, last_summary, CacheSummary, and the INFO line per generate().
+"""Inspecting what enable() did: last_summary, CacheSummary, and the INFO line per generate().
 
 References: the cache's own public properties, and a ``DynamicCache`` that transformers builds for the same
 tokens, whose bytes are summed here from its layers' tensors.
@@ -17,13 +17,13 @@ import pytest
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList, pipeline
 
-from conftest import padded_batch, tiny_model
-from hf_ropekv import CacheSummary, RopeKVCache, disable, enable, enabled, last_cache, last_summary
+from conftest import dynamic_cache_bytes, padded_batch, tiny_model, tiny_tokenizer
+from hf_ropekv import CacheSummary, RopeKVCache, disable, enable, enabled, last_summary
 from hf_ropekv._compat import TRANSFORMERS_VERSION
-from hf_ropekv.cache.summary import format_bytes
 
-# Small pages, so that the arena (rounded up to whole pages) stays below a full cache once tokens are evicted.
-OPTIONS = dict(budget=16, compress_every=4, page_size=4)
+# The tiny budget is meant (its warning is checked in test_enable).
+pytestmark = pytest.mark.filterwarnings("ignore:hf_ropekv.enable. budget=16 is small")
+OPTIONS = dict(budget=16, compress_every=4)
 NEW = 30
 LOGGER = "hf_ropekv"
 
@@ -38,16 +38,6 @@ def gen(model, ids, mask, **kwargs):
 def returned_cache(output):
     """The cache a ``return_dict_in_generate=True`` output carries (5.24 renamed the field to ``cache``)."""
     return output.cache if TRANSFORMERS_VERSION.release >= (5, 24) else output.past_key_values
-
-
-def dynamic_cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of a DynamicCache's key and value tensors, summed over its layers."""
-    total = 0
-    for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def summary_lines(records) -> list[logging.LogRecord]:
@@ -74,53 +64,17 @@ def test_summary_equals_cache_properties_and_dynamic_cache_bytes(arch: str) -> N
 
     enable(model, **OPTIONS)
     out = gen(model, ids, mask, return_dict_in_generate=True)
-    cache, summary = last_cache(model), last_summary(model)
-    assert cache is returned_cache(out) and isinstance(cache, RopeKVCache)
-    assert summary == CacheSummary(
-        tokens_seen=cache.tokens_seen,
-        tokens_kept=cache.tokens_kept,
-        num_compactions=cache.num_compactions,
-        bytes_held=cache.bytes_held,
-        full_cache_bytes=cache.full_cache_bytes,
-        budget=16,
-        compress_every=4,
-        static=False,  # static="auto" on the CPU: eager
-        static_reason=cache.static_reason,
-    )
-    # Independent references: the DynamicCache holding the same tokens.
+    cache, summary = returned_cache(out), last_summary(model)
+    assert isinstance(cache, RopeKVCache) and summary == cache.summary()
+    # Independent references: the DynamicCache holding the same tokens, the options, the kept positions.
     assert summary.tokens_seen == full.get_seq_length() == ids.shape[1] + NEW - 1
     assert summary.full_cache_bytes == dynamic_cache_bytes(full)
+    assert (summary.budget, summary.compress_every, summary.static) == (16, 4, False)  # "auto" on the CPU: growing
+    full_layer = (getattr(model.config, "layer_types", None) or ["full_attention"]).index("full_attention")
+    assert summary.tokens_kept == cache.kept_positions(full_layer).shape[-1]
     assert summary.num_compactions > 0 and summary.budget <= summary.tokens_kept <= summary.bound == 20
     assert summary.bytes_held < summary.full_cache_bytes
-    assert summary.bytes_fraction == summary.bytes_held / summary.full_cache_bytes
     disable(model)
-
-
-def test_summary_text() -> None:
-    summary = CacheSummary(
-        tokens_seen=1042, tokens_kept=299, num_compactions=12, bytes_held=3 * 2**20, full_cache_bytes=12 * 2**20,
-        budget=256, compress_every=64,
-    )
-    assert str(summary) == (
-        "RopeKVCache: kept 299 of 1,042 tokens (bound: budget 256 + compress_every 64 = 320), 12 compactions; "
-        "KV 3.00 MiB held vs 12.00 MiB for a DynamicCache (25%)"
-    )
-    unbounded = CacheSummary(
-        tokens_seen=5, tokens_kept=5, num_compactions=1, bytes_held=0, full_cache_bytes=0, budget=None,
-        compress_every=128,
-    )
-    assert unbounded.bound is None and unbounded.bytes_fraction is None
-    assert str(unbounded) == (
-        "RopeKVCache: kept 5 of 5 tokens (no budget: nothing is evicted), 1 compaction; KV 0 B held vs 0 B for a "
-        "DynamicCache"
-    )
-    assert [format_bytes(n) for n in (1023, 1024, 1536 * 1024, 5 * 2**40)] == [
-        "1023 B", "1.00 KiB", "1.50 MiB", "5120.00 GiB"
-    ]
-    with pytest.raises(TypeError, match="needs a RopeKVCache"):
-        CacheSummary.from_cache(DynamicCache())
-    with pytest.raises(AttributeError):  # frozen
-        summary.tokens_kept = 1
 
 
 def test_no_budget_keeps_everything(model) -> None:
@@ -132,51 +86,47 @@ def test_no_budget_keeps_everything(model) -> None:
     assert summary.tokens_kept == summary.tokens_seen == 9 + 6 - 1
 
 
-# --------------------------------------------------------------------------- last_cache across calls
+# --------------------------------------------------------------------------- last_summary across calls
 
 
-def test_last_cache_follows_successive_calls_and_is_held_weakly(model) -> None:
+def test_last_summary_follows_successive_calls_and_holds_no_cache(model, gc_off) -> None:
+    import weakref
+
     ids, mask = padded_batch(lengths=(10, 6))
     enable(model, **OPTIONS)
     first = gen(model, ids, mask, max_new_tokens=NEW, return_dict_in_generate=True)
-    cache1, summary1 = last_cache(model), last_summary(model)
-    assert cache1 is returned_cache(first)
+    summary1 = last_summary(model)
+    assert summary1 == returned_cache(first).summary()
     second = gen(model, ids, mask, max_new_tokens=NEW + 7, return_dict_in_generate=True)
-    cache2, summary2 = last_cache(model), last_summary(model)
-    assert cache2 is returned_cache(second) and cache2 is not cache1
+    summary2 = last_summary(model)
+    assert summary2 == returned_cache(second).summary() and summary2 != summary1
     assert summary1.tokens_seen == ids.shape[1] + NEW - 1
     assert summary2.tokens_seen == ids.shape[1] + NEW + 6
-    assert summary2 == CacheSummary.from_cache(cache2)
-
-    # Weakly held: once the caller drops the output, the cache goes; its summary stays.
-    ref = weakref.ref(cache2)
-    del second, cache2, first, cache1
-    gc.collect()
+    # The record holds no cache: once the caller drops the output, the cache goes; its summary stays.
+    ref = weakref.ref(returned_cache(second))
+    del second, first
     assert ref() is None
-    with pytest.raises(LookupError, match="was freed.*return_dict_in_generate=True"):
-        last_cache(model)
     assert last_summary(model) == summary2
 
 
-def test_last_cache_during_generate_is_the_live_cache(model) -> None:
-    seen: list[tuple[RopeKVCache, CacheSummary]] = []
+def test_last_summary_during_generate_is_the_live_caches(model) -> None:
+    seen: list[CacheSummary] = []
 
     class Peek(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            seen.append((last_cache(model), last_summary(model)))
+            seen.append(last_summary(model))
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     ids, mask = padded_batch(lengths=(8,))
     enable(model, **OPTIONS)
     out = gen(model, ids, mask, stopping_criteria=StoppingCriteriaList([Peek()]), return_dict_in_generate=True)
-    assert len(seen) == NEW and all(cache is returned_cache(out) for cache, _ in seen)
-    assert [s.tokens_seen for _, s in seen] == list(range(ids.shape[1], ids.shape[1] + NEW))
+    assert len(seen) == NEW
+    assert [s.tokens_seen for s in seen] == list(range(ids.shape[1], ids.shape[1] + NEW))
+    assert seen[-1] == returned_cache(out).summary() and seen[0].num_compactions < seen[-1].num_compactions
 
 
 def test_errors_name_the_problem(model) -> None:
-    with pytest.raises(LookupError, match="enable\\(\\) was never called"):
-        last_cache(model)
-    with pytest.raises(LookupError, match="enable\\(\\) was never called"):
+    with pytest.raises(LookupError, match="enable\\(\\) was never called.*print\\(cache.summary\\(\\)\\)"):
         last_summary(model)
     enable(model, **OPTIONS)
     with pytest.raises(LookupError, match="No generate\\(\\) call"):
@@ -184,7 +134,7 @@ def test_errors_name_the_problem(model) -> None:
     ids, mask = padded_batch(lengths=(6,))
     gen(model, ids, mask, use_cache=False)  # no cache at all: still nothing to inspect
     with pytest.raises(LookupError, match="No generate\\(\\) call"):
-        last_cache(model)
+        last_summary(model)
 
 
 # --------------------------------------------------------------------------- the log line
@@ -235,8 +185,6 @@ def test_a_failing_generate_propagates_its_error_and_logs_nothing(model, caplog)
 
 
 def test_pipeline(model, caplog) -> None:
-    from test_enable import tiny_tokenizer
-
     tokenizer = tiny_tokenizer()
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
     prompts = ["w5 w7 w9 w11 w13 w17", "w3 w4 w8"]

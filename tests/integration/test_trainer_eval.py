@@ -19,7 +19,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, Trai
 from conftest import tiny_model
 from hf_ropekv import RopeKVCache
 from hf_ropekv._compat import TRANSFORMERS_VERSION
-from hf_ropekv.hooks.enable import disable, enable
+from hf_ropekv import disable, enable
 
 OPTIONS = dict(budget=16, compress_every=4)
 # generate()'s keyword for a cache object (transformers 5.24 renamed past_key_values to cache).
@@ -143,7 +143,7 @@ def test_eval_with_generation_gets_a_fresh_cache_per_batch(kind: str, tmp_path) 
     assert len({id(c) for c in spy.caches}) == len(batches)
     for cache, prompt, batch in zip(spy.caches, spy.prompts, batches):
         assert torch.equal(prompt, batch["input_ids"])
-        assert cache.num_compactions > 0 and cache.budget == OPTIONS["budget"]
+        assert cache.num_compactions > 0 and cache.options.budget == OPTIONS["budget"]
 
     # The predictions are the hand-made fresh-cache generations (the eval loop pads them to a common width).
     predictions = torch.as_tensor(result.predictions)

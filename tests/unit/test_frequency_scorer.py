@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_config
-from hf_ropekv import FrequencyScorer, FrequencyStats, ScoreContext
+from conftest import tiny_config, tiny_model
+from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache, ScoreContext
 from hf_ropekv.model.geometry import describe
 from hf_ropekv.scorers.rope_scoring import score_keys
 from hf_ropekv.statistics.frequency_stats import geometry_metadata
 from hf_ropekv.statistics.online import RowStatistics
 
 CONFIG = tiny_config("llama", num_hidden_layers=3)
+PROMPT = 40
 GEOMETRY = describe(CONFIG)
 
 
@@ -108,10 +109,32 @@ def test_replaced_statistics_take_effect_even_at_a_reused_address() -> None:
         torch.testing.assert_close(scorer.score(keys, ctx), want, atol=0, rtol=0, msg=f"swap {seed}")
 
 
-PROMPT = 40
-
-
 def test_without_statistics_it_says_where_they_come_from() -> None:
     g = torch.Generator().manual_seed(3)
     with pytest.raises(RuntimeError, match="no statistics: pass stats=.*RopeKVCache\\(model"):
         FrequencyScorer().score(torch.randn(1, 2, 5, 16), context(0, 1, 5, g))
+
+
+def test_statistics_of_another_geometry_are_refused() -> None:
+    other = tiny_config("llama", num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3)
+    g = torch.Generator().manual_seed(0)
+    geometry = describe(other)
+    shape = (geometry.num_layers, geometry.num_q_heads, geometry.inv_freq.numel())
+    q_mean = torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    stats = FrequencyStats(q_mean, q_mean.abs(), {**geometry_metadata(geometry), "tokens": 1, "source": "random"})
+    with pytest.raises(ValueError, match="query heads: statistics have 8, the model has 4"):
+        RopeKVCache(tiny_model("llama", num_hidden_layers=3), budget=32, scorer=FrequencyScorer(stats=stats))
+
+
+def test_statistics_from_a_file_are_loaded_and_checked(tmp_path) -> None:
+    path = tmp_path / "stats.safetensors"
+    random_stats(0).save(path)
+    model = tiny_model("llama", num_hidden_layers=3)
+    for given in (str(path), path):
+        cache = RopeKVCache(model, budget=32, scorer=FrequencyScorer(stats=given))
+        assert isinstance(cache.scorer.stats, FrequencyStats) and cache.scorer.stats.tokens == 1
+        assert torch.equal(cache.scorer.stats.q_mean, random_stats(0).q_mean)
+    with pytest.raises(ValueError, match="model type"):
+        RopeKVCache(tiny_model("qwen3", num_hidden_layers=3), budget=32, scorer=FrequencyScorer(stats=path))
+    with pytest.raises(FileNotFoundError, match="python -m hf_ropekv calibrate"):
+        RopeKVCache(model, budget=32, scorer=FrequencyScorer(stats=tmp_path / "missing.safetensors"))
