@@ -32,7 +32,7 @@ from ._triton import HAS_TRITON, tl, triton
 
 __all__ = ["compact_", "compact_triton_", "compact_reference_", "check_compact_args"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)  # int8: quantized codes
 
 
 def check_compact_args(

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..model.capture import QueryCapture
+from ..model.query_hooks import HookedQueryCapture
 from ..model.geometry import ModelGeometry
 from .generate_methods import StepPreparer, with_canonical_strides
 from .graphed_step import not_capturable
@@ -97,7 +98,8 @@ class ModelAttachment(StepPreparer):
         # to the cache.
         self._query_consumers = cache._query_consumers()
         self._hooks = SharedHooks.of(model)
-        self._hooks.add(self, cache.geometry, collect_queries, static=self.static)
+        self._hooks.add(self, cache.geometry, collect_queries,
+                        attention=self.static or getattr(cache.options, "kv_bits", None) is not None)
         self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
     def expect_tokens(self, tokens: int | None) -> None:
@@ -320,6 +322,7 @@ def _binds_to_owner(value: Any) -> bool:
         value = list(value.values())
     if isinstance(value, (list, tuple, set)):
         return any(_binds_to_owner(item) for item in value)
-    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, nn.Module, SharedHooks)
+    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, HookedQueryCapture,
+               nn.Module, SharedHooks)
     return isinstance(value, binding)
 

@@ -148,7 +148,9 @@ class GraphedDecodeStep:
             if reason is not None:
                 self._refuse(state, reason)
                 return inner(*args, **kwargs)
-        key = (input_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()))
+        # The attention path changes at the first eviction (sdpa, then the decode kernel): a graph of each.
+        key = (input_signature(args, kwargs), tuple(t.data_ptr() for t in cache._recorded_step_tensors()),
+               cache.num_compactions > 0)
         recorded = state.graphs.get(key)
         if recorded is not None:
             return recorded.replay(inputs, cache)

@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import _compat
 from ..model.attention import restore_attention, use_grouped_sdpa
-from ..model.capture import QueryCapture
+from ..model.query_hooks import query_capture
 from ..model.geometry import ModelGeometry
 from .generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
 
@@ -31,6 +31,7 @@ class Attachment(Protocol):
     """What the shared hooks hand each forward to: one cache's ``attach.ModelAttachment``."""
 
     detached: bool
+    static: bool
 
     def owns(self, cache: Any) -> bool: ...
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None: ...
@@ -76,7 +77,7 @@ class SharedHooks:
         self._mark_eager_only()
         self._model_ref = weakref.ref(model)
         self.attachments: list[Attachment] = []
-        self.capture: QueryCapture | None = None
+        self.capture: Any = None  # the model's query capture (model.query_hooks.query_capture), while one collects
         self.active: Attachment | None = None  # the attachment of the forward in progress
         self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
         self._attention_before: str | None = None  # the implementation a static cache replaced
@@ -89,15 +90,15 @@ class SharedHooks:
         ]
         weakref.finalize(model, self._detach)  # the hooks go with the model
 
-    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, static: bool) -> None:
+    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, attention: bool) -> None:
         if collect_queries and self.capture is None:
-            self.capture = QueryCapture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
+            self.capture = query_capture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
         _PrepareInputsForGeneration.install(self._model_ref())
-        if static:
+        if attachment.static:
             _GetCompiledCall.install(self._model_ref())
             _ValidAutoCompileCriteria.install(self._model_ref())
-        if static:  # every static cache: the user may have set the implementation back since the last one
+        if attention:  # static or int8 caches (every one: the user may have set it back since the last one)
             before = use_grouped_sdpa(self._model_ref(), geometry)
             self._attention_before = before if before is not None else self._attention_before
 

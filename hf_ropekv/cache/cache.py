@@ -19,6 +19,7 @@ from transformers.configuration_utils import PretrainedConfig
 
 from ..adapter.attach import ModelAttachment
 from ..eviction.compactor import Compactor
+from ..kernels.attention import register_op
 from ..model.geometry import ModelGeometry, describe, shared_geometry
 from ..scorers.base import Scorer
 from ..storage.buffers import BufferLease, BufferPool, step_is_recorded
@@ -26,7 +27,7 @@ from . import footprint
 from .forward import ForwardCoordinator
 from .layers import CANNOT_CROP, BudgetedLayer, make_layers
 from .masks import mask_for_forward, window_positions, with_holes
-from .model_checks import check_sliding_windows, check_static, static_unsupported
+from .model_checks import check_kv_bits, check_sliding_windows, check_static, static_unsupported
 from .options import OPTION_NAMES, SEED, CacheOptions
 from .rows import BatchRows
 from .scorer_setup import query_window, resolve_scorer
@@ -90,6 +91,7 @@ class RopeKVCache(Cache):
         if model is not None:
             self.geometry = shared_geometry(model, self.geometry)
         check_sliding_windows(self.geometry, budget)
+        check_kv_bits(options.kv_bits, model_or_config)
         super().__init__(layers=[])
         self.scorer, self._online = resolve_scorer(scorer, budget, self.geometry, model)
         self._queries = query_window(self.scorer, budget, self.geometry, model)
@@ -119,6 +121,8 @@ class RopeKVCache(Cache):
             self._attachment = ModelAttachment(model, self, collect_queries=collect)
             if self._queries is not None:
                 self._queries.scales = [getattr(m, "scaling", None) for m in self._attachment.attention_modules]
+            if self.static and not self._attachment.graphs:  # generate will compile the decode step
+                register_op()
 
     # ------------------------------------------------------------------ public introspection
     @property

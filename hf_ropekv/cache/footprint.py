@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from ..model.geometry import FULL, ModelGeometry
 from .layers import BudgetedLayer
 
@@ -23,11 +25,15 @@ def bytes_held(layers: Sequence[Any]) -> int:
 def dynamic_cache_bytes(layers: Sequence[Any], geometry: ModelGeometry, seen: int) -> int:
     """Bytes a ``DynamicCache(config=...)`` would hold after ``seen`` tokens: every full-attention layer all of
     them, every sliding-window layer its window (0 before any layer holds keys)."""
-    stored = [layer.storage.keys for layer in layers if isinstance(layer, BudgetedLayer) and layer.storage.keys is not None]
-    keys = stored[0] if stored else next((layer.keys for layer in window_layers(layers)), None)
+    stored = [layer.storage for layer in layers if isinstance(layer, BudgetedLayer) and layer.storage.keys is not None]
+    if stored:  # (in the model's dtype, also where the cache keeps int8 codes)
+        keys, size = stored[0].keys, torch.empty((), dtype=stored[0].dtype).element_size()
+    else:
+        keys = next((layer.keys for layer in window_layers(layers)), None)
+        size = None if keys is None else keys.element_size()
     if keys is None:
         return 0
-    per_token = 2 * keys.shape[1] * keys.shape[3] * keys.element_size() * keys.shape[0]
+    per_token = 2 * keys.shape[1] * keys.shape[3] * size * keys.shape[0]
     return sum(
         per_token * (seen if kind == FULL else min(seen, window - 1))
         for kind, window in zip(geometry.layer_types, geometry.sliding_windows)

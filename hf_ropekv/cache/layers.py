@@ -198,9 +198,9 @@ def make_layers(cache: CoordinatedCache, geometry: ModelGeometry, options: Any, 
     layers: list[CacheLayerMixin] = []
     for idx, (kind, sliding_window) in enumerate(zip(geometry.layer_types, geometry.sliding_windows)):
         if kind == FULL and static:
-            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, page_size, idx, lease)))
+            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, page_size, idx, lease, options.kv_bits)))
         elif kind == FULL:
-            layers.append(BudgetedLayer(cache, idx, PagedKV(page_size, capacity_hint=hint)))
+            layers.append(BudgetedLayer(cache, idx, PagedKV(page_size, capacity_hint=hint, bits=options.kv_bits)))
         elif static:
             layers.append(StaticWindowLayer(sliding_window, idx, lease))
         else:

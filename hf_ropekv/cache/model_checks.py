@@ -93,3 +93,22 @@ def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: A
     error = static_error(geometry, budget, model_or_config, scorer)
     if error is not None:
         raise ValueError(error)
+
+
+def check_kv_bits(kv_bits: int | None, model_or_config: Any) -> None:
+    """``kv_bits=8`` stores int8 codes, which only hf_ropekv's attention can read: it needs the model, on sdpa
+    attention that transformers dispatches by name (``hf_ropekv.model.attention``)."""
+    if kv_bits is None:
+        return
+    from ..model.attention import GROUPED_SDPA, dispatches_by_name
+
+    if not isinstance(model_or_config, nn.Module):
+        raise ValueError("kv_bits=8 needs the model, not its config: RopeKVCache(model, budget=..., kv_bits=8). The "
+                         "cache switches the model's attention to one that reads int8 keys and values.")
+    implementation = getattr(getattr(model_or_config, "config", None), "_attn_implementation", None)
+    if implementation not in ("sdpa", GROUPED_SDPA) or not dispatches_by_name(model_or_config):
+        raise ValueError(
+            f"kv_bits=8 needs a model on sdpa attention that transformers dispatches by name; this "
+            f"{type(model_or_config).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa', "
+            "or use kv_bits=None."
+        )

@@ -51,7 +51,12 @@ def resolve_scorer(scorer: Scorer | None, budget: int | None, geometry: ModelGeo
 
 
 def query_window(scorer: Scorer, budget: int | None, geometry: ModelGeometry, model: nn.Module | None) -> Any:
-    """Recent queries for a scorer that asks for them (``query_window``; they need the model's hooks), or None."""
+    """Recent queries for a scorer that asks for them (``query_window``; they need the model's hooks), the default
+    scorer's prompt window, or None."""
+    if isinstance(scorer, FrequencyScorer) and scorer.prompt_window and budget is not None and model is not None:
+        from ..scorers.prompt_window import PromptWindow
+
+        return PromptWindow(geometry, scorer.prompt_window)
     window = getattr(scorer, "query_window", None)
     if window is None or budget is None:
         return None

@@ -1,4 +1,12 @@
-"""Grouped-query attention over a static arena without copying the key/value heads.
+"""The attention a RopeKVCache's model runs: the Triton decode kernel over the kept arena, else sdpa.
+
+A decoding step (one query token, on CUDA) whose cache is quantized (int8 codes carrying their scales, see
+``storage.paged.SCALES``) or has evicted tokens (``DECODE``, set by the cache) attends with
+``hf_ropekv.kernels.attention.decode_attention``: split-KV over the kept slots, the mask of each row's holes, fp32
+accumulation, int8 dequantized in registers. Before any eviction the cache keeps sdpa, so its tokens equal
+``DynamicCache``'s bit for bit (the kernel sums in another order). Every other call is sdpa, as below.
+
+Grouped-query attention over a static arena without copying the key/value heads.
 
 A static cache attends over its whole arena with a slot-validity mask. transformers' sdpa integration hands a
 masked grouped-query attention to ``torch.nn.functional.scaled_dot_product_attention`` only after ``repeat_kv``
@@ -15,7 +23,7 @@ shared by its group as it is; several query tokens (a prefill chunk) need their 
 which is done only while it is smaller than the key/value copy it saves (at batch 180 and 2,176 slots a prefill
 chunk's ``repeat_kv`` needs 3 GiB per key or value tensor). Every other call goes to transformers' own sdpa
 function unchanged. It is registered as the attention implementation
-``"hf_ropekv_sdpa"``, which a static cache selects on an sdpa model (:func:`use_grouped_sdpa`).
+``"hf_ropekv_sdpa"``, which a static or quantized cache selects on an sdpa model (:func:`use_grouped_sdpa`).
 """
 
 from __future__ import annotations
@@ -27,7 +35,33 @@ import torch
 from torch import nn
 
 from .. import _compat
+from ..kernels.attention import decode_attention
+from ..kernels.quantize import dequantize_kv
+from ..storage.paged import DECODE, FIXED, SCALES
 from .geometry import ModelGeometry
+
+
+def ropekv_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (``query [B, H, q, D]``, ``key``/``value`` ``[B, H_kv, S, D]``,
+    a boolean sdpa mask) -> ``([B, q, H, D], None)``: the decode kernel where it applies, else sdpa."""
+    scales = getattr(key, SCALES, None)
+    if query.shape[2] == 1 and query.is_cuda and (scales is not None or getattr(key, DECODE, False)) \
+            and not dropout and kwargs.get("s_aux") is None and not kwargs.get("output_attentions", False):
+        mask = None if attention_mask is None else attention_mask[:, 0, -1, :].expand(query.shape[0], -1)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask == 0  # an additive mask: 0 where attended
+        out = decode_attention(query[:, :, 0], key, value, mask, scale=scaling or query.shape[-1] ** -0.5,
+                               softcap=kwargs.get("softcap"), key_scale=None if scales is None else scales[0],
+                               value_scale=None if scales is None else scales[1])
+        return out.unsqueeze(1), None
+    if scales is not None:  # a prefill chunk, or the CPU: attend over the dequantized arena
+        key, value = dequantize_kv(key, scales[0], query.dtype), dequantize_kv(value, scales[1], query.dtype)
+    elif not getattr(key, FIXED, False):
+        return _compat.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, is_causal=is_causal, **kwargs)
+    return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 #: The attention implementation name under which :func:`grouped_sdpa` is registered with transformers.
 GROUPED_SDPA = "hf_ropekv_sdpa"
@@ -96,25 +130,24 @@ def _fold_is_cheaper(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor,
 
 
 def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
-    """Make an sdpa grouped-query ``model`` attend with :func:`grouped_sdpa`; return the implementation it had.
+    """Make an sdpa ``model`` attend with :func:`ropekv_attention`; return the implementation it had.
 
-    Returns ``None`` and changes nothing when the model does not use sdpa or has as many key/value heads as
-    query heads (``geometry``: nothing to copy). The change sets ``model.config._attn_implementation`` (and its
-    sub-configs'), so ``restore_attention`` can undo it.
+    Returns ``None`` and changes nothing when the model does not use sdpa or does not look its attention function
+    up by name. The change sets ``model.config._attn_implementation``, so ``restore_attention`` can undo it.
     """
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "_attn_implementation", None) == GROUPED_SDPA:
         return "sdpa"  # switched already (by this model's hooks, or, for a copy of a model, by the original's)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return None
-    if geometry.num_kv_heads == geometry.num_q_heads or not _dispatches_by_name(model):
+    if not dispatches_by_name(model):
         return None
-    _compat.register_attention(GROUPED_SDPA, grouped_sdpa)
+    _compat.register_attention(GROUPED_SDPA, ropekv_attention)
     config._attn_implementation = GROUPED_SDPA
     return "sdpa"
 
 
-def _dispatches_by_name(model: nn.Module) -> bool:
+def dispatches_by_name(model: nn.Module) -> bool:
     """Whether the model's attention looks its function up by the implementation's name (transformers'
     ``ALL_ATTENTION_FUNCTIONS``). Some do not: Falcon on transformers 5.17 tests ``_attn_implementation == "sdpa"``
     itself, and under another name takes its eager path, which adds the boolean sdpa mask to its scores."""

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from . import rotary
-from ..warnings import warn
 from .geometry import FULL, ModelGeometry
 
 QUERY_NORM_NAMES = ("q_norm", "q_layernorm")
@@ -135,15 +134,6 @@ class QueryCapture:
         ]
         self._frames: list[_Frame] = []
         self._installed: list[rotary._Patch] = []
-        # The fast path of eager single-token forwards (begin_forward): which rotary call gives which layer's query.
-        keys = {fn.key for fn in self._functions}
-        self._key = keys.pop() if len(keys) == 1 else None  # one rotary function for every layer, or no fast path
-        self._plan: tuple[tuple[int, int, bool] | None, ...] | None = None
-        self._step: tuple[tuple[int, ...], tuple[int, ...], int] | None = None  # (query calls, layers, heads dim)
-        self._plan_failed = False
-        self._learning: list[tuple[torch.Tensor, int, int, bool]] | None = None
-        self._recording: Recording | None = None
-        self._bypassed = False  # the frames are out of the attention forwards (recorded decoding steps)
 
     @property
     def attention_modules(self) -> list[nn.Module]:
@@ -171,8 +161,6 @@ class QueryCapture:
 
     def detach(self) -> None:
         """Unwrap the attention modules and give the rotary function back (idempotent)."""
-        self.begin_forward(False)  # the frames back in place, then out
-        self._plan, self._plan_failed, self._step = None, False, None
         for frame in reversed(self._frames):
             frame.unwrap()
         self._frames = []
@@ -180,100 +168,12 @@ class QueryCapture:
             rotary.uninstall(patch)
         self._installed = []
 
-    # ---------------------------------------------------------------- the fast path of eager decoding steps
-    # A decoding step (one new token) is host-bound, and per layer the frame path costs a wrapped forward, a frame
-    # pushed and popped, the checks of `see` and a chain of callbacks: on a Qwen3-8B-shaped model at batch 1 the
-    # capture was most of what RopeKVCache adds to DynamicCache's step. Every decoding step makes the same rotary
-    # calls in the same order, so the first one runs the checked frame path and learns which call gives which
-    # layer's query (the plan); later ones only keep the first tensor of every call (rotary: Recording) and hand
-    # the queries over when the forward has finished, as the frame path would have.
     def begin_forward(self, record: bool) -> None:
-        """A forward of the capture's model starts; ``record``: it is an eager single-token forward whose queries
-        the capture delivers (a non-static cache's decoding step). Ends any recording left by a forward that raised."""
-        self._end_recording()
-        if record and self._key is not None and not self._plan_failed and self._frames:
-            state = rotary._LOCAL.state
-            if self._plan is None:  # this forward takes the frame path and learns the plan
-                self._learning = []
-                limit = 4 * len(self._frames) + 16
-            else:
-                limit = len(self._plan)
-            self._recording = state.recording = Recording(self._key, limit)
-        # A recorded forward needs no frame: the attention modules skip their wrappers until a forward that does.
-        self._bypass_frames(self._recording is not None and self._learning is None)
-
-    def _end_recording(self) -> None:
-        state = rotary._LOCAL.state
-        if self._recording is not None and state.recording is self._recording:
-            state.recording = None
-        self._recording = self._learning = None
-
-    def _bypass_frames(self, on: bool) -> None:
-        """Take the frames out of the attention modules' forwards (``on``) or put them back; kept across forwards,
-        so a run of decoding steps switches once. Each wrapper costs a call with the forward's arguments repacked
-        per layer and step, a visible share of a host-bound decoding step."""
-        if on == self._bypassed:
-            return
-        self._bypassed = on
-        for frame in self._frames:
-            frame.bypass(on)
+        """A forward starts (every query goes to ``callback`` as its layer makes it; ``record`` is for the hooked
+        capture, which hands a decoding step's queries over at once)."""
 
     def finish_forward(self) -> None:
-        """The forward finished without raising: a learning forward fixes the plan, a recorded one delivers."""
-        recording, learning = self._recording, self._learning
-        self._end_recording()
-        if recording is None:
-            return
-        if learning is not None:
-            self._plan = self._plan_from(recording.tensors, learning)
-            self._plan_failed = self._plan is None
-            self._step = self._step_from(self._plan)
-        elif recording.tensors:
-            self._deliver(recording.tensors)
-        else:  # the forward ran compiled: its rotary calls were traced, past the recording and the bypassed frames
-            self._plan, self._plan_failed = None, True
-            self._bypass_frames(False)
-            warn(
-                "hf_ropekv: a decoding step of this model ran compiled with a growing RopeKVCache; its queries are "
-                "left out of the online statistics, and later steps take the slower, checked path. A compiled "
-                "decode wants RopeKVCache(model, budget=..., static=True)."
-            )
-
-    def _plan_from(self, calls: list[Any], learning: list[tuple[torch.Tensor, int, int, bool]]) -> tuple | None:
-        """For every rotary call of the learning forward: ``(layer, heads dim, widen)`` of the query it gave the
-        frames, or None (a key, a call outside the attention modules); None when a query cannot be told apart."""
-        by_tensor = {id(q): entry for q, *entry in learning}
-        plan = tuple(tuple(by_tensor[id(t)]) if id(t) in by_tensor else None for t in calls)
-        if len(calls) >= 4 * len(self._frames) + 16 or sum(entry is not None for entry in plan) != len(learning):
-            return None
-        return plan
-
-    @staticmethod
-    def _step_from(plan: tuple | None) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
-        """The plan as one step delivery, when every query comes whole and in one layout; else None."""
-        queries = [(i, entry) for i, entry in enumerate(plan or ()) if entry is not None]
-        if not queries or any(widen for _, (_, _, widen) in queries) or len({e[1] for _, e in queries}) != 1:
-            return None
-        return tuple(i for i, _ in queries), tuple(e[0] for _, e in queries), queries[0][1][1]
-
-    def _deliver(self, calls: list[Any]) -> None:
-        expected = len(self._plan)
-        if len(calls) != expected:
-            self._plan, self._plan_failed = None, True
-            warn(
-                f"hf_ropekv: a decoding step of this model made {len(calls)} rotary calls where earlier steps made "
-                f"{expected}; its queries are left out of the online statistics, and later steps take "
-                "the slower, checked path."
-            )
-            return
-        if self.step_callback is not None and self._step is not None:
-            indices, layers, heads_dim = self._step
-            self.step_callback(layers, [calls[i] for i in indices], heads_dim)
-            return
-        for entry, q in zip(self._plan, calls):
-            if entry is not None:
-                layer_idx, heads_dim, _ = entry
-                self.callback(layer_idx, _as_query(q, heads_dim, self.geometry.head_dim))
+        """The forward finished."""
 
     def __enter__(self) -> "QueryCapture":
         return self.attach()
@@ -297,7 +197,6 @@ class _Frame:
         self.full_attention = capture.geometry.layer_types[layer_idx] == FULL
         self.head_dim = capture.geometry.head_dim
         self.key = function.key  # where the pass-through looks for the frames of this rotary function
-        self.bypassed = False  # taken out of attention.forward for recorded decoding steps (QueryCapture.begin_forward)
 
     @property
     def attention(self) -> nn.Module | None:
@@ -327,20 +226,6 @@ class _Frame:
             return self.inner(*args, **kwargs)
         return self.class_forward(self._attention_ref(), *args, **kwargs)
 
-    def bypass(self, on: bool) -> None:
-        """``on``: take this frame out of ``attention.forward`` while it is the outermost wrapper (under another one
-        it stays, passing recorded calls through); off: wrap again, outermost, over whatever is there now."""
-        attention = self.attention
-        if attention is None:
-            return
-        if on:
-            if _frame_of(attention.__dict__.get("forward")) is self:
-                self.unwrap()
-                self.bypassed = True
-        elif self.bypassed:
-            self.bypassed = False
-            self.wrap()
-
     def unwrap(self) -> None:
         """Give ``attention`` back the forward it had, or, when another wrapper went on top since, take this one out
         of the chain; a wrapper that cannot be reached any more just passes calls through (``live`` off)."""
@@ -364,9 +249,8 @@ class _Frame:
 
     # forward and see run for every layer of every forward while attached: each is a few lookups.
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.live or (self.capture._recording is not None and self.capture._learning is None
-                             and not torch.compiler.is_compiling()):
-            return self.run_inner(args, kwargs)  # detached, or a recorded decoding step: no frame
+        if not self.live:
+            return self.run_inner(args, kwargs)  # detached: a pass-through
         frames = rotary.frame_stack(self.key)
         self.calls = 0
         frames.append(self)
@@ -397,21 +281,7 @@ class _Frame:
                 f"{tuple(getattr(q, 'shape', ()))} in layer {self.layer_idx}; hf_ropekv expects a 4-D "
                 "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor."
             )
-        learning = self.capture._learning
-        if learning is not None:
-            learning.append((q, self.layer_idx, heads_dim, q.shape[-1] < self.head_dim))
         self.capture.callback(self.layer_idx, _as_query(q, heads_dim, self.head_dim))
-
-
-class Recording:
-    """The rotary calls of one eager single-token forward: the first tensor of each, in call order (the rotary
-    pass-through appends them while ``rotary._LOCAL.state.recording`` is this; at most ``limit``)."""
-
-    __slots__ = ("key", "limit", "tensors")
-
-    def __init__(self, key: int, limit: int) -> None:  # no reference to the capture: a thread's state holds this
-        self.key, self.limit = key, limit
-        self.tensors: list[Any] = []
 
 
 def _as_query(q: torch.Tensor, heads_dim: int, head_dim: int) -> torch.Tensor:
@@ -443,7 +313,8 @@ class _CopiedForward(_Frame):
     class's) and runs it. (A frame's bound ``forward`` is copied as ``_Frame.forward`` bound to the frame's copy:
     this subclass, never live, makes that call a pass-through.)"""
 
-    def __init__(self, attention: nn.Module, inner: Any = None) -> None:  # noqa: super().__init__ is the capture's
+    # (no super().__init__: that one is the capture's)
+    def __init__(self, attention: nn.Module, inner: Any = None) -> None:
         self._attention_ref = weakref.ref(attention)
         self.inner, self.had_instance_forward, self.live = inner, inner is not None, False
         self.class_forward = type(attention).forward

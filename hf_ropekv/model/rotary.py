@@ -328,9 +328,6 @@ class _Patch:
             # lookups (the state inline, one frame without a loop).
             state = _TRACED if torch.compiler.is_compiling() else _LOCAL.state
             if state.depth == 0:
-                recording = state.recording  # a recorded single-token forward (capture.Recording): keep the tensor
-                if recording is not None and recording.key == key and len(recording.tensors) < recording.limit:
-                    recording.tensors.append(args[0] if args else kwargs.get(tensor_param))
                 frames = state.active.get(key)
                 if frames:
                     if len(frames) == 1:
@@ -356,7 +353,6 @@ class _FrameState:
     def __init__(self) -> None:
         self.active: dict[int, list[Any]] = {}
         self.depth = 0
-        self.recording: Any = None  # the capture.Recording of the eager single-token forward in progress, if any
 
 
 class _ThreadFrames(threading.local):

@@ -11,6 +11,7 @@ import torch
 from ..model.layouts import ROTATE_HALF
 from .rope_scoring import query_weights, score_keys_weighted
 from .base import ScoreContext, standardize
+from .prompt_window import window_votes
 
 if TYPE_CHECKING:
     from ..statistics.frequency_stats import FrequencyStats
@@ -30,12 +31,15 @@ class FrequencyScorer:
         half_life: online statistics only: tokens after which a query's weight halves (``None``: all alike).
         head_shrink: online statistics only: a pseudo-count, in queries, pulling each query head's means toward
             its layer's head average (steadies heads that have seen few queries; 0: every head on its own).
+        prompt_window: at a compaction right after a prompt (a turn, a prefill chunk), also keep the keys its last
+            ``prompt_window`` queries attend to (``hf_ropekv.scorers.prompt_window``; 0: RoPE geometry alone).
         offsets: future offsets the mean query is placed at (default 1, 2, 4, ..., 65536).
     """
 
     stats: "FrequencyStats | str | os.PathLike | None" = None
     half_life: float | None = 128
     head_shrink: float = 256
+    prompt_window: int = 32
     offsets: tuple[int, ...] | None = None
     # Per-(layer, device) copies of the statistics, valid for `_cached_stats` only. Held by reference and compared
     # with `is`: an id() key goes stale when online statistics replace a freed snapshot whose id() is reused.
@@ -50,6 +54,8 @@ class FrequencyScorer:
         shrink = self.head_shrink
         if isinstance(shrink, bool) or not isinstance(shrink, (int, float)) or not 0 <= shrink < float("inf"):
             raise ValueError(f"head_shrink must be a number of queries >= 0; got {shrink!r}.")
+        if isinstance(self.prompt_window, bool) or not isinstance(self.prompt_window, int) or self.prompt_window < 0:
+            raise ValueError(f"prompt_window must be an int >= 0 (queries); got {self.prompt_window!r}.")
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
         return self.score_layers([keys], [ctx])[0]
@@ -83,8 +89,11 @@ class FrequencyScorer:
             score_keys_weighted(layer_keys, w[i], c[i], out=raw[i], layout=layout)
         group = q_heads // kv_heads
         candidates = torch.stack([context.candidates for context in contexts]).repeat_interleave(group, dim=2)
-        z = standardize(raw, candidates)
-        return z.view(layers, batch, kv_heads, group, slots).amax(dim=3)
+        z = standardize(raw, candidates).view(layers, batch, kv_heads, group, slots).amax(dim=3)
+        for i, (layer_keys, context) in enumerate(zip(keys, contexts)):  # right after a prompt: its own attention too
+            if context.queries is not None and self.prompt_window:
+                z[i] = torch.maximum(z[i], window_votes(layer_keys, context, self.prompt_window))
+        return z
 
     def _layer_tensors(self, layer_idx: int, device: torch.device, kv_heads: int) -> tuple[torch.Tensor, ...]:
         if self._cached_stats is not self.stats:

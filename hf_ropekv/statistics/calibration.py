@@ -7,7 +7,7 @@ or from the command line::
 
     python -m hf_ropekv calibrate --model Qwen/Qwen3-8B --text book.txt --out qwen3-8b.safetensors
 
-The model runs forward without a cache over up to ``max_tokens`` tokens; :class:`QueryCapture` hands every
+The model runs forward without a cache over up to ``max_tokens`` tokens; :func:`~hf_ropekv.model.query_hooks.query_capture` hands every
 layer's pre-RoPE queries to a :class:`FrequencyAccumulator`.
 
 On the user's own prompts, in one call (the model answers each greedily, in its chat template when the
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..model.capture import QueryCapture
+from ..model.query_hooks import query_capture
 from ..model.geometry import describe
 from ..model.special_tokens import generation_token_ids, token_ids
 from ..warnings import warn
@@ -109,7 +109,7 @@ def calibrate(
     was_training = model.training
     model.eval()  # dropout off: the statistics are those of inference
     try:
-        with torch.no_grad(), QueryCapture(model, geometry, on_query), logging.tqdm(
+        with torch.no_grad(), query_capture(model, geometry, on_query), logging.tqdm(
             total=total, unit="tok", desc="hf_ropekv calibration", disable=not progress
         ) as bar:
             for input_ids, attention_mask in _batches(pieces, chunk_tokens, pad_id):

@@ -1,12 +1,11 @@
-"""Paged key/value storage of one attention layer.
+"""Paged key/value storage of one attention layer, compacted in place.
 
-One arena per layer, ``[batch, kv_heads, capacity, head_dim]`` for keys and values plus the absolute
-token index of every slot. Live slots are always the prefix ``[0, length)`` of every (row, head), so
-attention reads a view of the arena (no copy), appending ``q`` tokens writes ``q`` slots, and
-compaction moves survivors forward in place (``hf_ropekv.kernels.compact``): the trailing pages it frees
-are the ones the next tokens are written to. Capacity grows in pages of ``page_size`` slots, only while the cache
-is filling up (prompt, or before the first compaction), and stops at the steady-state bound
-(``budget + compress_every``) even inside a page. The fixed arena of a static cache is in ``storage/static.py``.
+A layer's slots live in *planes* ``[batch, kv_heads, capacity, *]``: keys and values, and with ``kv_bits=8`` their
+int8 codes plus a float32 scale per token and head (``keys = codes * scale``). Live slots are the prefix
+``[0, length)`` of every (row, head), so attention reads a view of the arena (no copy), appending ``q`` tokens writes
+``q`` slots, and compaction moves survivors forward in place (``hf_ropekv.kernels.compact``). Capacity grows in
+whole pages up to the steady-state bound (``budget + compress_every``); a fixed arena (static caches) is in
+``storage/static.py``.
 """
 
 from __future__ import annotations
@@ -14,28 +13,38 @@ from __future__ import annotations
 import torch
 
 from ..kernels.compact import compact_
+from ..kernels.quantize import dequantize_kv, quantize_kv
+
+# Attributes of the keys a layer hands the model's attention, read by ``hf_ropekv.model.attention``:
+#: the int8 codes' scales ``(key_scale, value_scale)``, float32 ``[B, H, S]``;
+SCALES = "_hf_ropekv_scales"
+#: whether to attend with the decode kernel (set once the layer compacted: before, sdpa equals DynamicCache's tokens);
+DECODE = "_hf_ropekv_decode"
+#: whether they are a static cache's fixed arena (sdpa then folds the query heads instead of copying key heads).
+FIXED = "_hf_ropekv_fixed"
 
 
 class PagedKV:
-    """Keys, values and slot positions of one layer, compacted in place.
+    """Keys, values (int8 codes and scales with ``bits=8``) and slot positions of one layer.
 
     Args:
         page_size: slots per page; capacity grows in whole pages up to ``capacity_hint``.
-        capacity_hint: slots the arena holds in steady state (``budget + compress_every``); growth stops
-            there, so once the cache is full, decoding never reallocates.
+        capacity_hint: slots the arena holds in steady state (``budget + compress_every``).
+        bits: ``None`` (keys and values in the model's dtype) or 8 (int8 codes with a scale per token and head).
     """
 
-    def __init__(self, page_size: int, capacity_hint: int | None = None) -> None:
+    def __init__(self, page_size: int, capacity_hint: int | None = None, bits: int | None = None) -> None:
         self.page_size = page_size
         self.capacity_hint = capacity_hint
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.bits = bits
+        self.planes: list[torch.Tensor] | None = None  # keys, values[, key scales, value scales] [B, H, C, *]
+        self.dtype: torch.dtype | None = None  # what keys and values come in (and are dequantized to)
         # int64 [B, H, capacity]: the token index of each slot, made when first read (scoring, compaction): a cache
         # that never evicts holds no more than a DynamicCache, plus at most one page.
         self.positions: torch.Tensor | None = None
         self.length = 0
-        # Appends are consecutive tokens, so positions are written lazily (only scorers and compaction read
-        # them): slots from `_positions_valid` on hold tokens `_pending_position`, `_pending_position + 1`, ...
+        # Appends are consecutive tokens, so positions are written lazily: slots from `_positions_valid` on hold
+        # tokens `_pending_position`, `_pending_position + 1`, ...
         self._positions_valid = 0
         self._pending_position = 0
         self.num_compactions = 0
@@ -43,8 +52,16 @@ class PagedKV:
 
     # -- introspection -------------------------------------------------------------------------
     @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self.planes is None else self.planes[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.planes is None else self.planes[1]
+
+    @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.planes is None else self.planes[0].shape[2]
 
     @property
     def pages_allocated(self) -> int:
@@ -56,43 +73,49 @@ class PagedKV:
 
     @property
     def bytes_held(self) -> int:
-        if self.keys is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions) if t is not None)
+        tensors = [*(self.planes or ()), self.positions]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- writes --------------------------------------------------------------------------------
+    def encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[torch.Tensor]:
+        """New tokens as planes: keys and values, or their int8 codes and ``[B, H, q, 1]`` scales."""
+        if self.bits is None:
+            return [key_states, value_states]
+        key_codes, key_scale = quantize_kv(key_states)
+        value_codes, value_scale = quantize_kv(value_states)
+        return [key_codes, value_codes, key_scale.unsqueeze(-1), value_scale.unsqueeze(-1)]
+
     def append(
         self, key_states: torch.Tensor, value_states: torch.Tensor, first_position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``q`` new tokens after the live slots; return views of all live slots (keys, values)."""
         q = key_states.shape[2]
-        length = self.length
-        end = length + q
-        if self.keys is None or end > self.keys.shape[2]:
-            self._reserve(key_states, value_states, end)
+        end = self.length + q
+        self.dtype = key_states.dtype
+        new = self.encode(key_states, value_states)
+        if self.planes is None or end > self.capacity:
+            self._reserve(new, end)
         views = self._step_views.get(self) if q == 1 else None
         if views is not None:
-            write_keys, write_values, keys, values = views
-            write_keys.copy_(key_states)  # what `self.keys[:, :, length:end] = key_states` does, minus the slicing
-            write_values.copy_(value_states)
+            for write, plane in zip(views[0], new):
+                write.copy_(plane)  # what `plane[:, :, length:end] = new` does, minus the slicing
+            live = views[1]
         else:
-            self.keys[:, :, length:end] = key_states
-            self.values[:, :, length:end] = value_states
-            keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+            for plane, part in zip(self.planes, new):
+                plane[:, :, self.length : end] = part
+            live = [plane[:, :, :end] for plane in self.planes]
         self.advance(q, first_position)
-        return keys, values
+        return attention_view(live, decode=self.num_compactions > 0)
 
     def advance(self, new: int, first_position: int) -> None:
-        """Count ``new`` tokens (positions ``first_position, ...``) as written after the live slots (host only;
-        their positions are written lazily, see ``_write_positions``)."""
+        """Count ``new`` tokens (positions ``first_position, ...``) as written after the live slots (host only)."""
         if self._positions_valid == self.length:
             self._pending_position = first_position
         self.length += new
 
     def _after_compaction(self, keep: torch.Tensor, start: torch.Tensor | None) -> None:
         kept = keep.shape[-1]
-        # Positions are 8 bytes a slot: a small gather is cheaper than another kernel launch path.
-        moved = self.positions.gather(2, keep.clamp_min(0))
+        moved = self.positions.gather(2, keep.clamp_min(0))  # 8 bytes a slot: a gather is cheap enough
         if start is not None:
             slot = torch.arange(kept, device=keep.device)
             moved = moved.masked_fill(slot[None, None, :] < start.view(-1, 1, 1), -1)
@@ -108,32 +131,31 @@ class PagedKV:
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder or select batch rows (beam search, contrastive search)."""
-        if self.keys is None:
-            return
-        index = index.to(self.keys.device)
-        self.keys = self.keys.index_select(0, index)
-        self.values = self.values.index_select(0, index)
-        if self.positions is not None:
-            self.positions = self.positions.index_select(0, index)
+        if self.planes is not None:
+            index = index.to(self.keys.device)
+            self.planes = [plane.index_select(0, index) for plane in self.planes]
+            if self.positions is not None:
+                self.positions = self.positions.index_select(0, index)
 
     def repeat_batch(self, repeats: int) -> None:
-        if self.keys is None:
-            return
-        self.keys = self.keys.repeat_interleave(repeats, dim=0)
-        self.values = self.values.repeat_interleave(repeats, dim=0)
-        if self.positions is not None:
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+        if self.planes is not None:
+            self.planes = [plane.repeat_interleave(repeats, dim=0) for plane in self.planes]
+            if self.positions is not None:
+                self.positions = self.positions.repeat_interleave(repeats, dim=0)
 
     def clear(self) -> None:
         """Drop everything, memory included."""
-        self.keys = self.values = self.positions = None
+        self.planes = self.positions = None
         self.length = self._positions_valid = self._pending_position = 0
         self.num_compactions = 0
         self._step_views = _StepViews()
 
     # -- views ---------------------------------------------------------------------------------
     def live_keys(self) -> torch.Tensor:
-        return self.keys[:, :, : self.length]
+        """The live keys ``[B, H, length, D]`` in the model's dtype (dequantized, a copy, with ``bits=8``)."""
+        if self.bits is None:
+            return self.keys[:, :, : self.length]
+        return dequantize_kv(self.keys[:, :, : self.length], self.planes[2][:, :, : self.length, 0], self.dtype)
 
     def live_positions(self) -> torch.Tensor:
         """int64 ``[B, H, length]``: the token index (padding included) held by each live slot."""
@@ -152,93 +174,82 @@ class PagedKV:
     # -- allocation ----------------------------------------------------------------------------
     def _shrink_to_hint(self) -> None:
         """Give back what a long, unpinned prefill made the arena grow to, once it fits the steady state."""
-        if self.capacity_hint is None:
-            return
         steady = self.capacity_hint
-        if self.capacity > steady and self.length <= steady:
-            self.keys = self.keys[:, :, :steady].clone()
-            self.values = self.values[:, :, :steady].clone()
+        if steady is not None and self.capacity > steady and self.length <= steady:
+            self.planes = [plane[:, :, :steady].clone() for plane in self.planes]
             self.positions = self.positions[:, :, :steady].clone()
 
-    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        if self.keys is not None and needed <= self.capacity:
+    def _reserve(self, like: list[torch.Tensor], needed: int) -> None:
+        """Room for ``needed`` slots, planes shaped like ``like``: whole pages, never past the steady-state bound
+        unless one forward needs more (a cache that never evicts holds at most a page more than a DynamicCache, and
+        copies its layer once a page where a DynamicCache copies it every step)."""
+        if self.planes is not None and needed <= self.capacity:
             return
-        batch, heads, _, head_dim = key_states.shape
-        # Whole pages, never past the steady-state bound unless one forward needs more: a cache that never evicts
-        # holds at most one page more than a DynamicCache, and copies its layer once a page (DynamicCache: each step).
         capacity = -(-needed // self.page_size) * self.page_size
         if self.capacity_hint is not None and needed <= self.capacity_hint:
             capacity = min(capacity, self.capacity_hint)
-        device = key_states.device
-        keys = torch.empty(batch, heads, capacity, head_dim, dtype=key_states.dtype, device=device)
-        values = torch.empty(batch, heads, capacity, value_states.shape[-1], dtype=value_states.dtype, device=device)
-        positions = None
+        planes = [torch.empty(*p.shape[:2], capacity, p.shape[3], dtype=p.dtype, device=p.device) for p in like]
+        if self.planes is not None and self.length:
+            for new, old in zip(planes, self.planes):
+                new[:, :, : self.length] = old[:, :, : self.length]
         if self.positions is not None:
-            positions = torch.empty(batch, heads, capacity, dtype=torch.int64, device=device)
+            positions = torch.empty(planes[0].shape[:3], dtype=torch.int64, device=planes[0].device)
             positions[:, :, : self.length] = self.positions[:, :, : self.length]
-        if self.keys is not None and self.length:
-            keys[:, :, : self.length] = self.keys[:, :, : self.length]
-            values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values, self.positions = keys, values, positions
+            self.positions = positions
+        self.planes = planes
+
+
+def attention_view(planes: list[torch.Tensor], decode: bool, fixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(keys, values)`` a layer hands the model's attention, marked for ``hf_ropekv.model.attention`` (with int8
+    planes: the codes, carrying their scales)."""
+    keys, values = planes[0], planes[1]
+    setattr(keys, DECODE, decode)
+    setattr(keys, FIXED, fixed)
+    if len(planes) > 2:
+        setattr(keys, SCALES, (planes[2][..., 0], planes[3][..., 0]))
+    return keys, values
 
 
 class _StepViews:
-    """Views of one arena for single-token appends, made once per live length and reused.
+    """Views of one arena for single-token appends, made once per live length and reused under ``no_grad``.
 
-    In steady state a decoding step appends at one of the ``compress_every`` or so lengths the compaction cycle
-    goes through, every cycle: slicing the arena anew each step (the slot to write, the live slots to return:
-    four views per layer and step, about a microsecond of host time each) is the same work over again. The views
-    are reused only under ``torch.no_grad()`` (``generate``), where an in-place write into them is exactly the
-    sliced assignment; with autograd or inference mode on, ``append`` slices as before. They belong to the
-    arenas they were cut from (checked by identity, so a reallocated arena starts afresh) and are never copied:
-    a deep copy of the storage starts with none.
+    A steady-state decoding step appends at one of the ``compress_every`` or so lengths the compaction cycle goes
+    through, every cycle; slicing the planes anew each step is the same host work over again. The views belong to
+    the planes they were cut from (checked by identity) and are never copied.
     """
 
-    #: Lengths remembered per arena: a whole compaction cycle for ``compress_every`` up to this.
-    LIMIT = 512
+    LIMIT = 512  #: lengths remembered per arena: a whole compaction cycle for ``compress_every`` up to this
 
-    __slots__ = ("keys", "values", "by_length")
+    __slots__ = ("planes", "by_length")
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.by_length: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.planes: list[torch.Tensor] | None = None
+        self.by_length: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def __deepcopy__(self, memo: dict) -> "_StepViews":
         return _StepViews()
 
-    def get(self, arena: "PagedKV") -> tuple[torch.Tensor, ...] | None:
-        """``(slot keys, slot values, live keys, live values)`` for appending one token to ``arena``, or None."""
+    def get(self, arena: PagedKV) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """``(slot views to write, live views)`` for appending one token to ``arena``, or None."""
         if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return None
-        if self.keys is not arena.keys or self.values is not arena.values:
-            self.keys, self.values, self.by_length = arena.keys, arena.values, {}
+        if self.planes is not arena.planes:
+            self.planes, self.by_length = arena.planes, {}
         length = arena.length
         views = self.by_length.get(length)
         if views is None and len(self.by_length) < self.LIMIT:
             end = length + 1
-            keys, values = arena.keys, arena.values
-            views = (keys[:, :, length:end], values[:, :, length:end], keys[:, :, :end], values[:, :, :end])
+            views = ([p[:, :, length:end] for p in arena.planes], [p[:, :, :end] for p in arena.planes])
             self.by_length[length] = views
         return views
 
 
 def compact_arenas(arenas: list[PagedKV], keep: torch.Tensor, start: torch.Tensor | None = None) -> None:
-    """Compact several arenas that keep the same slots, one kernel launch per device.
-
-    At batch 1 a single layer gives the kernel only ``kv_heads`` programs; all layers together fill the GPU.
-    Each arena keeps slots ``keep[b, :, start[b]:]`` (ascending per row and head), moved in order to
-    ``[start[b], K')`` with ``K' = keep.shape[-1]``; slots before ``start[b]`` become holes (their position reads -1).
-    ``start`` [B] (optional): first destination slot of each row (see :func:`hf_ropekv.kernels.compact.compact_`).
-    """
-    by_device: dict[torch.device, list[PagedKV]] = {}
+    """Compact arenas that keep the same slots, in place: each keeps slots ``keep[b, :, start[b]:]`` (ascending per
+    row and head), moved in order to ``[start[b], K')``; slots before ``start[b]`` become holes (position -1)."""
     for arena in arenas:
-        by_device.setdefault(arena.keys.device, []).append(arena)
-    for device, group in by_device.items():
-        keep_here = keep.to(device)
-        start_here = None if start is None else start.to(device)
-        for arena in group:
-            arena._write_positions()
-        compact_([t for arena in group for t in (arena.keys, arena.values)], keep_here, start_here)
-        for arena in group:
-            arena._after_compaction(keep_here, start_here)
+        keep_here = keep.to(arena.keys.device)
+        start_here = None if start is None else start.to(keep_here.device)
+        arena._write_positions()
+        compact_(arena.planes, keep_here, start_here)
+        arena._after_compaction(keep_here, start_here)

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from .buffers import mark_static, static_buffer
-from .paged import PagedKV
+from .paged import PagedKV, attention_view
 
 if TYPE_CHECKING:
     from .buffers import BufferLease
 
 
 class StaticKV(PagedKV):
-    """Keys and values of one layer in a fixed arena that a recorded (graphed or compiled) decode step holds on to.
+    """A layer's planes (``PagedKV``) in a fixed arena that a recorded (graphed or compiled) decode step holds on to.
 
     The arena holds ``budget + compress_every`` slots in whole pages, or fewer for a generation known to be shorter
     (:meth:`fit`: no more than a ``DynamicCache`` would hold, plus a page). It is allocated once, zeroed (a masked
@@ -26,12 +26,13 @@ class StaticKV(PagedKV):
     larger arena; the compaction that brings the layer back within it moves the survivors back (:meth:`_shrink_to_hint`).
     """
 
-    def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: "BufferLease | None" = None) -> None:
-        super().__init__(page_size, capacity_hint=capacity)
+    def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: "BufferLease | None" = None,
+                 bits: int | None = None) -> None:
+        super().__init__(page_size, capacity_hint=capacity, bits=bits)
         self.layer_idx = layer_idx
-        self._lease = lease  # where the arena's keys and values come from (hf_ropekv.storage.buffers)
+        self._lease = lease  # where the arena's planes come from (hf_ropekv.storage.buffers)
         self.steady_capacity = self.static_capacity = -(-capacity // page_size) * page_size
-        self._arena: tuple[torch.Tensor, torch.Tensor] | None = None  # the fixed keys and values
+        self._arena: list[torch.Tensor] | None = None  # the fixed planes
         self.write_index: torch.Tensor | None = None  # int64 [q] on the arena's device: slots of this forward's tokens
         self.planned_write = (0, 0)  # (first slot, tokens) of the coming forward, for a layer not allocated yet
 
@@ -39,21 +40,20 @@ class StaticKV(PagedKV):
         """Size the fixed arena for a generation of at most ``tokens`` tokens per row (whole pages, never past the
         steady-state bound). An arena allocated already only grows, its live slots copied."""
         capacity = min(self.steady_capacity, -(-tokens // self.page_size) * self.page_size)
-        if self._arena is None:
-            self.static_capacity = capacity
+        if self._arena is None or capacity <= self.static_capacity:
+            self.static_capacity = max(capacity, self.static_capacity) if self._arena is not None else capacity
             return
-        if capacity <= self.static_capacity:
-            return
-        old_keys, old_values = self._arena
+        old = self._arena
         self._give_back_arena()
         self.static_capacity = capacity
-        keys, values = self._new_arena(old_keys, old_values)
-        if self.keys is old_keys:  # the live slots are in the fixed arena: move them
-            keys[:, :, : self.length] = old_keys[:, :, : self.length]
-            values[:, :, : self.length] = old_values[:, :, : self.length]
-            self.keys, self.values = keys, values
+        arena = self._new_arena(old)
+        if self.planes is old:  # the live slots are in the fixed arena: move them
+            for new, plane in zip(arena, old):
+                new[:, :, : self.length] = plane[:, :, : self.length]
+            self.planes = arena
+            self._mark()
             if self.positions is not None:
-                positions = torch.full(keys.shape[:3], -1, dtype=torch.int64, device=keys.device)
+                positions = torch.full(arena[0].shape[:3], -1, dtype=torch.int64, device=arena[0].device)
                 positions[:, :, : self.length] = self.positions[:, :, : self.length]
                 self.positions = positions
 
@@ -65,65 +65,81 @@ class StaticKV(PagedKV):
         self.planned_write = (first_slot, new)
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        """Allocate the fixed arena for ``key_states``' batch, heads, dtype and device (the layer's first write),
-        and a temporary one when the first forward needs ``needed`` slots, more than the fixed arena holds."""
-        self.keys, self.values = self._new_arena(key_states, value_states)
+        """Allocate the fixed arena for these keys' batch, heads, dtype and device (the layer's first write), and a
+        temporary one when the first forward needs ``needed`` slots, more than the fixed arena holds."""
+        self.dtype = key_states.dtype
+        like = self.encode(key_states[:, :, :0], value_states[:, :, :0])
+        self.planes = self._new_arena(like)
+        self._mark()
         if needed > self.static_capacity:  # nothing is stored before the first forward: a temporary arena, no copy
-            self.keys = None
-            super()._reserve(key_states, value_states, needed)
+            self.planes = None
+            super()._reserve(like, needed)
             self._zero_from(0)
 
-    def _new_arena(self, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, heads, _, head_dim = key_like.shape
-        device, capacity = key_like.device, self.static_capacity
-        keys = self._buffer("keys", (batch, heads, capacity, head_dim), key_like.dtype, device)
-        values = self._buffer("values", (batch, heads, capacity, value_like.shape[-1]), value_like.dtype, device)
-        self._arena = (keys, values)
-        return keys, values
+    def _new_arena(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        self._arena = [
+            static_buffer(self._lease, (f"plane{i}", self.layer_idx, p.device), (*p.shape[:2], self.static_capacity,
+                          p.shape[3]), p.dtype, p.device)
+            for i, p in enumerate(like)
+        ]
+        return self._arena
 
     def reserve(self, needed: int) -> None:
         """Make room for ``needed`` slots before a forward: beyond the fixed arena, a temporary one (eager only)."""
-        if self.keys is not None and needed > self.capacity:
-            super()._reserve(self.keys, self.values, needed)
+        if self.planes is not None and needed > self.capacity:
+            super()._reserve(self.planes, needed)
             self._zero_from(self.length)
 
     def _zero_from(self, slot: int) -> None:
         # Attention reads the whole arena and the mask hides the slots past the live ones; a hidden slot still
         # multiplies its zero weight, so it must hold a finite value, not the garbage of torch.empty (NaN * 0).
-        self.keys[:, :, slot:].zero_()
-        self.values[:, :, slot:].zero_()
+        for plane in self.planes:
+            plane[:, :, slot:].zero_()
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's tokens at ``write_index``; return the whole arena (the mask hides unused slots)."""
         if self.write_index is None:  # allocated by this forward's first write: its slots are known now
             start, count = self.planned_write
             self.write_index = torch.arange(start, start + count, device=key_states.device)
-        self.keys.index_copy_(2, self.write_index, key_states)
-        self.values.index_copy_(2, self.write_index, value_states)
-        return self.keys, self.values
+        for plane, part in zip(self.planes, self.encode(key_states, value_states)):
+            plane.index_copy_(2, self.write_index, part)
+        return self.keys, self.values  # marked for attention outside the step (see _mark), so it traces no setattr
+
+    def _mark(self) -> None:
+        """Mark the planes attention reads now (``attention_view``): eagerly, between steps, never inside one."""
+        if self.planes is not None:
+            attention_view(self.planes, decode=self.num_compactions > 0, fixed=True)
+
+    def _after_compaction(self, keep: torch.Tensor, start: torch.Tensor | None) -> None:
+        super()._after_compaction(keep, start)
+        self._mark()
+
+    def _reserve(self, like: list[torch.Tensor], needed: int) -> None:
+        super()._reserve(like, needed)
+        self._mark()
 
     def append(self, *args, **kwargs):  # type: ignore[override]
         raise TypeError("StaticKV is written with plan_write() + write(); append() belongs to the growing PagedKV.")
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder rows in place (beam search keeps the arena's address); a new row count reallocates."""
-        if self.keys is None:
+        if self.planes is None:
             return
         index = index.to(self.keys.device)
-        if self._arena is not None and self.keys is self._arena[0] and index.numel() == self.keys.shape[0]:
-            for tensor in self._arena:
-                tensor.copy_(tensor.index_select(0, index))
+        if self.planes is self._arena and index.numel() == self.keys.shape[0]:
+            for plane in self._arena:
+                plane.copy_(plane.index_select(0, index))
             if self.positions is not None:
                 self.positions = self.positions.index_select(0, index)
             return
         super().select_batch(index)
-        self._arena = None  # a different row count: the fixed arena is reallocated from what select_batch built
         self._adopt_as_arena()
+        self._mark()
 
     def repeat_batch(self, repeats: int) -> None:
         super().repeat_batch(repeats)
-        self._arena = None
         self._adopt_as_arena()
+        self._mark()
 
     def clear(self) -> None:
         self._give_back_arena()
@@ -133,25 +149,23 @@ class StaticKV(PagedKV):
 
     def _give_back_arena(self) -> None:
         if self._arena is not None and self._lease is not None:
-            for tensor in self._arena:
-                self._lease.give_back(tensor)
-
-    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return static_buffer(self._lease, (name, self.layer_idx, device), shape, dtype, device)
+            for plane in self._arena:
+                self._lease.give_back(plane)
 
     def _adopt_as_arena(self) -> None:
-        if self.keys is not None and self.capacity == self.static_capacity:
-            self._arena = (self.keys, self.values)
+        """A new row count: what ``select_batch`` built becomes the fixed arena (when it has the fixed size)."""
+        self._arena = None
+        if self.planes is not None and self.capacity == self.static_capacity:
+            self._arena = self.planes
             mark_static(*self._arena)
 
     def _shrink_to_hint(self) -> None:
         """After a compaction: leave a temporary arena for the fixed one once the survivors fit in it."""
-        if self._arena is None or self.keys is self._arena[0] or self.length > self.static_capacity:
+        if self._arena is None or self.planes is self._arena or self.length > self.static_capacity:
             return
-        keys, values = self._arena
-        live = self.length
-        keys[:, :, :live] = self.keys[:, :, :live]
-        values[:, :, :live] = self.values[:, :, :live]
+        for fixed, plane in zip(self._arena, self.planes):
+            fixed[:, :, : self.length] = plane[:, :, : self.length]
         if self.positions is not None:
             self.positions = self.positions[:, :, : self.static_capacity].clone()
-        self.keys, self.values = keys, values
+        self.planes = self._arena
+        self._mark()

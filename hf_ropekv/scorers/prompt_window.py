@@ -1,0 +1,78 @@
+"""The observation window of the default scorer: the last queries of the most recent prompt (or turn, or prefill
+chunk), for the compaction right after it.
+
+RoPE geometry predicts which keys future queries will attend to, and it is best where the future is unknown (a long
+generation, a question asked later). When a compaction follows a multi-token forward at once, the end of that input
+is already there, and its own attention says what it needs (a question at the end of a document: SnapKV's
+observation window). :class:`PromptWindow` keeps those queries until the next forward; a decoding step makes them
+stale, so compactions during generation score by RoPE alone. ``FrequencyScorer`` keeps the better of both z-scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.geometry import ModelGeometry
+from .attention import pool_along_tokens, window_attention
+from .base import ScoreContext, standardize
+from .query_window import rotate
+
+
+class PromptWindow:
+    """Post-RoPE queries ``[B, H_q, w, D]`` of the last ``window`` tokens of the latest multi-token forward, per layer,
+    with their token indices ``[B, w]`` (-1: padding); empty after a decoding step. Fed like the online statistics."""
+
+    def __init__(self, geometry: ModelGeometry, window: int) -> None:
+        self.geometry, self.window = geometry, window
+        self.scales: list[float | None] = [None] * geometry.num_layers
+        self.reset()
+
+    def reset(self) -> None:
+        self._queries: dict[int, torch.Tensor] = {}
+        self._positions: torch.Tensor | None = None
+        self._pending: dict[int, torch.Tensor] = {}
+        self._forward: tuple[torch.Tensor, torch.Tensor] | None = None  # (token index, RoPE position) [B, w]
+
+    def begin_forward(self, seen: int, new: int, pads: torch.Tensor, new_token_mask: torch.Tensor | None) -> None:
+        self._pending, self._forward = {}, None
+        if new > 1:
+            w = min(self.window, new)
+            index = torch.arange(seen + new - w, seen + new, device=pads.device).expand(pads.shape[0], w)
+            rope = index - pads.view(-1, 1)
+            if new_token_mask is not None:
+                index = index.masked_fill(~new_token_mask[:, -w:].to(pads.device), -1)
+            self._forward = (index, rope)
+
+    def add(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """One layer's pre-RoPE queries ``[B, S, H, D]`` (single-token forwards are ignored, also when recorded)."""
+        if self._forward is not None and queries.shape[1] > 1:
+            index, rope = self._forward
+            q = queries[:, -index.shape[1]:].detach()
+            rotated = rotate(q, rope.to(q.device), self.geometry.inv_freq, self.geometry.rotary_layout)
+            self._pending[layer_idx] = rotated.to(q.dtype).transpose(1, 2)
+
+    def end_forward(self) -> None:
+        """A multi-token forward replaces the window; a decoding step makes it stale."""
+        self._queries = self._pending
+        self._positions = None if self._forward is None else self._forward[0]
+        self._pending, self._forward = {}, None
+
+    def take(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """``(queries, positions, new)`` of one layer, as ``QueryWindow.take``; ``(None, None, 0)`` when stale."""
+        queries = self._queries.get(layer_idx)
+        return (None, None, 0) if queries is None else (queries, self._positions.to(queries.device), queries.shape[2])
+
+    def compacted(self, layer_idx: int) -> None:
+        self._queries.pop(layer_idx, None)  # the window serves one compaction
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        self._queries = {i: q.index_select(0, index.to(q.device)) for i, q in self._queries.items()}
+        if self._positions is not None:
+            self._positions = self._positions.index_select(0, index.to(self._positions.device))
+
+
+def window_votes(keys: torch.Tensor, ctx: ScoreContext, window: int) -> torch.Tensor:
+    """The observation window's z-scored attention on each slot, ``[B, H_kv, S]`` (SnapKV's vote: summed over the
+    window, averaged over each GQA group, pooled over 5 neighbouring tokens)."""
+    votes, _ = window_attention(keys, ctx, window, "FrequencyScorer")
+    return standardize(pool_along_tokens(votes, ctx.slot_positions, ctx.valid, 5, "avgpool"), ctx.candidates)
