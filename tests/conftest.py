@@ -295,7 +295,9 @@ def attention_modules(model) -> list:
 
 def _hand_queries(model, hidden: torch.Tensor, attn) -> torch.Tensor:
     """``[B, S, H, D]`` pre-RoPE queries recomputed by hand from an attention module's input hidden states, from
-    each family's modeling code: the projection (fused or not), the head split, the query norm."""
+    each family's modeling code: the projection (fused or not), the head split, the query norm. The submodules are
+    called through ``.forward``, which runs none of their hooks: hf_ropekv may capture queries with hooks on
+    ``q_proj`` / ``q_norm``, and a recomputation must not hand it a second copy of every query."""
     config = model.config
     kind = config.model_type
     B, S, _ = hidden.shape
@@ -303,11 +305,11 @@ def _hand_queries(model, hidden: torch.Tensor, attn) -> torch.Tensor:
     hidden_size = getattr(config, "hidden_size", None) or config.n_embd
     head_dim = getattr(config, "head_dim", None) or hidden_size // heads
     if kind == "phi3":
-        return attn.qkv_proj(hidden)[..., : heads * head_dim].view(B, S, heads, head_dim)
+        return attn.qkv_proj.forward(hidden)[..., : heads * head_dim].view(B, S, heads, head_dim)
     if kind == "gpt_neox":
-        return attn.query_key_value(hidden).view(B, S, heads, 3 * head_dim)[..., :head_dim]
+        return attn.query_key_value.forward(hidden).view(B, S, heads, 3 * head_dim)[..., :head_dim]
     if kind == "falcon":
-        fused = attn.query_key_value(hidden)
+        fused = attn.query_key_value.forward(hidden)
         if hasattr(attn, "_split_heads"):  # transformers <= 5.24
             return attn._split_heads(fused)[0].reshape(B, S, heads, head_dim)
         fused = fused.view(B, S, -1, head_dim)
@@ -317,17 +319,17 @@ def _hand_queries(model, hidden: torch.Tensor, attn) -> torch.Tensor:
             return fused[:, :, :heads]
         return fused.view(B, S, heads, 3, head_dim)[..., 0, :]
     if kind == "persimmon":  # QK layernorm on [B, S, H, D] (qk_layernorm is on by default)
-        q = attn._split_heads(attn.query_key_value(hidden))[0]
-        return attn.q_layernorm(q) if attn.qk_layernorm else q
+        q = attn._split_heads(attn.query_key_value.forward(hidden))[0]
+        return attn.q_layernorm.forward(q) if attn.qk_layernorm else q
     if kind == "codegen":  # the projection is interleaved over 4 model-parallel shards: query first in each
         mp_num = 4
         local = heads * head_dim // mp_num
-        return attn.qkv_proj(hidden).view(B, S, mp_num, 3 * local)[..., :local].reshape(B, S, heads, head_dim)
-    q = attn.q_proj(hidden).view(B, S, heads, head_dim)
+        return attn.qkv_proj.forward(hidden).view(B, S, mp_num, 3 * local)[..., :local].reshape(B, S, heads, head_dim)
+    q = attn.q_proj.forward(hidden).view(B, S, heads, head_dim)
     for norm in ("q_norm", "q_layernorm"):  # Qwen3, Gemma 3, StableLM: a per-head norm over the head dim
         module = getattr(attn, norm, None)
         if isinstance(module, torch.nn.Module):
-            q = module(q.transpose(1, 2)).transpose(1, 2) if kind == "stablelm" else module(q)
+            q = module.forward(q.transpose(1, 2)).transpose(1, 2) if kind == "stablelm" else module.forward(q)
     return q
 
 

