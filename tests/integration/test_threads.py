@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import compiled, tiny_model
 
 import hf_ropekv
 from hf_ropekv import RopeKVCache, _compat
@@ -100,24 +100,26 @@ def test_a_prepared_static_step_that_never_runs_does_not_block_another_thread() 
     assert torch.equal(_generate(model, prompts[1], RopeKVCache(model, **OPTIONS, static=True)), serial)
 
 
-def test_two_threads_with_cuda_graphs_caches_get_their_serial_tokens() -> None:
-    """``cuda_graphs=True`` routes the model's forward to the graphed executor while a step runs
-    (``hooks.graphed_step``): only the calling thread's step may take that route, and the model must get its own
-    forward back after. Here (CPU) the executor runs each step eagerly, through the same route."""
-    from transformers import CompileConfig
+def test_two_threads_through_the_graphed_step_executor_get_their_serial_tokens(monkeypatch) -> None:
+    """On one CUDA device a static cache's decode steps go through the graphed-step executor, which routes the
+    model's forward to its replay while a step runs (``adapter.graphed_step``): only the calling thread's step may
+    take that route, and the model must get its own forward back after. On the CPU the executor is reached by
+    telling the cache's attachment that the model is capturable (private: ``adapter.attach.not_capturable``); it
+    then finds the CPU, warns once per cache and runs each step eagerly through the same route."""
+    from hf_ropekv.adapter import attach
 
+    monkeypatch.setattr(attach, "not_capturable", lambda model, device: None)
     model = tiny_model("llama")
     prompts = _prompts()
-    config = CompileConfig(backend="eager", mode=None)
-    config._compile_all_devices = True  # generate hands the decode steps to the executor on the CPU too
 
     def run(prompt: torch.Tensor) -> torch.Tensor:
-        cache = RopeKVCache(model, **OPTIONS, static=True, cuda_graphs=True)
+        cache = RopeKVCache(model, **OPTIONS, static=True)
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
-                              pad_token_id=0, compile_config=config, **{_compat.cache_kwarg(model): cache})
+                              pad_token_id=0, compile_config=compiled(), **{_compat.cache_kwarg(model): cache})
 
-    with pytest.warns(hf_ropekv.HfRopeKVWarning, match="decodes eagerly: the model runs on cpu"):
+    with pytest.warns(hf_ropekv.HfRopeKVWarning, match="decodes eagerly, without CUDA graphs: the model runs on cpu"):
         serial = [run(prompt) for prompt in prompts]
+    assert all(torch.equal(s, _generate(model, p, RopeKVCache(model, **OPTIONS))) for s, p in zip(serial, prompts))
     for _ in range(3):
         with pytest.warns(hf_ropekv.HfRopeKVWarning, match="runs on cpu"):
             got = _in_two_threads(lambda i: run(prompts[i]))
