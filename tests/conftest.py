@@ -194,6 +194,23 @@ def generate_new(model, cache, ids, mask, new: int, **kwargs) -> torch.Tensor:
     return out[:, ids.shape[1] :]
 
 
+def hand_written_loop(model, cache, forward, ids, mask, steps: int) -> torch.Tensor:
+    """Greedy tokens from calling ``forward`` step by step with ``cache`` (a left-padded prompt, then one token per
+    call), as a user's own decoding loop does."""
+    attention = mask.clone()
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    kw = cache_kw(model, cache)
+    logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, **kw).logits
+    tokens = []
+    for _ in range(steps):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+        attention = torch.cat([attention, torch.ones_like(token)], dim=1)
+        positions = positions[:, -1:] + 1
+        logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, **kw).logits
+    return torch.cat(tokens, dim=1)
+
+
 def compiled(backend: str = "eager"):
     """generate's own compilation, on the CPU too (it compiles on accelerators only by default), fullgraph: a graph
     break is an error."""

@@ -1,6 +1,7 @@
 """Per-layer selection compacts every layer at the first layer of a forward, in one op set (``Compactor.compact``).
 
-The reference is the earlier timing, each layer compacted at its own update (``_LayerByLayer`` below): the kept
+The reference is the earlier timing, each layer compacted at its own update (``_LayerByLayer`` below, a subclass of
+the private ``ForwardCoordinator``: the timing of compaction is the mechanism under test): the kept
 slots and positions of every layer and the generated tokens must be identical, across many compactions, with a
 left-padded batch, a prefill in chunks, unpinned prompts longer than the budget, and the scorers that read
 recent queries.
@@ -12,7 +13,7 @@ import pytest
 import torch
 from conftest import padded_batch, tiny_model
 
-from hf_ropekv import RopeKVCache
+from hf_ropekv import FrequencyScorer, RopeKVCache
 from hf_ropekv._compat import cache_kwarg
 from hf_ropekv.cache.forward import ForwardCoordinator
 from hf_ropekv.scorers import SnapKVScorer
@@ -53,7 +54,7 @@ OPTIONS = {
     "defaults": {},
     "unpinned": dict(protect_prompt=False),
     "sink_window": dict(sink=2, window=4, protect_prompt=False),
-    "fixed_stats_half_life_none": dict(stats_half_life=None),
+    "no_decay_no_prompt_window": dict(scorer=FrequencyScorer(half_life=None, prompt_window=0)),
 }
 
 
@@ -68,7 +69,7 @@ def test_first_layer_compaction_keeps_what_layer_by_layer_kept(name: str) -> Non
     assert cache.evicted
     for layer in range(model.config.num_hidden_layers):  # all full attention
         assert torch.equal(cache.kept_positions(layer), reference.kept_positions(layer))
-        assert torch.equal(cache.layers[layer].keys, reference.layers[layer].keys)
+        assert torch.equal(cache.layers[layer].keys, reference.layers[layer].keys)  # (transformers' layer keys)
 
 
 def test_first_layer_compaction_with_a_chunked_prefill_and_a_query_scorer() -> None:

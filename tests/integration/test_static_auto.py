@@ -1,126 +1,95 @@
-"""static="auto", the default: compiled decoding on CUDA for long generations, eager everywhere else (issue 27,
-item 5; ``hf_ropekv.cache.auto_static``).
+"""static="auto", the default: settled once, when the cache is built. Static (a fixed arena whose decode steps replay
+CUDA graphs) where graphs can run: the model on one CUDA device and one rank, a budget, a scorer that needs no
+query window and a quantization transformers would compile; growing everywhere else, so always on the CPU.
 
-On the CPU, generate never compiles; a compile config with ``_compile_all_devices`` (what generate itself honours)
-stands in for CUDA, and the length threshold is lowered so that the generations stay short.
+The CPU stands in for one CUDA device by answering the capturability question in the cache's checks
+(``hf_ropekv.cache.model_checks.not_capturable``) with None: "auto" then goes static, and its steps run eagerly
+here. The reference for tokens is the growing cache (``static=False``).
 """
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
-from conftest import padded_batch, tiny_model
-from test_static_cache import compiled, generate
-from hf_ropekv import CacheSummary, RecencyScorer, RopeKVCache, SnapKVScorer
-from hf_ropekv.cache import auto_static
+from conftest import generate_new, padded_batch, tiny_model
+from hf_ropekv import FrequencyScorer, RopeKVCache
+from hf_ropekv.cache import model_checks
+from hf_ropekv.scorers import H2OScorer, RecencyScorer, SnapKVScorer
 
 BUDGET, EVERY = 16, 4
-LOGGER = "hf_ropekv.cache.auto_static"
 
 
-@pytest.fixture(autouse=True)
-def short_auto_threshold(monkeypatch, fresh_dynamo):
-    monkeypatch.setattr(auto_static, "AUTO_STATIC_MIN_NEW_TOKENS", 20)
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """The model counts as on one CUDA device for static="auto"."""
+    monkeypatch.setattr(model_checks, "not_capturable", lambda model, device: None)
 
 
-def _auto_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.INFO]
-
-
-def test_default_is_auto_and_cpu_stays_eager(caplog) -> None:
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_on_the_cpu_auto_is_growing(arch: str) -> None:
+    model = tiny_model(arch)
     ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
     cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY)
-    assert cache.options.static == "auto" and not cache.static and "undecided" in cache.static_reason
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        out = generate(model, cache, ids, mask, new=40)
-    assert not cache.static and not cache.is_compileable
-    assert "on cpu" in cache.static_reason and "CUDA" in cache.static_reason
-    lines = _auto_lines(caplog)
-    assert len(lines) == 1 and "eager" in lines[0] and "cpu" in lines[0]
-    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False), ids, mask, new=40)
+    assert cache.options.static == "auto" and cache.static is False and not cache.is_compileable
+    out = generate_new(model, cache, ids, mask, 40)
+    assert cache.static is False and cache.summary().static is False and cache.num_compactions >= 5
+    expected = generate_new(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False), ids, mask, 40)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
-    assert counters["stats"]["unique_graphs"] == 0
 
 
-@pytest.mark.parametrize("arch,new,goes_static", [("llama", 40, True), ("llama", 10, False),
-                                                  ("gemma3_text", 40, True), ("qwen2_sliding", 40, True)])
-def test_compiled_for_long_generations_eager_for_short(arch: str, new: int, goes_static: bool, caplog) -> None:
-    """Where generate compiles (here: every device), a long generation decodes compiled, a short one eagerly, on
-    full-attention and on hybrid sliding-window models; the tokens are the eager growing cache's either way, and
-    each cache logs its mode once."""
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen2_sliding"])
+def test_where_graphs_can_run_auto_is_static_from_construction(arch: str, one_gpu) -> None:
+    """Static before any forward and after generate (settled once, never rebuilt inside generate), on full-attention
+    and hybrid sliding-window models; the growing cache's tokens."""
     model = tiny_model(arch)
     ids, mask = padded_batch(model.config.vocab_size, lengths=(11, 6, 3))
-    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False), ids, mask,
-                        new=new)
+    expected = generate_new(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False), ids, mask,
+                            40)
     cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        got = generate(model, cache, ids, mask, new=new, compile_config=compiled())
-    torch.testing.assert_close(got, expected, atol=0, rtol=0)
-    assert cache.static is goes_static and cache.is_compileable is goes_static
-    assert counters["stats"]["unique_graphs"] == (1 if goes_static else 0)
-    lines = _auto_lines(caplog)
-    assert len(lines) == 1
-    if goes_static:
-        assert "compiled" in lines[0] and f"max_new_tokens={new} >= 20" in cache.static_reason
-        assert cache.num_compactions >= 5
+    assert cache.static is True and cache.is_compileable
+    torch.testing.assert_close(generate_new(model, cache, ids, mask, 40), expected, atol=0, rtol=0)
+    assert cache.static is True and cache.summary().static is True and cache.num_compactions >= 5
+
+
+@pytest.mark.parametrize("case", ["no budget", "config", "snapkv", "h2o", "quanto"])
+def test_what_a_static_cache_cannot_run_stays_growing_where_graphs_could(case: str, one_gpu) -> None:
+    """No budget (no arena size), a config (no hooks to prepare the steps), a scorer recomputing attention from a
+    query window, or a quantization transformers will not compile: "auto" stays growing, with no error."""
+    model = tiny_model("llama")
+    if case == "no budget":
+        cache = RopeKVCache(model)
+    elif case == "config":
+        cache = RopeKVCache(model.config, budget=BUDGET, scorer=RecencyScorer())
+    elif case == "snapkv":
+        cache = RopeKVCache(model, budget=BUDGET, scorer=SnapKVScorer(window=4))
+    elif case == "h2o":
+        cache = RopeKVCache(model, budget=BUDGET, scorer=H2OScorer())
     else:
-        assert "eager" in lines[0] and "AUTO_STATIC_MIN_NEW_TOKENS" in cache.static_reason
-    summary = CacheSummary.from_cache(cache)
-    assert summary.static is goes_static and summary.static_reason == cache.static_reason
+        quanto = pytest.importorskip("optimum.quanto")
+        from transformers import AutoModelForCausalLM, QuantoConfig
+
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=QuantoConfig(weights="int8"),
+                                                         dtype=torch.float32).eval()
+        assert isinstance(model.model.layers[0].self_attn.q_proj, quanto.QModuleMixin)
+        if getattr(model.hf_quantizer, "is_compileable", False):
+            pytest.skip("this transformers compiles quanto models")
+        cache = RopeKVCache(model, budget=BUDGET)
+    assert cache.static is False
+    assert RopeKVCache(tiny_model("llama"), budget=BUDGET).static is True  # the same rule says yes otherwise
 
 
-def test_decision_is_taken_once(caplog) -> None:
-    """generate asks whether to compile more than once in a call (5.24: its chunked prefill asks again): the cache
-    decides at the first question, logs once, and later questions get transformers' own answer."""
+def test_static_true_and_false_hold_anywhere() -> None:
+    """static=True forces the fixed arena on the CPU too (its steps run eagerly there); static=False grows."""
     model = tiny_model("llama")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
-    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        generate(model, cache, ids, mask, new=30, compile_config=compiled(), prefill_chunk_size=4)
-    assert cache.static and len(_auto_lines(caplog)) == 1
-    assert counters["stats"]["unique_graphs"] == 1  # the chunks ran eagerly, the decode step compiled
-
-
-@pytest.mark.parametrize("case", ["no budget", "config", "snapkv", "hand-written loop"])
-def test_unsupported_stays_eager_with_a_reason(case: str, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        if case == "no budget":
-            cache = RopeKVCache(tiny_model("llama"))
-            assert "no budget" in cache.static_reason
-        elif case == "config":
-            cache = RopeKVCache(tiny_model("llama").config, budget=BUDGET, scorer=RecencyScorer())
-            assert "config" in cache.static_reason
-        elif case == "snapkv":
-            cache = RopeKVCache(tiny_model("llama"), budget=BUDGET, scorer=SnapKVScorer(window=4))
-            assert "SnapKVScorer" in cache.static_reason
-        else:
-            model = tiny_model("llama")
-            ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
-            cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY)
-            with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-            assert "before generate()" in cache.static_reason
-    assert not cache.static
-    assert len(_auto_lines(caplog)) == 1
-
-
-def test_static_true_and_false_unchanged(caplog) -> None:
-    model = tiny_model("llama")
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        assert RopeKVCache(model, budget=BUDGET, static=True).static
-        assert RopeKVCache(model, budget=BUDGET, static=True).static_reason == "static=True"
-        assert not RopeKVCache(model, budget=BUDGET, static=False).static
-    assert _auto_lines(caplog) == []
-    with pytest.raises(ValueError, match="static=True needs a budget"):
-        RopeKVCache(model, static=True)
-
-
-@pytest.mark.parametrize("value", ["yes", 1, None, "Auto"])
-def test_invalid_static_is_refused(value) -> None:
-    with pytest.raises(ValueError, match="static must be True.*False.*auto"):
-        RopeKVCache(tiny_model("llama"), budget=BUDGET, static=value)
+    forced = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True, scorer=FrequencyScorer(half_life=8))
+    growing = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=False, scorer=FrequencyScorer(half_life=8))
+    assert forced.static and not growing.static
+    torch.testing.assert_close(generate_new(model, forced, ids, mask, 30), generate_new(model, growing, ids, mask, 30),
+                               atol=0, rtol=0)
+    assert forced.num_compactions == growing.num_compactions >= 5

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import CompileConfig, DynamicCache
 
-from conftest import (cache_kw, compiled, generate_new, leftovers, padded_batch, tiny_model)
+from conftest import cache_kw, compiled, generate_new, hand_written_loop, leftovers, padded_batch, tiny_model
 from hf_ropekv import FrequencyScorer, RopeKVCache, calibrate, disable, enable
 from hf_ropekv.cache.options import PAGE_SIZE
 from hf_ropekv.scorers import KeyNormScorer, RandomScorer, RecencyScorer
@@ -26,23 +26,6 @@ BUDGET, EVERY = 16, 4
 
 def generate(model, cache, ids, mask, new=NEW_TOKENS, **kwargs) -> torch.Tensor:
     return generate_new(model, cache, ids, mask, new, **kwargs)
-
-
-def hand_written_loop(model, cache, forward, ids, mask, steps: int) -> torch.Tensor:
-    """Greedy tokens from calling ``forward`` step by step with ``cache`` (a left-padded prompt, then one token per
-    call), as a user's own decoding loop does."""
-    attention = mask.clone()
-    positions = (attention.cumsum(-1) - 1).clamp_min(0)
-    kw = cache_kw(model, cache)
-    logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, **kw).logits
-    tokens = []
-    for _ in range(steps):
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        tokens.append(token)
-        attention = torch.cat([attention, torch.ones_like(token)], dim=1)
-        positions = positions[:, -1:] + 1
-        logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, **kw).logits
-    return torch.cat(tokens, dim=1)
 
 
 def _calibrated(model):
