@@ -16,11 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import SUBPROCESS_CWD
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def launch_tp_check(device: str, out: Path) -> dict:
@@ -49,7 +48,6 @@ def test_tp_check_on_cpu_with_gloo(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tp_check_on_two_gpus_with_nccl(tmp_path: Path) -> None:
     result = launch_tp_check("cuda", tmp_path)
     assert result["device"].startswith("cuda")
