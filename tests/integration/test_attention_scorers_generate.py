@@ -71,4 +71,5 @@ def test_cache_hands_scorers_the_models_own_post_rope_queries(monkeypatch) -> No
     real = positions >= 0
     assert real.tolist() == torch.cat([mask, torch.ones(2, new - mask.shape[1], dtype=mask.dtype)], 1).bool().tolist()
     torch.testing.assert_close(queries[real[:, None, :].expand(-1, queries.shape[1], -1)],
-                               steps[:, :, :new][real[:, None, :].expand(-1, queries.shape[1], -1)], atol=1e-5, rtol=1e-5)
+                               steps[:, :, :new][real[:, None, :].expand(-1, queries.shape[1], -1)],
+                               atol=1e-5, rtol=1e-5)

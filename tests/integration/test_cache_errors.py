@@ -1,4 +1,5 @@
-"""Misuse found while generating gets a clear error that names the problem and the fix, and leaves the cache\nconsistent. (Misuse refused at construction: tests/unit/test_errors.py.)"""
+"""Misuse found while generating gets a clear error that names the problem and the fix, and leaves the cache
+consistent. (Misuse refused at construction: tests/unit/test_errors.py.)"""
 
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ def test_default_window_yields_to_a_long_pinned_prompt_but_an_explicit_one_is_ke
     assert cache.evicted and max(cache.tokens_kept_per_row) <= 16 + 4
     explicit = RopeKVCache(model, budget=16, compress_every=4, window=4)
     with pytest.raises(ValueError, match="protected .* only 16 can be kept"):
-        model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, explicit), max_new_tokens=12, pad_token_id=0)
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, explicit), max_new_tokens=12,
+                       pad_token_id=0)
 
 
 @pytest.mark.xfail(strict=True, reason=(

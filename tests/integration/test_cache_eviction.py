@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from conftest import cache_kw, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
@@ -73,7 +72,8 @@ def test_padding_never_counts_toward_the_budget() -> None:
     kept = cache.kept_positions(0)
     assert cache.evicted and cache.num_compactions == 1
     # Row 0 (12 real tokens) went over the budget of 14 at decoding step 3; at the next tick of the clock (every
-    # 2 steps: before steps 1, 3, 5) it came back to 14, then took step 5's token. Row 1 (4 real + 5 new) kept all 9 of its
+    # 2 steps: before steps 1, 3, 5) it came back to 14, then took step 5's token. Row 1 (4 real + 5 new) kept all 9
+    # of its
     # real tokens, right-aligned behind 6 holes (its padding is gone and was never counted).
     assert cache.tokens_kept_per_row == (15, 9)
     seen = cache.tokens_seen

@@ -118,7 +118,8 @@ def test_new_cache_keyword_on_newer_transformers() -> None:
         pytest.skip("this transformers version has no `cache=` keyword")
     ids, mask = padded_batch(model.config.vocab_size)
     cache = RopeKVCache(model)
-    out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=8, do_sample=False,
+                         pad_token_id=0)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
     assert cache.tokens_seen == ids.shape[1] + 7

@@ -1,4 +1,5 @@
-"""calibrate(): statistics of the query exactly as RoPE receives it (after q_proj and any query norm, before\nrotation), against queries recomputed by hand from each attention's input, on tiny random models."""
+"""calibrate(): statistics of the query exactly as RoPE receives it (after q_proj and any query norm, before
+rotation), against queries recomputed by hand from each attention's input, on tiny random models."""
 
 from __future__ import annotations
 

@@ -84,7 +84,8 @@ def test_cpu_offload_hooks_and_enable() -> None:
 
     ids, mask = padded_batch(lengths=(9, 9))
     assert torch.equal(
-        gen(model, RopeKVCache(model, budget=None), ids, mask), gen(source, DynamicCache(config=source.config), ids, mask)
+        gen(model, RopeKVCache(model, budget=None), ids, mask),
+        gen(source, DynamicCache(config=source.config), ids, mask)
     )
     want = gen(source, RopeKVCache(source, **EVICTING), ids, mask)
     enable(model, **EVICTING)

@@ -409,7 +409,8 @@ def test_cropping_modes_fall_back_to_dynamic_cache(model) -> None:
     with pytest.warns(HfRopeKVWarning, match="assisted_generation"):
         out = gen(model, ids, mask, prompt_lookup_num_tokens=3, max_new_tokens=10)
     assert type(spy.caches[-1]) is DynamicCache
-    assert torch.equal(out, gen(model, ids, mask, DynamicCache(config=model.config), prompt_lookup_num_tokens=3, max_new_tokens=10))
+    want = gen(model, ids, mask, DynamicCache(config=model.config), prompt_lookup_num_tokens=3, max_new_tokens=10)
+    assert torch.equal(out, want)
     # Plain decoding still gets RopeKVCache.
     gen(model, ids, mask, max_new_tokens=4)
     spy.remove()
@@ -434,7 +435,8 @@ def test_returned_cache_continues(model) -> None:
     ids, mask = padded_batch(lengths=(6, 6))
     enable(model, **OPTIONS)
     out = model.generate(
-        input_ids=ids, attention_mask=mask, pad_token_id=0, max_new_tokens=20, do_sample=False, return_dict_in_generate=True
+        input_ids=ids, attention_mask=mask, pad_token_id=0, max_new_tokens=20, do_sample=False,
+        return_dict_in_generate=True
     )
     cache = getattr(out, "cache", None) or out.past_key_values
     assert isinstance(cache, RopeKVCache) and cache.num_compactions > 0
@@ -493,7 +495,8 @@ def test_top_level_exports() -> None:
 
     assert len(hf_ropekv.__all__) <= 15
     assert {"RopeKVCache", "FrequencyScorer", "FrequencyStats", "calibrate", "enable", "disable", "enabled",
-            "last_summary", "detach", "CacheSummary", "Scorer", "ScoreContext", "HfRopeKVWarning"} <= set(hf_ropekv.__all__)
+            "last_summary", "detach", "CacheSummary", "Scorer", "ScoreContext",
+            "HfRopeKVWarning"} <= set(hf_ropekv.__all__)
     assert all(hasattr(hf_ropekv, name) for name in hf_ropekv.__all__)
     assert (hf_ropekv.enable, hf_ropekv.disable, hf_ropekv.enabled) == (enable, disable, enabled)
     for gone in ("last_cache", "is_enabled", "RecencyScorer", "workload_statistics", "release_static_buffers",

@@ -88,7 +88,8 @@ def test_statistics_of_other_weights_warn_naming_both(tmp_path, warned) -> None:
     calibrated(finetune).save(path)
     ours, theirs = fingerprint.weights_fingerprint(model), fingerprint.weights_fingerprint(finetune)
 
-    cache = RopeKVCache(model, budget=16, compress_every=4, scorer=FrequencyScorer(stats=path))  # geometry fits: it still loads
+    # The geometry fits: it still loads.
+    cache = RopeKVCache(model, budget=16, compress_every=4, scorer=FrequencyScorer(stats=path))
     assert len(warned) == 1
     message = str(warned[0].message)
     assert ours in message and theirs in message and str(path) in message

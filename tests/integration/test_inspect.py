@@ -7,7 +7,6 @@ tokens, whose bytes are summed here from its layers' tensors.
 from __future__ import annotations
 
 import copy
-import gc
 import inspect
 import logging
 import pickle
@@ -90,7 +89,6 @@ def test_no_budget_keeps_everything(model) -> None:
 
 
 def test_last_summary_follows_successive_calls_and_holds_no_cache(model, gc_off) -> None:
-    import weakref
 
     ids, mask = padded_batch(lengths=(10, 6))
     enable(model, **OPTIONS)

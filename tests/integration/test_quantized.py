@@ -134,7 +134,7 @@ def test_quantize_freeze_generation_with_eviction(quanto, arch: str, weights: st
     check_eviction(model)
 
 
-# ---------------------------------------------------------------------------------------------- QuantoConfig at load time
+# ------------------------------------------------------------------------------------------- QuantoConfig at load time
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quanto_config_at_load_time(quanto, tmp_path, arch: str, weights: str) -> None:

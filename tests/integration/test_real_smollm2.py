@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import cache_kw
-from hf_ropekv import RopeKVCache
+from hf_ropekv import FrequencyScorer, RopeKVCache
 from hf_ropekv.statistics.calibration import calibrate
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def test_calibrated_statistics_generate(smollm2) -> None:
     stats = calibrate(model, tokenizer, [text], max_tokens=512, progress=False)
     assert stats.q_mean.shape == (30, 9, 32) and stats.tokens > 300
     ids = chat_ids(tokenizer)
-    cache = RopeKVCache(model, budget=96, compress_every=32, stats=stats)
+    cache = RopeKVCache(model, budget=96, compress_every=32, scorer=FrequencyScorer(stats=stats))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kw(model, cache),
                          max_new_tokens=200, min_new_tokens=200, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 200 and cache.num_compactions >= 3

@@ -29,7 +29,8 @@ def generate_rows(model, rows, options, extra_pads=0) -> tuple[torch.Tensor, Rop
 
 
 def _calibrated(model):
-    stats = calibrate(model, None, torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5)), progress=False)
+    ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5))
+    stats = calibrate(model, None, ids, progress=False)
     return lambda: {"scorer": FrequencyScorer(stats=stats)}
 
 

@@ -100,7 +100,8 @@ def fixed_arena_bytes(model, batch: int, slots: int) -> int:
 
 PROMPT_WINDOW_BUG = pytest.mark.xfail(strict=True, reason=(
     "library bug (since c5df2d6, the default scorer's PromptWindow; see "
-    "test_a_compaction_right_after_the_prompt_keeps_what_the_growing_cache_keeps): with a chunked prefill, static=True keeps "
+    "test_a_compaction_right_after_the_prompt_keeps_what_the_growing_cache_keeps): with a chunked prefill, "
+    "static=True keeps "
     "other tokens than static=False and generates other tokens (prefill chunks of 8 and of 90 over a 200-token "
     "prompt, budget 16, unpinned); with "
     "FrequencyScorer(prompt_window=0) they agree"))

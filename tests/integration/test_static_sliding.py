@@ -54,7 +54,8 @@ def test_nothing_evicted_equals_dynamic_cache(arch: str, compile_config, fresh_d
     cache = RopeKVCache(model, budget=200, static=True)
     assert cache.is_compileable
     windows = window_layers(cache)
-    sliding = [i for i, kind in enumerate(getattr(model.config, "layer_types", None) or []) if kind == "sliding_attention"]
+    kinds = getattr(model.config, "layer_types", None) or []
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
     assert [layer.layer_idx for layer in windows] == (sliding or list(range(model.config.num_hidden_layers)))
     torch.testing.assert_close(generate(model, cache, ids, mask, new=24, compile_config=compile_config), expected,
                                atol=0, rtol=0)

@@ -73,8 +73,8 @@ def test_score_layers_equals_scoring_each_layer(per_row: bool) -> None:
     batch, slots = 3, 37
     g = torch.Generator().manual_seed(6)
     if per_row:  # per-row statistics, as online statistics give them
-        q_mean = tuple(torch.complex(torch.randn(batch, *s.shape, generator=g), torch.randn(batch, *s.shape, generator=g))
-                       for s in stats.q_mean)
+        q_mean = tuple(torch.complex(torch.randn(batch, *s.shape, generator=g),
+                                     torch.randn(batch, *s.shape, generator=g)) for s in stats.q_mean)
         q_abs = tuple(q.abs() * (1 + torch.rand(q.shape, generator=g)) for q in q_mean)
         stats = RowStatistics(q_mean, q_abs, dict(stats.metadata), torch.ones(batch, dtype=torch.float64))
     scorer = FrequencyScorer(stats)

@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from conftest import SUBPROCESS_CWD
 

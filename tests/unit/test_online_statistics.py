@@ -76,7 +76,7 @@ def test_prompts_with_padding_are_each_rows_real_queries(half_life, shrink) -> N
     geometry = geometry_of()
     gen = torch.Generator().manual_seed(1)
     stats = OnlineStatistics(geometry, half_life=half_life, head_shrink=shrink)
-    first, second, turn = random_queries(geometry, 6, gen), random_queries(geometry, 4, gen), random_queries(geometry, 3, gen)
+    first, second, turn = (random_queries(geometry, n, gen) for n in (6, 4, 3))
     pad = torch.ones(B, 6, dtype=torch.bool)
     pad[1, :4] = False
     for q in first:
@@ -90,7 +90,8 @@ def test_prompts_with_padding_are_each_rows_real_queries(half_life, shrink) -> N
 
 
 @pytest.mark.parametrize("half_life", [None, 5.0])
-@pytest.mark.parametrize("delivery", ["per layer", "all layers at once, heads dim 2", "all layers at once, heads dim 1"])
+@pytest.mark.parametrize("delivery", ["per layer", "all layers at once, heads dim 2",
+                                      "all layers at once, heads dim 1"])
 def test_decoding_steps_however_they_arrive_are_the_sequential_decayed_sum(half_life, delivery: str) -> None:
     """A prompt, then more decoding steps than are deferred at once (the last ones still deferred when read): the
     means of folding each step on its own."""
@@ -164,7 +165,7 @@ def test_a_forward_that_never_finished_counts_nothing() -> None:
     geometry = geometry_of()
     gen = torch.Generator().manual_seed(6)
     stats = OnlineStatistics(geometry, half_life=4.0)
-    prompt, broken, step = random_queries(geometry, 4, gen), random_queries(geometry, 3, gen), random_queries(geometry, 1, gen)
+    prompt, broken, step = (random_queries(geometry, n, gen) for n in (4, 3, 1))
     run_forward(stats, prompt)
     stats.begin_forward(None, 3)
     stats.add(0, broken[0])  # the forward raises in layer 1

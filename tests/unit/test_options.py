@@ -10,7 +10,6 @@ import dataclasses
 import inspect
 
 import pytest
-import torch
 
 import hf_ropekv
 from conftest import tiny_model

@@ -33,7 +33,8 @@ def _inv_freq(F: int, theta: float = 10000.0, rotary_dim: int | None = None) -> 
 
 
 def key_pairs(keys: torch.Tensor, F: int, layout: str) -> torch.Tensor:
-    """Complex k_f [..., F] built by hand from each layout's definition (hf_ropekv.model.layouts: which two dims form pair f)."""
+    """Complex k_f [..., F] built by hand from each layout's definition (hf_ropekv.model.layouts: which two dims
+    form pair f)."""
     k = keys.double()
     if layout == "rotate_half":  # pair f = (f, f + F)
         return torch.complex(k[..., :F], k[..., F:2 * F])
@@ -318,7 +319,8 @@ def test_frequency_scorer_passes_per_row_statistics_through():
             return rows[self.row]
 
     ctx = ScoreContext(layer_idx=0, position=torch.tensor([30, 31]), tokens_seen=31,
-                       slot_positions=torch.arange(S).expand(B, H_kv, S), candidates=torch.ones(B, H_kv, S, dtype=torch.bool))
+                       slot_positions=torch.arange(S).expand(B, H_kv, S),
+                       candidates=torch.ones(B, H_kv, S, dtype=torch.bool))
     got = FrequencyScorer(PerRowStats()).score(keys, ctx)
     for b in range(B):
         alone = FrequencyScorer(SharedStats(b)).score(keys, ctx)

@@ -215,6 +215,8 @@ def test_accumulator_takes_a_tensor_parallel_share_of_the_heads():
 
 
 def test_scorer_slices_whole_model_statistics_to_the_local_kv_heads(monkeypatch):
+    """Private: the scorer's slicing helper, called with a faked torch.distributed rank (no second process here; the
+    tensor-parallel run itself is tests/integration/test_check_tp.py)."""
     from hf_ropekv.scorers import frequency
 
     stats = _random_stats(describe(_qwen3_config()))  # 4 query heads, 2 KV heads
@@ -225,7 +227,8 @@ def test_scorer_slices_whole_model_statistics_to_the_local_kv_heads(monkeypatch)
     for rank in (0, 1):
         monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
         local_mean, local_abs = frequency._heads_of_this_rank(q_mean, q_abs, 1, stats.metadata)
-        assert torch.equal(local_mean, q_mean[2 * rank : 2 * rank + 2]) and torch.equal(local_abs, q_abs[2 * rank : 2 * rank + 2])
+        share = slice(2 * rank, 2 * rank + 2)
+        assert torch.equal(local_mean, q_mean[share]) and torch.equal(local_abs, q_abs[share])
     # Statistics gathered on the rank (online) already hold its share.
     assert frequency._heads_of_this_rank(q_mean[:2], q_abs[:2], 1, stats.metadata)[0].shape[0] == 2
 
