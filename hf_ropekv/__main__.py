@@ -5,17 +5,15 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-COMMANDS = ("calibrate",)
+from .statistics.calibration import main as calibrate_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Dispatch ``python -m hf_ropekv COMMAND ...``; returns the exit status."""
+    """Dispatch ``python -m hf_ropekv calibrate ...``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m hf_ropekv {{{','.join(COMMANDS)}}} ...  (then --help)", file=sys.stderr)
+    if not argv or argv[0] != "calibrate":
+        print("usage: python -m hf_ropekv {calibrate} ...  (then --help)", file=sys.stderr)
         return 2
-    from .statistics.calibration import main as calibrate_main
-
     return calibrate_main(argv[1:])
 
 

@@ -1,10 +1,6 @@
-"""``hf_ropekv.detach(model)``: take everything hf_ropekv put on a model off it, at once.
-
-What goes: :func:`~hf_ropekv.enable`'s wrappers, the forward hooks, attention wrappers and generate-method wrappers of
-every cache built from the model, the grouped-query attention a static cache selected, the rotary pass-through (once
-no other model needs it), the static buffers pooled for the model, and what a copied model brought along from its
-original. Caches built from the model before refuse further use with an error naming ``detach``. Idempotent; a later
-``RopeKVCache(model, ...)`` or ``enable`` installs everything again.
+"""``hf_ropekv.detach(model)``: take everything hf_ropekv put on a model off it, at once (enable's wrappers, every
+cache's hooks and wrappers, the grouped-query attention, the rotary pass-through, pooled static buffers, and what a
+copied model brought along). Caches built before refuse further use. Idempotent.
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from .adapter.generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
+from .adapter.generate_methods import GENERATE_WRAPPERS
 from .adapter.shared_hooks import SharedHooks, _drop_copied_hooks
 from .enable import _generating_model, disable
 from .model.attention import restore_attention
@@ -32,7 +28,7 @@ def detach(model: ModelT) -> ModelT:
     hooks = SharedHooks._BY_MODEL.get(target)
     if hooks is not None:
         hooks.detach_model()
-    for wrapper in (_PrepareInputsForGeneration, _GetCompiledCall, _ValidAutoCompileCriteria):  # a copy's, made by its original's caches
+    for wrapper in GENERATE_WRAPPERS:  # a copy's, made by its original's caches
         wrapper.uninstall(target)
     _drop_copied_hooks(target)
     restore_attention(target, "sdpa")  # a copy may have come switched to grouped_sdpa by its original's hooks

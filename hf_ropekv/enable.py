@@ -1,30 +1,20 @@
-"""Turn RopeKVCache on for every ``generate()`` call of a model, in one line.
+"""Turn RopeKVCache on for every ``generate()`` call of a model:
 
-    import hf_ropekv
-    hf_ropekv.enable(model, budget=2048)              # every generate() without a cache of its own gets a fresh one
-    model.generate(**inputs, max_new_tokens=8192)
-    print(hf_ropekv.last_summary(model))             # what the most recent generate() kept, in one line
-    hf_ropekv.disable(model)                         # back to DynamicCache
+    hf_ropekv.enable(model, budget=2048)          # every generate() without a cache of its own gets a fresh one
+    print(hf_ropekv.last_summary(model))          # what the most recent generate() kept
+    hf_ropekv.disable(model)                      # or: with hf_ropekv.enabled(model, budget=1024): ...
 
-    with hf_ropekv.enabled(model, budget=1024):      # temporary; restores what was there before
-        trainer.evaluate()
-
-How it works. transformers has no registry for custom ``cache_implementation`` names, so ``enable`` wraps the one
-method through which every ``generate()`` call gets its cache, ``_prepare_cache_for_generation`` (same signature on
-5.17 through 5.25), as an *instance* attribute: nothing in transformers or in other models changes. It runs
-transformers' own preparation first and, only where that made a plain ``DynamicCache``, puts a fresh
-``RopeKVCache(model, ...)`` in its place. So a cache passed by the caller wins; ``use_cache=False`` and an explicit
-``cache_implementation`` keep their meaning; every call (``pipeline``, ``Trainer`` evaluation, beam search) gets its
-own cache; and decoding modes that roll the cache back (assisted decoding, DoLa, contrastive search) keep
-transformers' ``DynamicCache``, with a warning when a budget is set. ``enable`` also wraps ``generate`` to summarise
-each call's cache when it ends (:func:`last_summary`, and one INFO line on the ``hf_ropekv`` logger). A copy of an
-enabled model (``copy.deepcopy``, ``pickle``) stays enabled with the same options.
+``enable`` wraps the model instance's ``_prepare_cache_for_generation``: after transformers' own preparation, a plain
+``DynamicCache`` is replaced by a fresh ``RopeKVCache``. A cache passed by the caller, ``use_cache=False``, another
+``cache_implementation`` and the modes that roll the cache back (assisted, DoLa, contrastive) keep transformers'
+cache. ``generate`` is wrapped too, to keep each call's summary. A copy of an enabled model stays enabled.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import inspect
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
@@ -51,50 +41,35 @@ __all__ = ["enable", "disable", "enabled", "is_enabled", "last_summary"]
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
 _STATE_ATTR = "_hf_ropekv_enablement"
-#: ``cache_implementation`` values that mean "transformers' default dynamic cache": enable replaces those.
-DYNAMIC_IMPLEMENTATIONS = (None, "dynamic")
-#: Generation modes that crop the cache (roll it back), impossible once tokens were evicted.
-CROPPING_MODES = ("assisted_generation", "dola_generation", "contrastive_search")
-#: Batch rows (batch x beams / returned sequences) from which the per-row budget is worth a warning.
-MANY_ROWS = 64
-#: Budgets below this are small for a prompt plus a useful answer (the prompt is pinned and counts).
-SMALL_BUDGET = 256
+DYNAMIC_IMPLEMENTATIONS = (None, "dynamic")  # cache_implementation values enable replaces
+CROPPING_MODES = ("assisted_generation", "dola_generation", "contrastive_search")  # they roll the cache back
+MANY_ROWS = 64  # batch rows from which the per-row budget is worth a warning
+SMALL_BUDGET = 256  # budgets below this leave little room beside the pinned prompt
 
 
+@dataclasses.dataclass(eq=False)
 class _Enablement:
     """What ``enable`` stored on a model: the checked cache options and the model's geometry."""
 
-    def __init__(self, options: dict[str, Any], geometry: ModelGeometry) -> None:
-        self.options = options
-        self.geometry = geometry
-        self.caches_created = 0
+    options: dict[str, Any]
+    geometry: ModelGeometry
+    caches_created: int = 0
 
 
-#: model -> the summary of its most recent generate()'s cache (or the cache itself while that call runs, weakly).
-#: Outside the model's __dict__: survives disable(), is not copied or pickled with it.
+#: model -> the summary of its most recent generate()'s cache (a weak reference to it while the call runs).
 _LAST: "weakref.WeakKeyDictionary[nn.Module, CacheSummary | weakref.ref]" = weakref.WeakKeyDictionary()
-#: The caches the hook made during the innermost wrapped generate() call of this thread / async task.
+#: The caches made during the innermost wrapped generate() call of this thread / async task.
 _CACHES_MADE: contextvars.ContextVar[list[RopeKVCache] | None] = contextvars.ContextVar(
-    "hf_ropekv_caches_made", default=None
-)
+    "hf_ropekv_caches_made", default=None)
 
 
 def enable(model: ModelT, budget: int | None = None, **options: Any) -> ModelT:
     """Give every ``model.generate()`` call that passes no cache of its own a fresh :class:`RopeKVCache`.
 
-    Args:
-        model: a decoder-only RoPE ``PreTrainedModel`` with ``generate`` (any dtype, device or ``device_map``).
-        budget: tokens kept per row, KV head and layer; ``None`` never evicts.
-        **options: exactly :class:`RopeKVCache`'s options (``scorer``, ``compress_every``, ``window``, ``sink``,
-            ``protect_prompt``, ``static``, ``kv_bits``). A scorer is copied into every cache; the statistics file
-            of a ``FrequencyScorer(stats=path)`` is loaded and checked once, here.
-
-    Returns:
-        ``model`` itself. Calling ``enable`` again replaces the options.
-
-    Raises:
-        TypeError: ``model`` cannot ``generate``, or an option is unknown.
-        ValueError: an option is invalid, the model is not supported, or statistics do not fit the model.
+    ``budget`` and ``**options`` are exactly :class:`RopeKVCache`'s; a scorer is copied into every cache, and a
+    ``FrequencyScorer(stats=path)`` file is loaded and checked once, here. Returns ``model``; calling ``enable``
+    again replaces the options. Raises ``TypeError`` (no ``generate``, an unknown option) or ``ValueError`` (an
+    invalid option, an unsupported model, statistics that do not fit) before any generation.
     """
     target = _generating_model(model)
     state = _checked(target, budget, options)
@@ -111,9 +86,7 @@ def enable(model: ModelT, budget: int | None = None, **options: Any) -> ModelT:
 
 
 def disable(model: ModelT) -> ModelT:
-    """Undo :func:`enable`: ``generate()`` makes transformers' own caches again. A no-op when not enabled.
-
-    Caches already handed out keep working, and :func:`last_summary` still describes the last call."""
+    """Undo :func:`enable` (a no-op when not enabled); caches handed out keep working."""
     target = _generating_model(model)
     state = target.__dict__.get(_STATE_ATTR)
     if state is None:
@@ -129,10 +102,10 @@ def disable(model: ModelT) -> ModelT:
 
 @contextlib.contextmanager
 def enabled(model: ModelT, budget: int | None = None, **options: Any) -> Iterator[ModelT]:
-    """Context-manager form of :func:`enable`: on exit (exception or not) the model is as it was on entry; an inner
-    block with other options restores the outer block's options when it ends."""
+    """:func:`enable` for a block: on exit the model is as it was on entry (outer options included)."""
     target = _generating_model(model)
-    previous = target.__dict__.get(_STATE_ATTR)
+    state = target.__dict__.get(_STATE_ATTR)
+    previous = None if state is None else dict(state.options)  # a copy: enable() replaces the options in place
     enable(model, budget, **options)
     try:
         yield model
@@ -140,9 +113,9 @@ def enabled(model: ModelT, budget: int | None = None, **options: Any) -> Iterato
         if previous is None:
             disable(target)
         elif _STATE_ATTR in target.__dict__:
-            target.__dict__[_STATE_ATTR].options = previous.options
+            target.__dict__[_STATE_ATTR].options = previous
         else:  # disabled inside the block: enabled again with the outer options
-            enable(target, **previous.options)
+            enable(target, **previous)
 
 
 def is_enabled(model: nn.Module) -> bool:
@@ -152,12 +125,8 @@ def is_enabled(model: nn.Module) -> bool:
 
 
 def last_summary(model: nn.Module) -> CacheSummary:
-    """What the cache of ``model``'s most recent ``generate()`` call (one that :func:`enable` gave a cache) kept,
-    taken when that call returned; while it still runs (a streamer, a stopping criterion), the cache now.
-
-    Raises:
-        LookupError: ``enable`` was never called on ``model``, or no ``generate()`` call used a cache from it yet.
-    """
+    """What the cache :func:`enable` gave ``model``'s most recent ``generate()`` call kept (while that call runs,
+    the cache now); ``LookupError`` when there was none."""
     target = _generating_model(model)
     record = _LAST.get(target)
     if isinstance(record, weakref.ref):
@@ -175,9 +144,8 @@ def last_summary(model: nn.Module) -> CacheSummary:
                       "before generate(), or pass your own RopeKVCache and print(cache.summary()).")
 
 
-# --------------------------------------------------------------------------- checks, once per enable()
 def _checked(model: nn.Module, budget: Any, options: dict[str, Any]) -> _Enablement:
-    """Everything ``RopeKVCache(model, ...)`` would check, without building a cache: a bad option fails here."""
+    """Everything ``RopeKVCache(model, ...)`` would check, without building a cache."""
     if not isinstance(model, nn.Module) or not callable(getattr(model, _PrepareCacheHook.name, None)):
         raise TypeError(f"hf_ropekv.enable needs a transformers model with generate() (a GenerationMixin); got "
                         f"{type(model).__name__}.")
@@ -191,8 +159,8 @@ def _checked(model: nn.Module, budget: Any, options: dict[str, Any]) -> _Enablem
     if isinstance(scorer, FrequencyScorer) and scorer.stats is not None:  # loaded once; every cache shares them
         from .statistics.frequency_stats import FrequencyStats
 
-        options = {**options, "scorer": FrequencyScorer(FrequencyStats.resolve(scorer.stats, geometry, model),
-                                                         scorer.half_life, scorer.head_shrink, scorer.offsets)}
+        stats = FrequencyStats.resolve(scorer.stats, geometry, model)
+        options = {**options, "scorer": dataclasses.replace(scorer, stats=stats)}
     if options.get("static") is True:
         from .cache.model_checks import check_static
 
@@ -201,7 +169,7 @@ def _checked(model: nn.Module, budget: Any, options: dict[str, Any]) -> _Enablem
 
 
 def _warn_risky(model: nn.Module, options: dict[str, Any]) -> None:
-    """Warn once about options that work but are likely not what the user wants."""
+    """Warn about options that work but are likely not what the user wants."""
     budget, name = options["budget"], type(model).__name__
     if budget is not None and budget < SMALL_BUDGET:
         warn(f"hf_ropekv.enable: budget={budget} is small. The prompt is pinned and counts toward the budget (a "
@@ -232,7 +200,6 @@ def _cropping_mode(generation_config: Any) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- the wrappers
 class _PrepareCacheHook(ModelMethodWrapper):
     """``_prepare_cache_for_generation``: a fresh RopeKVCache where transformers made a DynamicCache."""
 
@@ -264,13 +231,13 @@ class _PrepareCacheHook(ModelMethodWrapper):
 
 
 class _GenerateWrapper(ModelMethodWrapper):
-    """``generate``: when the call ends, keep (and log) the summary of the caches the hook made in it."""
+    """``generate``: when the call ends, keep (and log) the summary of the caches made in it."""
 
     name = "generate"
 
     def __init__(self, model: nn.Module, previous: Any = None) -> None:
         super().__init__(model, previous)
-        method = getattr(type(model), self.name)  # what it stands for, as a bound method shows it
+        method = getattr(type(model), self.name)  # look like the bound method it stands for
         self.__name__, self.__qualname__, self.__doc__ = method.__name__, method.__qualname__, method.__doc__
         signature = inspect.signature(method)
         self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
@@ -311,7 +278,8 @@ def _keep_transformers_cache(options: dict[str, Any], generation_config: Any, mo
     if mode in CROPPING_MODES:
         if options.get("budget") is not None:  # without a budget RopeKVCache would only equal DynamicCache
             warn(f"hf_ropekv: {mode} rolls the cache back, which a cache that evicted tokens cannot do; these calls "
-                 "use transformers' DynamicCache (no memory bound). Use greedy/sampling/beam search for a bounded cache.")
+                 "use transformers' DynamicCache (no memory bound). Use greedy/sampling/beam search for a bounded "
+                 "cache.")
         return mode
     return None
 
@@ -334,7 +302,7 @@ def _warn_many_rows(state: _Enablement, generation_config: Any, batch_size: Any)
 
 def _prepare_cache_call(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple | None:
     """``(generation_config, model_kwargs, generation_mode, batch_size)`` of a ``_prepare_cache_for_generation``
-    call, bound by name (a reordering in a later version is harmless); None, with a warning, when unrecognisable."""
+    call, bound by name; None, with a warning, when unrecognisable."""
     try:
         bound = inspect.signature(original).bind(*args, **kwargs).arguments
     except TypeError:
@@ -349,8 +317,7 @@ def _prepare_cache_call(original: Callable[..., Any], args: tuple, kwargs: dict)
 
 
 def _generating_model(model: Any) -> Any:
-    """The model whose ``generate`` does the work: wrappers such as PEFT's ``PeftModel`` delegate ``generate`` to
-    ``get_base_model()``, so the hook must sit on that model, not on the wrapper."""
+    """The model whose ``generate`` does the work (PEFT's ``PeftModel`` delegates to ``get_base_model()``)."""
     from transformers import GenerationMixin
 
     if isinstance(model, GenerationMixin) or not isinstance(model, nn.Module):

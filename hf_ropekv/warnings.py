@@ -1,8 +1,5 @@
-"""The warning category of hf_ropekv, and the one way the library warns.
-
-Actionable problems (a setting that cannot do what the user asked, a degradation at run time) are warnings of
-:class:`HfRopeKVWarning`, so ``warnings`` filters and ``pytest -W error`` can catch them; logging is for
-information only. Every warning points at the user's line, not at a line inside hf_ropekv or transformers.
+"""The warning category of hf_ropekv, and the one way the library warns: actionable problems are
+:class:`HfRopeKVWarning` (filterable, ``pytest -W error``), attributed to the user's line; logging is for information.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ class HfRopeKVWarning(UserWarning):
     """A problem the user can act on: a setting that does less than asked, or a slower or weaker path taken."""
 
 
-# Frames in these folders are not the user's: hf_ropekv itself, and the libraries that call into it.
+# Frames that are not the user's: hf_ropekv itself, and the libraries that call into it.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _INTERNAL = ("transformers", "torch", "accelerate", "contextlib.py", "functools.py")
 

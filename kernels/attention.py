@@ -247,17 +247,19 @@ if HAS_TRITON:
             mask_s = offs_s < NUM_SPLITS
             part = first + offs_s
             m = tl.load(ws_ptr + ML_OFFSET + part * 2, mask=mask_s, other=float("-inf"))
-            l = tl.load(ws_ptr + ML_OFFSET + part * 2 + 1, mask=mask_s, other=0.0)
-            a = tl.load(ws_ptr + part[:, None] * DV + offs_dv[None, :], mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+            total = tl.load(ws_ptr + ML_OFFSET + part * 2 + 1, mask=mask_s, other=0.0)
+            a = tl.load(ws_ptr + part[:, None] * DV + offs_dv[None, :], mask=mask_s[:, None] & mask_dv[None, :],
+                        other=0.0)
             m_new = tl.maximum(m_run, tl.max(m, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits (and empty rows) weigh 0
             alpha = tl.exp2(m_run - m_safe)
             w = tl.exp2(m - m_safe)
-            l_run = l_run * alpha + tl.sum(w * l, 0)
+            l_run = l_run * alpha + tl.sum(w * total, 0)
             acc = acc * alpha + tl.sum(w[:, None] * a, 0)
             m_run = m_new
         o = acc / tl.where(l_run > 0, l_run, 1.0)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_dv * stride_od, o.to(out_ptr.dtype.element_ty), mask=mask_dv)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_dv * stride_od, o.to(out_ptr.dtype.element_ty),
+                 mask=mask_dv)
 
 
 def _interpreting() -> bool:
@@ -425,7 +427,7 @@ def decode_attention(
     Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``. No host syncs: capturable in a CUDA graph.
     """
     if not HAS_TRITON:
-        raise RuntimeError("decode_attention needs Triton, which is not installed (decode_attention_reference does not)")
+        raise RuntimeError("decode_attention needs Triton, which is not installed (use decode_attention_reference)")
     check_decode_args(query, keys, values, mask, key_scale, value_scale, out, softcap, num_splits)
     if not query.is_cuda and not _interpreting():
         raise RuntimeError("decode_attention needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
@@ -485,8 +487,8 @@ def decode_attention_reference(
     else:
         m = logits.amax(dim=-1, keepdim=True)
         p = torch.exp(logits - torch.where(torch.isinf(m), 0.0, m))  # a fully masked row: p = 0
-        l = p.sum(dim=-1, keepdim=True)
-        result = torch.matmul(p, v) / torch.where(l > 0, l, 1.0)
+        total = p.sum(dim=-1, keepdim=True)
+        result = torch.matmul(p, v) / torch.where(total > 0, total, 1.0)
     result = result.reshape(out.shape if out is not None else (B, H_q, Dv) if query.dim() == 3 else (B, H_q, 1, Dv))
     if out is None:
         return result.to(query.dtype)

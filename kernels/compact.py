@@ -73,7 +73,8 @@ def check_compact_args(
         if start.dim() != 1 or start.shape[0] != keep.shape[0]:
             raise ValueError(f"start must be [B] = [{keep.shape[0]}], got shape {tuple(start.shape)}")
         if start.dtype not in (torch.int32, torch.int64) or start.device != keep.device:
-            raise ValueError(f"start must be an int32/int64 tensor on {keep.device}, got {start.dtype} on {start.device}")
+            raise ValueError(
+                f"start must be an int32/int64 tensor on {keep.device}, got {start.dtype} on {start.device}")
     if validate_keep and keep.numel():
         used = _used_entries(keep, start)
         if bool(((keep < 0) & used).any()) or bool(((keep >= tensors[0].shape[2]) & used).any()):

@@ -362,3 +362,29 @@ def test_gpu_torch_compile_fullgraph(fresh_dynamo):
     kattn.register_op()  # what a static cache that compiles does, eagerly, before generate compiles
     compiled = torch.compile(step, fullgraph=True)  # fails on a graph break
     _assert_close(compiled(q, k, v, mask), step(q, k, v, mask), torch.bfloat16, "compiled vs eager")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_into_matches_quantize_kv_at_the_index(dtype, triton_interpreter, monkeypatch):
+    """The fused write of a static int8 arena gives quantize_kv's codes and scales, at exactly the given slots."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from hf_ropekv.kernels import quantize as kq
+
+    if not isinstance(kq._quantize_into_kernel, InterpretedFunction):
+        monkeypatch.setattr(kq, "_quantize_into_kernel", InterpretedFunction(kq._quantize_into_kernel.fn))
+    gen = _gen()
+    x = (torch.randn(2, 3, 5, 80, generator=gen) * 4).to(dtype)
+    x[0, 1, 2] = 0  # a token-head of zeros: codes 0, the smallest scale
+    index = torch.randperm(12, generator=gen)[:5]
+    codes = torch.full((2, 3, 12, 80), 99, dtype=torch.int8)  # poison
+    scale = torch.full((2, 3, 12, 1), float("nan"))
+    B, H, q, D = x.shape
+    flat = scale.view(2, 3, 12)
+    kq._quantize_into_kernel[(q, H, B)](x, codes, flat, index, *x.stride()[:3], *codes.stride()[:3], *flat.stride(),
+                                        D=D, BLOCK_D=128, num_warps=1)
+    want_codes, want_scale = quantize_kv(x)
+    assert torch.equal(codes[:, :, index], want_codes) and torch.equal(flat[:, :, index], want_scale)
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[index] = False
+    assert (codes[:, :, untouched] == 99).all() and flat[:, :, untouched].isnan().all()

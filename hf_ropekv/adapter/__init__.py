@@ -1,1 +1,2 @@
-"""What ties hf_ropekv to a model: the forward hooks one model shares, each cache's attachment, the generate-method wrappers and the CUDA-graph decode step."""
+"""What ties hf_ropekv to a model: its shared forward hooks, each cache's attachment, the generate-method wrappers
+and the CUDA-graph decode step."""

@@ -1,30 +1,13 @@
-"""One cache's tie to its model (:class:`ModelAttachment`). It exists so that each cache checks, logs and is told
-about its own forwards alone, however many caches a model has. The forward hooks it acts through are the model's,
-shared by all its caches (:mod:`.shared_hooks`); the generate methods it wraps are in :mod:`.generate_methods`.
+"""One cache's tie to its model (:class:`ModelAttachment`), acting through the model's shared hooks
+(:mod:`.shared_hooks`) on its own cache's forwards only:
 
-What a cache built from a model hooks into that model, and why:
+- the forward pre-hook reads generate's 2-D ``attention_mask`` (the only exact source of each row's left padding),
+  checks that it covers the tokens seen plus the new ones, and hands the model the mask the cache's layers need;
+- query hooks hand each forward's pre-RoPE queries to the cache's consumers, which count them once it finished;
+- generate's ``prepare_inputs_for_generation`` refuses a cache reused for an unrelated batch and prepares a static
+  cache's step eagerly (:mod:`.generate_methods`).
 
-- A forward pre-hook reads generate's 2-D ``attention_mask``: on transformers 5.4-5.23 the cache never sees
-  it otherwise, and it is the only exact source of each row's left padding. It also checks that the mask
-  covers exactly the tokens the cache has seen plus the new ones.
-- The same pre-hook hands the model the mask the cache's layers need: once rows compact on their own
-  schedules, each row's holes (slots in front of its real tokens) are hidden in the mask's last columns.
-- Query hooks (online statistics only) hand the pre-RoPE queries of every forward to the cache; the
-  forward hook makes them count once the forward has finished.
-- ``prepare_inputs_for_generation`` is wrapped once per model so that a cache reused for an unrelated batch
-  is refused instead of silently continuing another conversation (generate would slice the new inputs by
-  the old cache length).
-- With a static cache, ``get_compiled_call`` is wrapped once per model so that generate's compiled forward
-  runs only the decode steps compiled: a forward of several tokens (a chunk of a chunked prefill) runs eagerly.
-
-Every hook only acts when the forward's cache is the cache that installed it, and all are removed when that
-cache is garbage-collected.
-
-No hidden ties to the model. Nothing hf_ropekv stores on a model holds the model strongly (wrappers and hooks
-hold it weakly, frames hold their attention module weakly), so ``del model`` frees it by reference counting
-alone, and :func:`hf_ropekv.detach` takes everything off at once. A copy of the model (``copy.deepcopy``,
-``pickle``, ``torch.save``) starts without the original's hooks: what was put on its modules only passes calls
-through (and takes itself out), and the next ``RopeKVCache`` of the copy installs fresh hooks.
+Nothing holds the model strongly, so ``del model`` frees it; a copy of the model starts without these hooks.
 """
 
 from __future__ import annotations
@@ -37,29 +20,21 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..model.capture import QueryCapture
-from ..model.query_hooks import HookedQueryCapture
+from ..model.capture import CaptureBase
 from ..model.geometry import ModelGeometry
 from .generate_methods import StepPreparer, with_canonical_strides
 from .graphed_step import not_capturable
 from .shared_hooks import SharedHooks
 
 
-#: ``ModelAttachment._start_forward``: the forward keeps the attention mask it was given.
 UNCHANGED = object()
 
 
-class Announcements(Protocol):
-    """Where a cache notes that its model's pre-hook announced the running forward (``ForwardCoordinator``)."""
-
-    announced: bool
-
-
 class AttachedCache(Protocol):
-    """What the hooks need from the cache that installed them (``RopeKVCache``; no import of it here)."""
+    """What the hooks need from the cache that installed them (``RopeKVCache``)."""
 
     geometry: ModelGeometry
-    coordinator: Announcements
+    coordinator: Any  # ForwardCoordinator: its ``announced`` flag
     static: bool
 
     def get_seq_length(self) -> int: ...
@@ -69,12 +44,10 @@ class AttachedCache(Protocol):
     ) -> torch.Tensor | None:
         """A forward of ``new`` tokens starts; returns the 2-D mask the model must use instead, or None."""
 
-    def _expect_tokens(self, tokens: int | None) -> None:
-        """The running generate() call holds at most ``tokens`` tokens per row (static caches size their arenas)."""
+    def _expect_tokens(self, tokens: int | None) -> None: ...
 
     def _query_consumers(self) -> list[Any]:
-        """What takes each forward's pre-RoPE queries: objects with ``add(layer_idx, queries)`` (``[B, S, H, D]``)
-        and ``end_forward()`` (the forward finished without raising)."""
+        """Objects with ``add(layer_idx, queries [B, S, H, D])`` and ``end_forward()``."""
 
 
 class ModelAttachment(StepPreparer):
@@ -85,54 +58,41 @@ class ModelAttachment(StepPreparer):
         self._model_ref = weakref.ref(model)  # for copy_for: a copied cache attaches to the same model
         self._collect_queries = collect_queries
         self._collecting = False
-        self._new_token_mask: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None  # ids seen so far, [B, capacity]
         self._num_tokens = 0
         self._tokens_known = True  # False once a forward came as inputs_embeds: nothing to compare then
-        # A static cache's forwards are prepared before generate's compiled call (prepare_inputs_for_generation);
-        # the input tensor of the forward so prepared, for the pre-hook to recognise it.
         self.static = bool(cache.static)
         self.graphs = self.static and not_capturable(model, getattr(model, "device", torch.device("cpu"))) is None
-        self._prepared: torch.Tensor | None = None
-        # What takes each forward's queries (online statistics, a scorer's query window): they hold no reference
-        # to the cache.
+        self._prepared: torch.Tensor | None = None  # the input of a static step prepared by generate's wrapper
         self._query_consumers = cache._query_consumers()
         self._hooks = SharedHooks.of(model)
         self._hooks.add(self, cache.geometry, collect_queries,
                         attention=self.static or getattr(cache.options, "kv_bits", None) is not None)
         self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
+
     def expect_tokens(self, tokens: int | None) -> None:
-        """A generate() call of this cache holds at most ``tokens`` tokens per row (its ``max_length``)."""
+        """A generate() call of this cache holds at most ``tokens`` tokens per row."""
         cache = self._cache_ref()
         if cache is not None:
             cache._expect_tokens(tokens)
 
-    def remove(self) -> None:
-        """Take this attachment off its model's hooks (its cache was assembled again: ``RopeKVCache._assemble``)."""
-        self._hooks.remove(self)
-
     @property
     def attention_modules(self) -> list[nn.Module]:
-        """The attention module of every decoder layer whose queries this attachment collects (else none)."""
+        """The attention module of every decoder layer, where this attachment collects queries (else [])."""
         capture = self._hooks.capture
         return capture.attention_modules if self._collect_queries and capture is not None else []
 
     def check_attached(self) -> None:
         """Raise if :func:`hf_ropekv.detach` took this cache's hooks off its model."""
         if self.detached:
-            raise RuntimeError(
-                "This RopeKVCache was attached to a model that hf_ropekv.detach(model) has since cleaned: its hooks are "
-                "gone, so the cache cannot follow the model's forwards. Create a new RopeKVCache(model, ...)."
-            )
+            raise RuntimeError("This RopeKVCache was attached to a model that hf_ropekv.detach(model) has since "
+                               "cleaned: its hooks are gone, so the cache cannot follow the model's forwards. Create a "
+                               "new RopeKVCache(model, ...).")
 
     def copy_for(self, cache: AttachedCache, memo: dict) -> "ModelAttachment":
-        """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, same state.
-
-        Its hooks are new and act only on ``cache``'s forwards. Every attribute that is state (the token log of
-        the continuation check, ...) is deep-copied; those that bind an attachment to its cache, model or hooks
-        (weak references, hook handles, modules) stay as the fresh attachment built them.
-        """
+        """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, with this one's state
+        deep-copied (what binds it to its cache, model or hooks is built fresh)."""
         model = self._model_ref()
         if model is None:
             raise RuntimeError("Cannot copy this RopeKVCache: the model it was attached to no longer exists.")
@@ -143,7 +103,6 @@ class ModelAttachment(StepPreparer):
                 setattr(twin, name, copy.deepcopy(value, memo))
         return twin
 
-    # ------------------------------------------------------------------ hooks
     def owns(self, cache: Any) -> bool:
         return cache is not None and self._cache_ref() is cache
 
@@ -154,8 +113,7 @@ class ModelAttachment(StepPreparer):
         embeds = kwargs.get("inputs_embeds")
         source = input_ids if input_ids is not None else embeds
         if self._prepared is not None and source is self._prepared:
-            # Prepared with generate's inputs; the model already has the mask it needs. Another thread's forward
-            # may have run since (the gate is not held between the two): set the shared capture back for this one.
+            # Prepared by generate's wrapper, mask included; another thread may have used the capture since.
             self._prepared = None
             if self._hooks.capture is not None:
                 self._hooks.capture.begin_forward(False)
@@ -168,16 +126,11 @@ class ModelAttachment(StepPreparer):
     def prepare_generation_step(
         self, prepare: Any, input_ids: torch.Tensor | None, args: tuple, kwargs: dict[str, Any]
     ) -> dict[str, Any]:
-        """generate's ``prepare_inputs_for_generation`` for a static cache: prepare the coming forward now.
-
-        generate may call the forward compiled as a whole (hooks included), where nothing may depend on host
-        state; so the cache takes this step's decisions here, eagerly, and the 4-D mask transformers builds for
-        a compileable cache comes from the cache's slot mask.
-        """
+        """generate's ``prepare_inputs_for_generation`` for a static cache: the step's host-side decisions are taken
+        here, eagerly (generate may run the forward compiled), and the mask comes from the cache's slot mask."""
         cache = self._cache_ref()
         self.check_attached()
-        # A short critical section of its own, not held until the forward: a prepared forward that never runs
-        # (generate raised in between, or a caller dropped the inputs) must not keep other threads waiting.
+        # Not held until the forward: a prepared forward that never runs must not keep other threads waiting.
         with self._hooks.gate.held():
             embeds = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
             source = embeds if embeds is not None else input_ids
@@ -197,7 +150,7 @@ class ModelAttachment(StepPreparer):
         self, cache: AttachedCache, input_ids: torch.Tensor | None, embeds: torch.Tensor | None, mask: Any
     ) -> Any:
         """A forward of this cache starts: check it, log its tokens, tell the cache; returns the mask to use (a
-        tensor, or None: no mask), or ``UNCHANGED``: the forward keeps the one it was given."""
+        tensor or None), or ``UNCHANGED``."""
         new = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         seen = cache.get_seq_length()
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
@@ -205,8 +158,7 @@ class ModelAttachment(StepPreparer):
                 raise ValueError(
                     f"attention_mask covers {mask.shape[-1]} tokens, but this RopeKVCache has seen {seen} and {new} "
                     "arrive now. The cache belongs to another sequence: create a fresh RopeKVCache per batch "
-                    "(or use hf_ropekv.enable(model, ...))."
-                )
+                    "(or use hf_ropekv.enable(model, ...)).")
         else:
             mask = None
         if input_ids is None:
@@ -216,24 +168,24 @@ class ModelAttachment(StepPreparer):
         source = input_ids if input_ids is not None else embeds
         self._collecting = True
         self._hooks.active = self
-        if self._hooks.capture is not None:  # a decoding step of a growing cache takes the capture's fast path
+        if self._hooks.capture is not None:  # a growing cache's decoding step hands its queries over at once
             self._hooks.capture.begin_forward(new == 1 and self._collect_queries and not self.static)
         replaced = cache._forward_starts(mask, new, source.shape[0], source.device)
         return UNCHANGED if replaced is mask else replaced
 
-    # Called only while this attachment's cache runs the forward (SharedHooks.active), also inside compiled
-    # forwards: so they reach the query consumers directly, without dereferencing the cache.
+    # Called only while this attachment's cache runs the forward, also inside compiled forwards: they reach the
+    # query consumers directly, without dereferencing the cache.
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         if self._collecting:
             if self._hooks.capture is not None:
-                self._hooks.capture.finish_forward()  # a recorded decoding step hands its queries over now
+                self._hooks.capture.finish_forward()
             for consumer in self._query_consumers:
                 consumer.end_forward()
         self._collecting = False
 
     def _forward_ends(self) -> None:
-        """This cache's forward ended (raised or not): the next forward must be announced again. A compiled step
-        skips the layers' eager check that consumes the announce, so it is consumed here too."""
+        """This cache's forward ended (raised or not): the next one must be announced again (a compiled step skips
+        the layers' check that consumes the announcement)."""
         cache = self._cache_ref()
         if cache is not None:
             cache.coordinator.announced = False
@@ -243,19 +195,18 @@ class ModelAttachment(StepPreparer):
             for consumer in self._query_consumers:
                 consumer.add(layer_idx, queries)
 
-    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None:
-        """A recorded decoding step's queries (``capture.StepCallback``): in one call where a consumer takes them so."""
+    def _on_step(self, layers: tuple, queries: list) -> None:
+        """A recorded decoding step's queries (``StepCallback``), in one call where a consumer takes them so."""
         if not self._collecting:
             return
         for consumer in self._query_consumers:
             add_step = getattr(consumer, "add_step", None)
             if add_step is not None:
-                add_step(layers, queries, heads_dim)
+                add_step(layers, queries)
             else:
                 for layer_idx, q in zip(layers, queries):
-                    consumer.add(layer_idx, q.transpose(1, 2) if heads_dim == 1 else q)
+                    consumer.add(layer_idx, q)
 
-    # ------------------------------------------------------------------ token log (continuation check)
     def _log_tokens(self, input_ids: torch.Tensor) -> None:
         batch, new = input_ids.shape[:2]
         end = self._num_tokens + new
@@ -272,7 +223,7 @@ class ModelAttachment(StepPreparer):
     ) -> None:
         """Refuse generate() inputs that do not continue the tokens this cache holds."""
         seen = self._num_tokens
-        if not self._tokens_known or seen == 0 or input_ids.shape[1] == seen + 1:  # fresh cache, or an ordinary decoding step
+        if not self._tokens_known or seen == 0 or input_ids.shape[1] == seen + 1:  # fresh, or a decoding step
             return
         if self._next_prefill_chunk(input_ids.shape[1], attention_mask, position_ids):
             return
@@ -280,23 +231,16 @@ class ModelAttachment(StepPreparer):
             input_ids.shape[1] > seen
             and self._tokens is not None
             and input_ids.shape[0] == self._tokens.shape[0]
-            and bool((input_ids[:, :seen].to(self._tokens.device) == self._tokens[:, :seen]).all())
-        )
+            and bool((input_ids[:, :seen].to(self._tokens.device) == self._tokens[:, :seen]).all()))
         if not same:
             raise ValueError(
                 f"This RopeKVCache already holds {seen} tokens of another sequence; the new inputs do not continue "
                 "them. Reusing a cache across batches corrupts the output: create a fresh RopeKVCache for every "
-                "generate() call (or use hf_ropekv.enable(model, ...), which does it for you)."
-            )
+                "generate() call (or use hf_ropekv.enable(model, ...), which does it for you).")
 
     def _next_prefill_chunk(self, new: int, attention_mask: Any, position_ids: Any) -> bool:
-        """Whether ``new`` tokens are the next chunk of generate's chunked prefill (``prefill_chunk_size``).
-
-        Each chunk comes alone, without the tokens before it. Its mask, when there is one, covers the tokens held
-        plus exactly the chunk; transformers 5.24 drops an all-ones mask, and then the chunk's position ids start
-        where the tokens held end. A reused cache gets a whole new sequence instead, whose mask and positions
-        start from its own first token.
-        """
+        """Whether ``new`` tokens are the next chunk of generate's chunked prefill: its mask covers the tokens held
+        plus the chunk or, without a mask (5.24 drops an all-ones one), its positions start where they end."""
         seen = self._num_tokens
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
             return attention_mask.shape[-1] == seen + new
@@ -322,7 +266,6 @@ def _binds_to_owner(value: Any) -> bool:
         value = list(value.values())
     if isinstance(value, (list, tuple, set)):
         return any(_binds_to_owner(item) for item in value)
-    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, QueryCapture, HookedQueryCapture,
-               nn.Module, SharedHooks)
+    binding = (weakref.ref, weakref.finalize, *weakref.ProxyTypes, RemovableHandle, CaptureBase, nn.Module, SharedHooks)
     return isinstance(value, binding)
 

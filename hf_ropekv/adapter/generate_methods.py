@@ -1,10 +1,6 @@
-"""hf_ropekv's wrappers of transformers' generate methods on one model instance.
-
-generate asks the model for ``prepare_inputs_for_generation`` and ``get_compiled_call``, where no forward hook
-reaches; so a cache's attachment (:mod:`.attach`) wraps them, once per model: to refuse a reused cache, to prepare a
-static cache's step eagerly, and to run a static cache's decode steps as replayed CUDA graphs (or compiled, where a
-graph cannot hold the model) and its multi-token forwards eagerly. :class:`ModelMethodWrapper` is also the base of
-:func:`hf_ropekv.enable`'s wrappers.
+"""hf_ropekv's wrappers of generate methods on one model instance, where no forward hook reaches: to refuse a
+reused cache, to prepare a static cache's step eagerly, and to run its decode steps as replayed CUDA graphs (or
+compiled) and its multi-token forwards eagerly. :class:`ModelMethodWrapper` is also the base of ``enable``'s.
 """
 
 from __future__ import annotations
@@ -19,12 +15,10 @@ from .. import _compat
 from .graphed_step import GraphedDecodeStep
 
 _WRAPPED_MARK = "_hf_ropekv_continuation_check"  # on every generate() method this module wraps
-WRAPPED_METHODS = ("prepare_inputs_for_generation", "get_compiled_call", "_valid_auto_compile_criteria")
 
 
 class StepPreparer:
-    """What the wrappers ask of the attachment of the cache a generate() call runs with (``attach.ModelAttachment``
-    subclasses it: the wrappers recognise it without importing it)."""
+    """What the wrappers ask of a generate() call's cache attachment (``attach.ModelAttachment`` subclasses it)."""
 
     static = False  # the cache is static: its steps are prepared here and run as graphs or compiled
     graphs = False  # its decode steps replay CUDA graphs (else generate's compiled forward runs them)
@@ -37,18 +31,14 @@ class StepPreparer:
 
 
 def attachment_of(kwargs: dict[str, Any]) -> StepPreparer | None:
-    """The hf_ropekv attachment of the cache in a forward's (or generate step's) keyword arguments, if any."""
+    """The hf_ropekv attachment of the cache in a forward's keyword arguments, if any."""
     attachment = getattr(_compat.cache_from_forward_kwargs(kwargs), "_attachment", None)
     return attachment if isinstance(attachment, StepPreparer) else None
 
 
 class ModelMethodWrapper:
-    """A method of one model instance replaced by hf_ropekv, stored as an instance attribute (here, and by
-    :func:`hf_ropekv.enable`).
-
-    It holds the model weakly (a wrapper on the model that held it would keep it alive until the garbage
-    collector ran), and a copy of the model (``copy.deepcopy``, ``pickle``) gets a wrapper of the copy.
-    """
+    """A method of one model instance replaced by an instance attribute. It holds the model weakly (else the model
+    would wait for the garbage collector); a copy of the model gets a wrapper of the copy."""
 
     name = ""
 
@@ -78,8 +68,8 @@ class ModelMethodWrapper:
 
     @classmethod
     def uninstall(cls, model: nn.Module) -> bool:
-        """Give ``model`` back the method the wrapper replaced (the one undo path: detach, disable, the last cache of
-        a model going). False when another wrapper went on top since: ours stays inside it, passing calls through."""
+        """Give ``model`` back the method the wrapper replaced (the one undo path); False when another wrapper went
+        on top since (ours stays inside it, passing calls through)."""
         current = model.__dict__.get(cls.name)
         if isinstance(current, cls):
             if current.previous is None:
@@ -108,10 +98,8 @@ class _PrepareInputsForGeneration(ModelMethodWrapper):
 
 
 class _GetCompiledCall(ModelMethodWrapper):
-    """``get_compiled_call`` whose forward replays a static cache's decode steps as CUDA graphs of the eager step
-    (:class:`~.graphed_step.GraphedDecodeStep`), or runs them compiled where a graph cannot hold the model, and runs
-    its multi-token forwards (chunks of a chunked prefill) eagerly: they attend over a temporary arena larger than
-    the fixed one, and a forward of many tokens is bound by the GPU anyway."""
+    """``get_compiled_call`` whose forward replays a static cache's decode steps as CUDA graphs (or runs them
+    compiled where a graph cannot hold the model) and runs its multi-token forwards eagerly."""
 
     name = "get_compiled_call"
     _hf_ropekv_continuation_check = True
@@ -122,7 +110,7 @@ class _GetCompiledCall(ModelMethodWrapper):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, original = self._model_and_original()
-        compiled = original(*args, **kwargs)
+        compiled: list[Any] = []  # built at the first step that needs it: torch.compile imports inductor (seconds)
 
         def forward(*call_args: Any, **call_kwargs: Any) -> Any:  # generate keeps it for one call only
             attachment = attachment_of(call_kwargs)
@@ -133,15 +121,16 @@ class _GetCompiledCall(ModelMethodWrapper):
                     return model(*call_args, **call_kwargs)
                 if attachment.graphs:
                     return self.graphed(_compat.cache_from_forward_kwargs(call_kwargs), *call_args, **call_kwargs)
-            return compiled(*call_args, **call_kwargs)
+            if not compiled:
+                compiled.append(original(*args, **kwargs))
+            return compiled[0](*call_args, **call_kwargs)
 
         return forward
 
 
 class _ValidAutoCompileCriteria(ModelMethodWrapper):
-    """generate's question, before its decoding loop, whether it may compile its forward (answered by transformers,
-    unchanged): a static cache notes the call's ``max_length`` there, before the prefill, and sizes its arena for it
-    (a generation that never evicts holds no more than a ``DynamicCache``, plus a page)."""
+    """generate's question whether it may compile (answered unchanged): a static cache notes the call's
+    ``max_length`` here, before the prefill, and sizes its arena for it."""
 
     name = "_valid_auto_compile_criteria"
 
@@ -153,15 +142,19 @@ class _ValidAutoCompileCriteria(ModelMethodWrapper):
         return original(model_kwargs, generation_config, *args, **kwargs)
 
 
+#: The generate methods a cache's attachment wraps (the static cache's two last).
+GENERATE_WRAPPERS = (_PrepareInputsForGeneration, _GetCompiledCall, _ValidAutoCompileCriteria)
+
+
 def is_class_method(method: Any, model: nn.Module, name: str) -> bool:
     """The class's own method bound to ``model`` (what an unpickled model may hold): nothing to chain to."""
-    return getattr(method, "__self__", None) is model and getattr(method, "__func__", None) is getattr(type(model), name, None)
+    return (getattr(method, "__self__", None) is model
+            and getattr(method, "__func__", None) is getattr(type(model), name, None))
 
 
 def with_canonical_strides(model_inputs: dict[str, Any]) -> dict[str, Any]:
-    """``model_inputs`` with every tensor contiguous. A compiled step guards on strides: the last chunk of a chunked
-    prefill can be one token sliced from the prompt's ids and positions (a stride of the prompt's length, which
-    ``is_contiguous`` ignores for a size-1 dimension), and would recompile the decode step or record another graph."""
+    """``model_inputs`` with every tensor in canonical contiguous strides (a prefill's last chunk can be one token
+    sliced from the prompt, whose strides would recompile the decode step or record another graph)."""
     for name, value in model_inputs.items():
         if isinstance(value, torch.Tensor) and value.stride() != _contiguous_strides(value.shape):
             model_inputs[name] = value.clone(memory_format=torch.contiguous_format)

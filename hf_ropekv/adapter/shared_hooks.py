@@ -1,12 +1,7 @@
-"""The forward hooks of one model (:class:`SharedHooks`) and the gate that runs its forwards one at a time
-(:class:`ForwardGate`). They exist apart from a cache's attachment (:mod:`.attach`) because they are the model's:
-every cache attached to it acts through the same hooks, each forward handed to its own cache's attachment; they
-go with the last cache. A copy of the model gets inert hooks instead (``_copied_hooks``).
-
-Threads: one forward at a time per model while a cache is attached to it. Its forwards (and, separately, a static
-cache's step preparation) then take a per-model lock, so two threads calling ``generate()`` on one model (a web
-server's handler threads) each get exactly their serial result, taking turns forward by forward. The hooks, and the
-lock with them, go when the model's last cache goes. For parallel generation, use one model copy per thread.
+"""The forward hooks of one model (:class:`SharedHooks`), shared by all its caches' attachments (:mod:`.attach`),
+and the gate that runs its forwards one at a time while a cache is attached (:class:`ForwardGate`): two threads
+calling ``generate()`` on one model each get their serial result. They go with the model's last cache; a copy of
+the model gets inert hooks.
 """
 
 from __future__ import annotations
@@ -23,12 +18,12 @@ from .. import _compat
 from ..model.attention import restore_attention, use_grouped_sdpa
 from ..model.query_hooks import query_capture
 from ..model.geometry import ModelGeometry
-from .generate_methods import _GetCompiledCall, _PrepareInputsForGeneration, _ValidAutoCompileCriteria
-
+from .generate_methods import (GENERATE_WRAPPERS, _GetCompiledCall, _PrepareInputsForGeneration,
+                               _ValidAutoCompileCriteria)
 
 
 class Attachment(Protocol):
-    """What the shared hooks hand each forward to: one cache's ``attach.ModelAttachment``."""
+    """One cache's ``attach.ModelAttachment``."""
 
     detached: bool
     static: bool
@@ -38,21 +33,16 @@ class Attachment(Protocol):
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None: ...
     def _forward_ends(self) -> None: ...
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None: ...
-    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None: ...
+    def _on_step(self, layers: tuple, queries: list) -> None: ...
 
 
 class SharedHooks:
-    """The hooks of every cache attached to one model, installed once per model and shared.
-
-    Each hook hands the call to every live :class:`Attachment` of the model (each acts only on its own
-    cache's forwards). The hooks go with the last attachment. A static cache also switches an sdpa grouped-query
-    model to :func:`~hf_ropekv.model.attention.grouped_sdpa` (same attention, no copy of the key/value heads under
-    its mask), for as long as the hooks stay. Nothing here holds the model
-    strongly: when it goes, the hooks go with it and the rotary functions are given back.
-    """
+    """The hooks of every cache attached to one model, installed once per model; each forward goes to the
+    attachment of its own cache. A static or int8 cache also switches an sdpa grouped-query model to hf_ropekv's
+    attention while the hooks stay. Nothing here holds the model strongly."""
 
     _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, SharedHooks]" = weakref.WeakKeyDictionary()
-    copied = False  # True for what a copied model brought along (see _copied_hooks)
+    copied = False  # True for what a copied model brought along
 
     @classmethod
     def of(cls, model: nn.Module) -> "SharedHooks":
@@ -61,8 +51,7 @@ class SharedHooks:
             hooks = cls._BY_MODEL[model] = cls(model)
         return hooks
 
-    #: Hooks that must never be compiled (see each one's comment). ``torch.compiler.disable`` imports dynamo, which
-    #: costs about 1.5 s of CPU, so the marks go on at the first model hf_ropekv attaches to, not at import.
+    #: Hooks never compiled; marked at the first model, not at import (``torch.compiler.disable`` imports dynamo).
     _EAGER_ONLY = ("_pre_forward", "_post_forward", "_release")
     _eager_marked = False
 
@@ -77,11 +66,11 @@ class SharedHooks:
         self._mark_eager_only()
         self._model_ref = weakref.ref(model)
         self.attachments: list[Attachment] = []
-        self.capture: Any = None  # the model's query capture (model.query_hooks.query_capture), while one collects
+        self.capture: Any = None  # the model's query capture, while a cache collects queries
         self.active: Attachment | None = None  # the attachment of the forward in progress
         self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
-        self._attention_before: str | None = None  # the implementation a static cache replaced
-        self.gate = ForwardGate()  # one forward at a time (see the module docstring)
+        self._attention_before: str | None = None  # the implementation a static or int8 cache replaced
+        self.gate = ForwardGate()
         _drop_copied_hooks(model)
         self._handles = [
             model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
@@ -109,9 +98,8 @@ class SharedHooks:
         if self.attachments:
             return
         if _dynamo_compiling():
-            # A cache freed by the garbage collector in the middle of a compile (its finalizer runs here): taking
-            # the rotary pass-through out now would change a function dynamo is guarding on. The next forward
-            # that is not being compiled takes the idle hooks out instead.
+            # A cache freed mid-compile: removing the rotary pass-through now would change a function dynamo guards
+            # on. The next eager forward takes the idle hooks out instead.
             self._detach_pending = True
             return
         self._remove_hooks()
@@ -144,17 +132,12 @@ class SharedHooks:
         model = self._model_ref()
         if model is not None:
             restore_attention(model, self._attention_before)
-            _PrepareInputsForGeneration.uninstall(model)
-            _GetCompiledCall.uninstall(model)
-            _ValidAutoCompileCriteria.uninstall(model)
+            for wrapper in GENERATE_WRAPPERS:
+                wrapper.uninstall(model)
         self._attention_before = None
 
-    # The hooks act through the attachment of the running forward's cache alone (``active``): a compiled forward
-    # then reads one attachment, whatever number of caches the model has, and is not recompiled when it changes.
-    # Never compiled (like _post_forward): preparing a forward is host work on Python state (plans, compaction,
-    # the slot of the new tokens), which a compiled frame could not redo each step. So a model compiled as a whole
-    # (torch.compile(model), generate's own compilation) still has each forward prepared here, eagerly; a forward
-    # that generate's prepare_inputs_for_generation already prepared is recognised and left alone.
+    # The hooks act through the running forward's attachment alone (``active``). Never compiled: preparing a forward
+    # is host work on Python state, so even a model compiled as a whole has each forward prepared here, eagerly.
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
         if self._detach_pending and not self.attachments:
             self._remove_hooks()
@@ -167,10 +150,7 @@ class SharedHooks:
             self.capture.begin_forward(False)  # and no recording of an earlier forward that raised goes on
         return None if self.active is None else self.active._pre_forward(module, args, kwargs)
 
-    # Never compiled either: folding a forward's queries into the running statistics creates and grows tensors
-    # that outlive the call, and a tensor made inside a compiled call would, under CUDA graphs, live in the graph's
-    # pool and be overwritten by the next replay. Run eagerly, it reads the forward's outputs right after the
-    # forward. (A static decode step folds in place during the forward.)
+    # Never compiled: folding queries makes tensors that outlive the call, which a CUDA graph's pool would overwrite.
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         if self.active is not None:
             self.active._post_forward(module, args, kwargs, output)
@@ -186,16 +166,14 @@ class SharedHooks:
         if self.active is not None:
             self.active._on_query(layer_idx, queries)
 
-    def _on_step(self, layers: tuple, queries: list, heads_dim: int) -> None:
+    def _on_step(self, layers: tuple, queries: list) -> None:
         if self.active is not None:
-            self.active._on_step(layers, queries, heads_dim)
+            self.active._on_step(layers, queries)
 
 
 class ForwardGate:
-    """One forward at a time per model, across threads: a forward enters before anything reads shared hook state
-    and leaves when it ends (its always-called forward hook). Entering again on the thread that holds it is a
-    no-op. A static cache's step preparation holds it on its own, as a block (``with gate.held():``), which
-    leaves only if it entered: the gate is never held between a preparation and its forward."""
+    """One forward at a time per model, across threads (re-entrant on the holding thread): a forward enters before
+    anything reads shared hook state and leaves when it ends; a static step's preparation holds it as a block."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -227,8 +205,7 @@ class ForwardGate:
 
 
 def _copied_hooks() -> SharedHooks:
-    """What a copy of a model (``copy.deepcopy``, pickle) gets for the original's :class:`SharedHooks`: hooks with
-    no attachment and no capture, which pass every forward through until the copy's next hooks replace them."""
+    """What a copy of a model (deepcopy, pickle) gets for the original's hooks: pass-throughs until replaced."""
     hooks = SharedHooks.__new__(SharedHooks)
     hooks._model_ref = lambda: None
     hooks.attachments, hooks.capture, hooks.active = [], None, None
@@ -238,7 +215,7 @@ def _copied_hooks() -> SharedHooks:
 
 
 def _drop_copied_hooks(model: nn.Module) -> None:
-    """Remove the hooks a copied model came with from its original (see :func:`_copied_hooks`)."""
+    """Remove the hooks a copied model came with from its original."""
     for hooks, extras in (
         (model._forward_pre_hooks, ("_forward_pre_hooks_with_kwargs",)),
         (model._forward_hooks, ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
@@ -250,9 +227,7 @@ def _drop_copied_hooks(model: nn.Module) -> None:
 
 
 def _dynamo_compiling() -> bool:
-    """Whether dynamo is compiling a frame on this thread right now (a finalizer may run in the middle of it)."""
-    try:
-        from torch._guards import TracingContext
-    except ImportError:  # a torch without dynamo's tracing context: nothing is compiled
-        return False
+    """Whether dynamo is compiling a frame on this thread right now."""
+    from torch._guards import TracingContext
+
     return TracingContext.try_get() is not None

@@ -312,6 +312,7 @@ class RopeKVCache(Cache):
             # Canonical strides: a slice of the growing mask keeps its stride, which changes every step; a compiled
             # step that read it would be recompiled with dynamic strides and record a CUDA graph per step.
             new_token_mask = attention_mask[:, -new:].bool().clone(memory_format=torch.contiguous_format)
+        seen = self.get_seq_length()  # before a static driver's prepare, which counts this forward's tokens
         if self._static_driver is not None:
             model = self._attachment._model_ref()
             replaced = self._static_driver.prepare(attention_mask, new, batch, device, model, self._online)
@@ -320,7 +321,7 @@ class RopeKVCache(Cache):
         if self._online is not None:
             self._online.begin_forward(new_token_mask, new)
         if self._queries is not None:
-            self._queries.begin_forward(self.get_seq_length(), new, self.rows.pads_on(batch, device), new_token_mask)
+            self._queries.begin_forward(seen, new, self.rows.pads_on(batch, device), new_token_mask)
         return replaced
 
     def _mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor | None:

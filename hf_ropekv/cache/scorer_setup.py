@@ -14,6 +14,8 @@ from ..scorers.frequency import FrequencyScorer
 
 def check_scorer(scorer: Any) -> None:
     """Refuse what is not a scorer, with the fix (used by ``RopeKVCache`` and ``hf_ropekv.enable``)."""
+    if isinstance(scorer, type):
+        raise TypeError(f"scorer must be a scorer object, not the class {scorer.__name__}: pass {scorer.__name__}().")
     if scorer is not None and not callable(getattr(scorer, "score", None)):
         raise TypeError(
             f"scorer must have a `score(keys, ctx)` method (see hf_ropekv.scorers); got {type(scorer).__name__}."

@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from .. import _compat
-from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, mark_static, static_buffer
+from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, mark_static, normal_tensors, static_buffer
 
 if TYPE_CHECKING:
     from ..storage.buffers import BufferLease
@@ -60,6 +60,7 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         return f"StaticWindowLayer(window={self.window}, seen={self.cumulative_length_int})"
 
     # ------------------------------------------------------------------ storage
+    @normal_tensors
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the window for these keys' batch, heads, dtype and device (zeroed: a masked slot still multiplies
         its zero weight, so it must be finite), from the lease when it has one."""

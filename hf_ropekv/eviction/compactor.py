@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -12,11 +13,10 @@ from ..storage.paged import PagedKV, compact_arenas
 from .schedule import Plan
 from .selection import Guards, select_keep, slot_masks
 
-#: Slots (layers x rows x KV heads x slots) one batched per-layer selection ranks at most, whatever the batch: its
-#: temporaries (per-query-head float32 scores and their z-scores, int64 positions and sort indices, masks) then
-#: stay under about 256 MiB, so a user near the end of a small card's memory meets no new gigabyte. It still ranks
-#: every layer of a batch-1 Qwen3-8B (36 x 8 heads x 2,176 slots) in one go.
+#: Slots (layers x rows x KV heads x slots) one batched selection ranks at most: its temporaries stay under ~256 MiB.
 SELECTION_WORKSPACE = 1 << 21
+#: The share of a row's room (its target less its pinned prompt and sink) that the default recent window may take.
+RECENT_SHARE = 1.0
 
 
 class StoredLayer(Protocol):
@@ -26,34 +26,25 @@ class StoredLayer(Protocol):
     storage: PagedKV
 
 
+@dataclass(eq=False)
 class Compactor:
-    """Picks each row's survivors in a set of layers and compacts them in place.
+    """Picks each row's survivors in a set of layers and compacts them in place. ``online``: statistics handed to
+    the scorer before it scores; ``queries``: a ``QueryWindow`` for scorers that recompute attention."""
 
-    Args:
-        scorer: the eviction policy.
-        sink, window, auto_window, seed: the guards and tie-break seed (``CacheOptions``).
-        online: online query statistics to hand the scorer before it scores (or None).
-        queries: recent queries for a scorer that recomputes attention (``QueryWindow``, or None).
-    """
-
-    def __init__(self, scorer: Scorer, *, sink: int, window: int, auto_window: bool, seed: int,
-                 online: Any = None, queries: Any = None) -> None:
-        self.scorer = scorer
-        self.sink = sink
-        self.window = window
-        self.auto_window = auto_window
-        self.seed = seed
-        self.online = online
-        self.queries = queries
+    scorer: Scorer
+    _: KW_ONLY
+    sink: int
+    window: int
+    auto_window: bool
+    seed: int
+    online: Any = None
+    queries: Any = None
 
     def compact(self, layers: Sequence[StoredLayer], plan: Plan, pads: torch.Tensor, pads_host: tuple[int, ...],
                 pinned: int) -> None:
-        """Compact ``layers`` (all holding ``plan.slots_before`` slots) to ``plan.slots_after``.
-
-        ``pads``: each row's left padding (device), ``pads_host`` the same on the host; ``pinned``: tokens of
-        each row (padding included) that are never evicted.
-        """
-        # Every layer ranked on its own, the layers of a device batched along the rows, in bounded groups.
+        """Compact ``layers`` from ``plan.slots_before`` to ``plan.slots_after`` slots; ``pads``: each row's left
+        padding (``pads_host`` on the host), ``pinned``: tokens per row never evicted. Each layer is ranked on its
+        own, the layers of a device batched along the rows in bounded groups."""
         first = layers[0].storage
         per_layer = first.keys.shape[0] * first.keys.shape[1] * plan.slots_before  # slots a layer ranks
         chunk = max(1, SELECTION_WORKSPACE // max(1, per_layer))
@@ -67,19 +58,18 @@ class Compactor:
 
     def window_for(self, plan: Plan, pads_host: tuple[int, ...] | None, pinned: int,
                    device: torch.device) -> int | torch.Tensor:
-        """The recent window each row protects: the one asked for, or the default cut to what the budget leaves
-        beside the row's pinned prompt and sink (per row, ``[B]``)."""
+        """The recent window each row protects: the one asked for, or the default cut per row (``[B]``) to what the
+        budget leaves beside its pinned prompt and sink."""
         if not self.auto_window or not self.window:
             return self.window
         pads = pads_host or (0,) * len(plan.kept_after)
         room = [max(0, target - max(0, pinned - pad) - self.sink) for target, pad in zip(plan.kept_after, pads)]
-        return torch.tensor([min(self.window, r) for r in room], device=device)
+        return torch.tensor([min(self.window, int(r * RECENT_SHARE)) for r in room], device=device)
 
     def _select(self, layers: Sequence[StoredLayer], plan: Plan, pads: torch.Tensor, pads_host: tuple[int, ...],
                 pinned: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score ``layers`` and pick each row's survivors, every layer ranked on its own (the layers stacked along
-        the rows): ``(keep [L, B, H, K], start [B])`` for ``compact_arenas``. Row ``b`` keeps
-        ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``."""
+        """Score ``layers`` and pick each row's survivors: ``(keep [L, B, H, K], start [B])`` (row ``b`` keeps
+        ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``)."""
         first = layers[0].storage
         device = first.keys.device
         seen = plan.seen
@@ -87,13 +77,10 @@ class Compactor:
         holes = torch.tensor([plan.slots_before - k for k in plan.kept_before], device=device)
         window = self.window_for(plan, pads_host, pinned, device)
         slot_positions = torch.stack([layer.storage.live_positions() for layer in layers])  # [L, B, H, S]
-        rows = slot_positions.shape[0]  # rankings made side by side
+        rows = slot_positions.shape[0]  # layers ranked side by side
         flat_positions = slot_positions.flatten(0, 1)
-        guards = Guards(
-            pinned=pinned,
-            sink=self.sink,
-            window=window.repeat(rows) if isinstance(window, torch.Tensor) else window,
-        )
+        guards = Guards(pinned=pinned, sink=self.sink,
+                        window=window.repeat(rows) if isinstance(window, torch.Tensor) else window)
         row_pads = pads.repeat(rows)
         is_hole, protected = slot_masks(flat_positions, holes.repeat(rows), row_pads, seen, guards)
         candidates = (~(is_hole | protected)).view(slot_positions.shape)
@@ -113,11 +100,8 @@ class Compactor:
 
     def _score(self, layers: Sequence[StoredLayer], position: torch.Tensor, seen: int, candidates: torch.Tensor,
                is_hole: torch.Tensor) -> torch.Tensor:
-        """float32 ``[L, B, H, S]`` scores of ``layers`` on the first layer's device.
-
-        ``candidates`` and ``is_hole`` are ``[L, B, H, S]``. A scorer with ``score_layers`` gets every layer in one
-        call.
-        """
+        """float32 ``[L, B, H, S]`` scores of ``layers`` on the first layer's device (in one call to a scorer with
+        ``score_layers``)."""
         device = layers[0].storage.keys.device
         contexts = []
         for i, layer in enumerate(layers):
@@ -136,7 +120,8 @@ class Compactor:
         if score_layers is not None and len(keys) > 1 and all(k.device == device for k in keys):
             scores = score_layers(keys, contexts)
         else:
-            scores = torch.stack([self.scorer.score(k, ctx).to(device, torch.float32) for k, ctx in zip(keys, contexts)])
+            scores = torch.stack([self.scorer.score(k, ctx).to(device, torch.float32)
+                                  for k, ctx in zip(keys, contexts)])
         if self.queries is not None:
             for layer in layers:
                 self.queries.compacted(layer.layer_idx)

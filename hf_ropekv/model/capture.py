@@ -1,18 +1,9 @@
-"""Deliver each decoder layer's query exactly as RoPE receives it: at the model's own rotary function.
+"""Each decoder layer's query exactly as RoPE receives it, from the model's own rotary function.
 
-One mechanism for every family: while a capture is attached, the modeling module's ``apply_rotary_pos_emb``
-global is replaced by a pass-through (``hf_ropekv.model.rotary``), and each attention module's ``forward`` is wrapped
-so that the pass-through knows which layer is running. (A wrapper, not a pre-hook and a forward hook: hooks send
-every call of the module through ``nn.Module``'s slow path, about 4 µs a layer and forward, a visible share of a
-host-bound decoding step at batch 1.) The query it receives is the pre-RoPE query whatever produced it:
-``q_proj``, a query norm (Qwen3, Gemma3, OLMo2, StableLM), or a fused QKV projection split by the model itself
-(Phi-3, GPT-NeoX, Falcon, Persimmon, CodeGen). Nothing is recomputed and no linear is hooked, so weight-quantized
-linears (bitsandbytes, quanto) work unchanged; head counts are those the tensors show (tensor parallelism
-gives each rank its own heads).
-
-Every query is handed to the callback as ``[B, S, H, D]``, the whole head: where a partial-rotary model hands
-RoPE only a slice ``q[..., :R]`` of its query, the slice is widened back to the head it was cut from (the
-model's own tensor, no copy). The rotary pairs are always the first ``R`` dims.
+While attached, the modeling module's ``apply_rotary_pos_emb`` is a pass-through (:mod:`.rotary`) and each attention
+module's ``forward`` is wrapped (cheaper than hooks) so the pass-through knows which layer runs. This works for
+every family, fused QKV projections and quantized linears included. A partial-rotary query slice ``q[..., :R]`` is
+widened back to the whole head (the model's own tensor, no copy); the rotary pairs are the first ``R`` dims.
 """
 
 from __future__ import annotations
@@ -31,33 +22,22 @@ _ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 _LAYER_LIST_NAMES = ("layers", "h")
 
 QueryCallback = Callable[[int, torch.Tensor], None]
-#: ``(layers, queries, heads_dim)``: one decoding step's queries of ``layers``, each as the model handed it to RoPE
-#: (``[B, 1, H, D]`` with ``heads_dim`` 2, ``[B, H, 1, D]`` with 1), the whole head.
-StepCallback = Callable[[tuple, list, int], None]
 
 
 def find_attention_modules(model: nn.Module, geometry: ModelGeometry | None = None) -> list[nn.Module]:
-    """The self-attention module of every decoder layer, in layer order.
-
-    Looks at the decoder's layer list (``layers`` or ``h``) and each layer's ``self_attn`` / ``attention`` /
-    ``attn`` / ``self_attention``, then at any ``...Attention`` module with an integer ``layer_idx``.
-
-    Raises:
-        ValueError: if no such modules are found, or not one per decoder layer of ``geometry``.
-    """
+    """The self-attention module of every decoder layer, in layer order (from the decoder's layer list, else from
+    the ``...Attention`` modules' ``layer_idx``); ``ValueError`` if not one per layer is found."""
     modules = _from_decoder_layers(model) or _from_layer_idx(model)
     name = type(model).__name__
     if not modules:
         raise ValueError(
             f"hf_ropekv could not find the attention modules of {name}: no decoder layer list (`layers` or `h`) "
             "whose layers hold a `self_attn` / `attention` / `attn` / `self_attention` module. The RoPE scorer "
-            "needs them for query statistics; RecencyScorer, KeyNormScorer and RandomScorer do not."
-        )
+            "needs them for query statistics; RecencyScorer, KeyNormScorer and RandomScorer do not.")
     if geometry is not None and len(modules) != geometry.num_layers:
         raise ValueError(
             f"hf_ropekv could not find the attention module of every layer of {name}: found {len(modules)} "
-            f"for {geometry.num_layers} decoder layers."
-        )
+            f"for {geometry.num_layers} decoder layers.")
     return modules
 
 
@@ -78,7 +58,8 @@ def _from_decoder_layers(model: nn.Module) -> list[nn.Module]:
                 continue
             found = []
             for layer in layers:
-                attn = next((getattr(layer, n) for n in _ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None)
+                attn = next((getattr(layer, n) for n in _ATTENTION_NAMES
+                             if isinstance(getattr(layer, n, None), nn.Module)), None)
                 if attn is None:
                     break
                 found.append(attn)
@@ -95,50 +76,56 @@ def _from_layer_idx(model: nn.Module) -> list[nn.Module]:
             if idx in by_index:
                 raise ValueError(
                     f"hf_ropekv could not find the attention modules of {type(model).__name__} unambiguously: "
-                    f"several attention modules claim layer_idx {idx}."
-                )
+                    f"several attention modules claim layer_idx {idx}.")
             by_index[idx] = module
     if sorted(by_index) != list(range(len(by_index))):
         return []
     return [by_index[i] for i in range(len(by_index))]
 
 
-class QueryCapture:
-    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]`` during forwards.
+class CaptureBase:
+    """What both query captures share: the attention modules, held weakly (what is put on them points back at the
+    capture), a forward's start and end, and ``with`` support (attach, then detach)."""
 
-    The tensor handed over is the model's own (or a view of it): read it, do not modify it.
+    def __init__(self, modules: list[nn.Module], geometry: ModelGeometry, callback: QueryCallback) -> None:
+        self.geometry, self.callback = geometry, callback
+        self._attention_refs = [weakref.ref(module) for module in modules]
 
-    Example::
+    @property
+    def attention_modules(self) -> list[nn.Module]:
+        """The attention module of every decoder layer, in layer order (those still alive)."""
+        return [module for module in (ref() for ref in self._attention_refs) if module is not None]
 
-        with QueryCapture(model, describe(model), lambda i, q: acc.add(i, q)):
-            model(input_ids, use_cache=False)
+    def begin_forward(self, record: bool) -> None:
+        """A forward starts (``record``: hand an eager decoding step's queries over at once, where supported)."""
 
-    Raises (at construction, with the reason): ``ValueError`` when the attention modules, the rotary function
-    or the rotary layout of the model cannot be found.
+    def finish_forward(self) -> None:
+        """The forward finished."""
+
+    def __enter__(self) -> Any:
+        return self.attach()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.detach()
+
+
+class QueryCapture(CaptureBase):
+    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]`` (the model's own tensor:
+    do not modify it) during forwards, while attached (``with QueryCapture(model, geometry, callback): ...``).
+
+    Raises ``ValueError`` when the attention modules, rotary function or rotary layout cannot be found.
     """
 
-    def __init__(
-        self, model: nn.Module, geometry: ModelGeometry, callback: QueryCallback,
-        step_callback: StepCallback | None = None,
-    ) -> None:
-        self.geometry = geometry
-        self.callback = callback
-        self.step_callback = step_callback  # optional: a recorded decoding step's queries in one call
+    def __init__(self, model: nn.Module, geometry: ModelGeometry, callback: QueryCallback) -> None:
         geometry.require_rotary_layout()
         modules = find_attention_modules(model, geometry)
-        # Weak: the frames put on these modules point back at the capture, which must not keep them alive.
-        self._attention_refs = [weakref.ref(module) for module in modules]
+        super().__init__(modules, geometry, callback)
         self._functions = [_rotary_function_of(model, attn) for attn in modules]
         self._query_calls = [
             None if fn.paired else _query_call_of(model, attn, fn) for attn, fn in zip(modules, self._functions)
         ]
         self._frames: list[_Frame] = []
         self._installed: list[rotary._Patch] = []
-
-    @property
-    def attention_modules(self) -> list[nn.Module]:
-        """The attention module of every decoder layer, in layer order (those still alive)."""
-        return [module for module in (ref() for ref in self._attention_refs) if module is not None]
 
     @property
     def attached(self) -> bool:
@@ -168,19 +155,6 @@ class QueryCapture:
             rotary.uninstall(patch)
         self._installed = []
 
-    def begin_forward(self, record: bool) -> None:
-        """A forward starts (every query goes to ``callback`` as its layer makes it; ``record`` is for the hooked
-        capture, which hands a decoding step's queries over at once)."""
-
-    def finish_forward(self) -> None:
-        """The forward finished."""
-
-    def __enter__(self) -> "QueryCapture":
-        return self.attach()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.detach()
-
 
 class _Frame:
     """One layer's attention forward in progress: picks its query out of the rotary calls it makes."""
@@ -189,14 +163,13 @@ class _Frame:
         self, capture: QueryCapture, attention: nn.Module, layer_idx: int, function: rotary.RotaryFunction,
         query_call: int | None,
     ) -> None:
-        # The module holds this frame (its forward): the frame holds the module weakly, so no cycle outlives it.
         self._attention_ref = weakref.ref(attention)
         self.capture, self.layer_idx = capture, layer_idx
         self.function, self.query_call = function, query_call
         self.calls = 0
         self.full_attention = capture.geometry.layer_types[layer_idx] == FULL
         self.head_dim = capture.geometry.head_dim
-        self.key = function.key  # where the pass-through looks for the frames of this rotary function
+        self.key = function.key
 
     @property
     def attention(self) -> nn.Module | None:
@@ -206,18 +179,14 @@ class _Frame:
         # A copied model's attention forward (this frame's bound forward) becomes a pass-through of the copy.
         return _CopiedForward, (self.attention, self.inner)
 
-    # ---------------------------------------------------------------- the attention module's forward, wrapped
     def wrap(self) -> None:
-        """Make ``attention.forward`` this frame's :meth:`forward` (an instance attribute over whatever ran before:
-        the class's forward, or another capture's or library's wrapper)."""
+        """Make ``attention.forward`` this frame's :meth:`forward`, over whatever ran before."""
         attention = self.attention
         if attention is None:
             return
         self.live = True
-        # The forward to run inside: an instance attribute (another wrapper) as it is; the class's forward as the
-        # plain function, called with the module (a bound method would hold the module from its own __dict__).
+        # The class's forward is kept as the plain function: a bound method would hold the module from its __dict__.
         self.inner = attention.__dict__.get("forward")
-        self.had_instance_forward = self.inner is not None
         self.class_forward = type(attention).forward
         attention.forward = self.forward
 
@@ -227,15 +196,15 @@ class _Frame:
         return self.class_forward(self._attention_ref(), *args, **kwargs)
 
     def unwrap(self) -> None:
-        """Give ``attention`` back the forward it had, or, when another wrapper went on top since, take this one out
-        of the chain; a wrapper that cannot be reached any more just passes calls through (``live`` off)."""
+        """Give ``attention`` back the forward it had, or take this wrapper out of a chain that grew on top of it;
+        an unreachable one just passes calls through."""
         self.live = False
         attention = self.attention
         if attention is None:
             return
         current = attention.__dict__.get("forward")
         if _frame_of(current) is self:
-            if self.had_instance_forward:
+            if self.inner is not None:
                 attention.forward = self.inner
             else:
                 del attention.forward  # back to the class's forward
@@ -243,11 +212,10 @@ class _Frame:
         outer = _frame_of(current)
         while outer is not None:
             if _frame_of(outer.inner) is self:
-                outer.inner, outer.had_instance_forward = self.inner, self.had_instance_forward
+                outer.inner = self.inner
                 return
             outer = _frame_of(outer.inner)
 
-    # forward and see run for every layer of every forward while attached: each is a few lookups.
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.live:
             return self.run_inner(args, kwargs)  # detached: a pass-through
@@ -264,8 +232,7 @@ class _Frame:
                 f"Layer {self.layer_idx} ({name}) ran without rotating its query through "
                 f"{self.function.module.__name__}.{self.function.name}: it applies no RoPE (NoPE) or applies it "
                 "elsewhere, so hf_ropekv cannot gather its query statistics. Use RecencyScorer, KeyNormScorer or "
-                "RandomScorer (hf_ropekv.scorers), which need none."
-            )
+                "RandomScorer (hf_ropekv.scorers), which need none.")
         return output
 
     def see(self, args: tuple, kwargs: dict) -> None:
@@ -279,24 +246,16 @@ class _Frame:
             raise ValueError(
                 f"{fn.module.__name__}.{fn.name} received a query of shape "
                 f"{tuple(getattr(q, 'shape', ()))} in layer {self.layer_idx}; hf_ropekv expects a 4-D "
-                "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor."
-            )
+                "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor.")
         self.capture.callback(self.layer_idx, _as_query(q, heads_dim, self.head_dim))
 
 
 def _as_query(q: torch.Tensor, heads_dim: int, head_dim: int) -> torch.Tensor:
-    """A query as RoPE received it, as the callbacks take it: ``[B, S, H, D]``, the whole head."""
+    """A query as RoPE received it, as ``[B, S, H, D]``. Where it is a rotary slice ``q[..., :R]`` (Persimmon,
+    StableLM, Phi, GPT-J), the whole head: the same storage seen ``head_dim`` wide, where the strides and the storage
+    leave room for it."""
     if heads_dim == 1:
         q = q.transpose(1, 2)
-    if q.shape[-1] < head_dim:  # only the rotary part: see _whole_head
-        q = _whole_head(q, head_dim)
-    return q
-
-
-def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The whole query head when the model handed RoPE only its rotary part as a slice (``q[..., :R]``:
-    Persimmon, StableLM, Phi, GPT-J): the same storage seen ``head_dim`` wide. The view is widened only when
-    every other stride leaves room for ``head_dim`` elements and the storage holds them; otherwise ``q``."""
     if q.shape[-1] >= head_dim or q.stride(-1) != 1:
         return q
     if any(stride < head_dim for size, stride in zip(q.shape[:-1], q.stride()[:-1]) if size > 1):
@@ -308,15 +267,12 @@ def _whole_head(q: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 class _CopiedForward(_Frame):
-    """What a copy of the model (``copy.deepcopy``, pickle) gets for a frame's forward: the capture belongs to the
-    original model, so on its first call it puts back the forward the module had before (``inner``, or the
-    class's) and runs it. (A frame's bound ``forward`` is copied as ``_Frame.forward`` bound to the frame's copy:
-    this subclass, never live, makes that call a pass-through.)"""
+    """What a copy of the model (deepcopy, pickle) gets for a frame's forward: on its first call it puts back the
+    forward the module had before and runs it (the capture belongs to the original)."""
 
-    # (no super().__init__: that one is the capture's)
     def __init__(self, attention: nn.Module, inner: Any = None) -> None:
         self._attention_ref = weakref.ref(attention)
-        self.inner, self.had_instance_forward, self.live = inner, inner is not None, False
+        self.inner, self.live = inner, False
         self.class_forward = type(attention).forward
 
     def restore(self) -> nn.Module:
@@ -335,7 +291,7 @@ class _CopiedForward(_Frame):
 
 
 def _frame_of(forward: Any) -> "_Frame | None":
-    """The live capture frame whose :meth:`_Frame.forward` ``forward`` is (a bound method), else None."""
+    """The live capture frame whose bound :meth:`_Frame.forward` ``forward`` is, else None."""
     owner = getattr(forward, "__self__", None)
     if not isinstance(owner, _Frame) or isinstance(owner, _CopiedForward):
         return None
@@ -343,15 +299,13 @@ def _frame_of(forward: Any) -> "_Frame | None":
 
 
 def _rotary_function_of(model: nn.Module, attention: nn.Module) -> rotary.RotaryFunction:
-    # The module whose globals the forward resolves the function name in (the forward may be inherited).
     fn = rotary.find_rotary_function(type(attention).forward.__module__)
     if fn is None:
         raise ValueError(
             f"hf_ropekv could not find where {type(model).__name__} applies RoPE to its queries: "
             f"{type(attention).forward.__module__} has no apply_rotary_pos_emb(q, k, cos, sin) or "
             "apply_rotary_pos_emb(tensor, sin, cos). The RoPE scorer needs the queries; RecencyScorer, "
-            "KeyNormScorer and RandomScorer (hf_ropekv.scorers) do not, and budget=None never evicts."
-        )
+            "KeyNormScorer and RandomScorer (hf_ropekv.scorers) do not, and budget=None never evicts.")
     return fn
 
 
@@ -361,6 +315,5 @@ def _query_call_of(model: nn.Module, attention: nn.Module, fn: rotary.RotaryFunc
         raise ValueError(
             f"hf_ropekv could not tell which call of {fn.module.__name__}.{fn.name} rotates the query in "
             f"{type(attention).__name__}.forward of {type(model).__name__}. Use RecencyScorer, KeyNormScorer or "
-            "RandomScorer (hf_ropekv.scorers), which need no query statistics."
-        )
+            "RandomScorer (hf_ropekv.scorers), which need no query statistics.")
     return index

@@ -1,15 +1,9 @@
-"""What the cache needs to know about a model: attention geometry, layer kinds and RoPE frequencies.
-
-Everything is read from the model's own config and its own rotary-embedding module, so llama3 / YaRN /
-linear scaling and partial rotary dims come out exactly as the model applies them. How the model pairs
-dimensions (``rotate_half`` or interleaved) is learned by calling its own rotary function on probe vectors
-(``hf_ropekv.model.rotary``), which also measures the frequencies of families whose rotary module keeps only a
-sin/cos table (GPT-J, CodeGen).
+"""What the cache needs to know about a model: attention geometry, layer kinds, RoPE frequencies and pair layout,
+read from its own config and rotary module (so scaled and partial RoPE come out as the model applies them).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import weakref
 from dataclasses import dataclass, field, fields
@@ -34,19 +28,10 @@ _SUPPORTED_LAYER_TYPES = (FULL, SLIDING)
 class ModelGeometry:
     """Attention geometry and RoPE setting of a decoder-only model.
 
-    Attributes:
-        model_type: `config.model_type` of the text decoder (e.g. ``"llama"``).
-        num_layers: number of decoder layers.
-        num_q_heads / num_kv_heads / head_dim: attention shape (GQA when ``num_q_heads > num_kv_heads``).
-        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"``.
-        sliding_windows: per layer, the window of a sliding layer, else ``None``.
-        rope_type / rope_theta / rope_parameters: the RoPE setting of the full-attention layers.
-        inv_freq: float32 CPU tensor ``[F]``, the rotary frequencies of the full-attention layers;
-            ``rotary_dim = 2 * F`` may be smaller than ``head_dim`` (partial rotary).
-        rotary_layout: how RoPE pairs dims, ``"rotate_half"`` (f, f + F) or ``"interleaved"`` (2f, 2f + 1)
-            (``hf_ropekv.model.layouts``); ``None`` when it could not be learned, with the reason in
-            ``rotary_problem`` (such a model works with nothing evicted and with scorers that need no
-            query statistics).
+    ``layer_types`` holds ``"full_attention"`` or ``"sliding_attention"`` per layer, ``sliding_windows`` a sliding
+    layer's window (else ``None``); the RoPE fields are those of the full-attention layers, ``inv_freq`` a float32 CPU
+    ``[F]`` (``rotary_dim = 2F`` may be below ``head_dim``). ``rotary_layout`` is ``None`` when it could not be learned,
+    with the reason in ``rotary_problem`` (then only scorers without query statistics work).
     """
 
     model_type: str
@@ -68,8 +53,7 @@ class ModelGeometry:
         if self.rotary_layout is None:
             raise ValueError(
                 f"{self.rotary_problem} The RoPE scorer needs it; RecencyScorer, KeyNormScorer, RandomScorer "
-                "(hf_ropekv.scorers) work without query statistics, and budget=None never evicts."
-            )
+                "(hf_ropekv.scorers) work without query statistics, and budget=None never evicts.")
         return self.rotary_layout
 
     @property
@@ -91,16 +75,12 @@ class ModelGeometry:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
 
-#: model -> the geometry its caches share (see :func:`shared_geometry`).
 _SHARED_GEOMETRY: "weakref.WeakKeyDictionary[nn.Module, ModelGeometry]" = weakref.WeakKeyDictionary()
 
 
 def shared_geometry(model: nn.Module, geometry: ModelGeometry) -> ModelGeometry:
-    """One geometry object per model while it stays the same: the caches of a model then share it.
-
-    A compiled forward guards on the identity of the objects it reads through the model's (shared) hooks and
-    through the cache; a fresh but equal geometry per cache would recompile it for every new cache.
-    """
+    """One geometry object per model while it stays the same, so that a compiled forward (which guards on the
+    identity of what it reads) is not recompiled for every new cache."""
     known = _SHARED_GEOMETRY.get(model)
     if known is not None and _same_geometry(known, geometry):
         return known
@@ -115,47 +95,35 @@ def _same_geometry(a: ModelGeometry, b: ModelGeometry) -> bool:
     return key(a) == key(b)
 
 
-def text_config(model_or_config: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
-    """The decoder text config of a model or config (multimodal configs nest it)."""
+def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeometry:
+    """The attention geometry and RoPE frequencies of a decoder-only RoPE model (or its config).
+
+    Raises ``TypeError`` for anything else, and ``ValueError`` naming the problem for models the cache cannot hold
+    (encoder-decoder, cross-attention, no RoPE, layer kinds other than full and sliding attention).
+    """
     config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
     if not isinstance(config, PretrainedConfig):
         raise TypeError(
             f"Expected a transformers PreTrainedModel or PretrainedConfig, got {type(model_or_config).__name__}. "
-            "Pass the model itself (recommended) or `model.config`."
-        )
-    return config.get_text_config(decoder=True)
-
-
-def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeometry:
-    """Read the attention geometry and RoPE frequencies of a decoder-only RoPE model.
-
-    Raises:
-        TypeError: if the argument is neither a model nor a config.
-        ValueError: for encoder-decoder models, cross-attention, models without RoPE, or layer kinds the
-            cache cannot hold (linear attention, chunked attention, ...). The message names the problem.
-    """
-    config = text_config(model_or_config)
+            "Pass the model itself (recommended) or `model.config`.")
+    config = config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
     name = getattr(config, "model_type", type(config).__name__)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"hf_ropekv supports decoder-only models; '{name}' is an encoder-decoder model. "
-            "Use a decoder-only RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
-        )
+            "Use a decoder-only RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...).")
     if getattr(config, "add_cross_attention", False):
         raise ValueError(
             f"'{name}' is configured with cross-attention (add_cross_attention=True); hf_ropekv only compresses "
-            "self-attention caches of decoder-only models."
-        )
+            "self-attention caches of decoder-only models.")
     if getattr(config, "kv_lora_rank", None):
         raise ValueError(
             f"'{name}' uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}: DeepSeek-V2/V3 style), "
-            "whose keys hold a non-rotary part before a shared rotary part; hf_ropekv does not support it yet."
-        )
+            "whose keys hold a non-rotary part before a shared rotary part; hf_ropekv does not support it yet.")
     if getattr(config, "alibi", False):
         raise ValueError(
             f"'{name}' is configured with ALiBi position biases (alibi=True), not rotary position embeddings; "
-            "hf_ropekv scores keys from RoPE geometry and needs a RoPE model (Falcon with alibi=False, Llama, ...)."
-        )
+            "hf_ropekv scores keys from RoPE geometry and needs a RoPE model (Falcon with alibi=False, Llama, ...).")
     num_layers = config.num_hidden_layers
     num_q_heads = config.num_attention_heads
     num_kv_heads = _kv_heads(config, num_q_heads)
@@ -166,8 +134,7 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
     if unsupported:
         raise ValueError(
             f"'{name}' has layers of kind {unsupported}; hf_ropekv handles only full and sliding-window "
-            "attention layers."
-        )
+            "attention layers.")
     window = getattr(config, "sliding_window", None)
     sliding_windows = tuple(window if t == SLIDING else None for t in layer_types)
 
@@ -177,30 +144,19 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
     if nope and layout is not None:
         layout, problem = None, (
             f"'{name}' applies no RoPE in its full-attention layers {nope} (NoPE layers), so their keys carry no "
-            "rotary phase for the RoPE scorer to read."
-        )
+            "rotary phase for the RoPE scorer to read.")
     if 2 * inv_freq.numel() > head_dim:
         raise ValueError(f"'{name}': rotary dim {2 * inv_freq.numel()} exceeds head_dim {head_dim}.")
     rope = _full_attention_rope_parameters(config)
     return ModelGeometry(
-        model_type=name,
-        num_layers=num_layers,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        layer_types=layer_types,
-        sliding_windows=sliding_windows,
-        rope_type=str(rope.get("rope_type", "default")),
-        rope_theta=rope.get("rope_theta"),
-        rope_parameters=_jsonable(rope),
-        inv_freq=inv_freq,
-        rotary_layout=layout,
-        rotary_problem=problem,
-    )
+        model_type=name, num_layers=num_layers, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        layer_types=layer_types, sliding_windows=sliding_windows, rope_type=str(rope.get("rope_type", "default")),
+        rope_theta=rope.get("rope_theta"), rope_parameters=json.loads(json.dumps(rope, default=str)),
+        inv_freq=inv_freq, rotary_layout=layout, rotary_problem=problem)
 
 
 def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...]) -> list[int]:
-    """Layers whose attention skips RoPE, as the config tells it (checked at run time too, by the capture)."""
+    """Layers whose attention skips RoPE, as the config tells it (the capture checks it at run time too)."""
     flags = getattr(config, "no_rope_layers", None)  # SmolLM3, Llama 4: 1 = RoPE, 0 = NoPE
     if isinstance(flags, (list, tuple)) and len(flags) == len(layer_types):
         return [i for i, use in enumerate(flags) if not use]
@@ -224,24 +180,22 @@ def _frequencies_and_layout(
 ) -> tuple[torch.Tensor, str | None, str | None]:
     """``(inv_freq, layout, problem)`` from the rotary module's buffer and a probe of the model's own RoPE."""
     buffer = _full_attention_inv_freq(rotary)
-    if any(b.is_meta for b in rotary.buffers()):  # weights not materialised here: rebuild it from the config
-        cls = _rotary_class(config)
-        if cls is not None:
-            with torch.device("cpu"):
-                rotary = cls(config=config)
-            buffer = _full_attention_inv_freq(rotary)
+    if any(b.is_meta for b in rotary.buffers()):  # not materialised: rebuild it from the config
+        rebuilt = _rotary_from_config(config)
+        if rebuilt is not None:
+            rotary, buffer = rebuilt, _full_attention_inv_freq(rebuilt)
     function = find_rotary_function(getattr(rotary, "modeling_module", type(rotary).__module__))
     problem = None
     if function is None:
         problem = (
             f"hf_ropekv could not find how '{name}' applies RoPE: {type(rotary).__module__} has no "
-            "apply_rotary_pos_emb(q, k, cos, sin) or apply_rotary_pos_emb(tensor, sin, cos)."
-        )
+            "apply_rotary_pos_emb(q, k, cos, sin) or apply_rotary_pos_emb(tensor, sin, cos).")
     else:
         max_position = getattr(config, "max_position_embeddings", None)
         try:
-            probe = probe_rotary(rotary, function, None if buffer is None else buffer.float(), max_position, name)
-            return probe.inv_freq, probe.layout, None
+            inv_freq, layout = probe_rotary(rotary, function, None if buffer is None else buffer.float(), max_position,
+                                            name)
+            return inv_freq, layout, None
         except ValueError as err:
             problem = str(err)
     if buffer is None:
@@ -251,7 +205,7 @@ def _frequencies_and_layout(
 
 
 def _infer_layer_types(config: PretrainedConfig, num_layers: int) -> list[str]:
-    # Mistral-style configs mark every layer sliding through one `sliding_window` field.
+    # Mistral-style configs make every layer sliding through one `sliding_window` field.
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return [SLIDING] * num_layers
     return [FULL] * num_layers
@@ -268,10 +222,6 @@ def _full_attention_rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     return params
 
 
-def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(params, default=str))
-
-
 def _rotary_module(
     model_or_config: PreTrainedModel | PretrainedConfig, config: PretrainedConfig, name: str
 ) -> nn.Module:
@@ -281,39 +231,35 @@ def _rotary_module(
             if type(module).__name__.endswith("RotaryEmbedding"):
                 return module
     else:
-        cls = _rotary_class(config)
-        if cls is not None:
-            with torch.device("cpu"):
-                return cls(config=config)
+        rotary = _rotary_from_config(config)
+        if rotary is not None:
+            return rotary
     legacy = _compat.sinusoid_table_rotary(model_or_config, config)  # GPT-J / CodeGen before 5.2x
     if legacy is not None:
         return legacy
     raise ValueError(
         f"'{name}' has no rotary position embedding (RoPE); hf_ropekv reads a model's attention geometry from its "
         "rotary embedding, so it refuses this model whatever the scorer. Keep transformers' DynamicCache for it, "
-        "or use a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...)."
-    )
+        "or use a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...).")
 
 
-def _rotary_class(config: PretrainedConfig) -> type[nn.Module] | None:
-    # The modeling module sits beside the config's module: .../configuration_x.py -> .../modeling_x.py
-    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
+def _rotary_from_config(config: PretrainedConfig) -> nn.Module | None:
+    """The family's rotary-embedding module built from ``config`` on the CPU (None if its class is not found)."""
+    module = _compat.modeling_module(config)
+    if module is None:
         return None
-    candidates = [
-        obj
-        for attr, obj in vars(module).items()
-        if attr.endswith("RotaryEmbedding") and isinstance(obj, type) and issubclass(obj, nn.Module)
-    ]
+    candidates = [obj for attr, obj in vars(module).items()
+                  if attr.endswith("RotaryEmbedding") and isinstance(obj, type) and issubclass(obj, nn.Module)]
     # Prefer the text model's class when a modeling file defines several (e.g. vision + text).
     candidates.sort(key=lambda c: ("Vision" in c.__name__, len(c.__name__)))
-    return candidates[0] if candidates else None
+    if not candidates:
+        return None
+    with torch.device("cpu"):
+        return candidates[0](config=config)
 
 
 def _full_attention_inv_freq(rotary: nn.Module) -> torch.Tensor | None:
-    # A model whose layers are all sliding windows (nothing to compress) still has frequencies: take those.
+    # A model whose layers are all sliding windows still has frequencies: take those.
     names = ["inv_freq", f"{FULL}_inv_freq"] + [n for n, _ in rotary.named_buffers() if n.endswith("_inv_freq")]
     for attr in names:
         value = getattr(rotary, attr, None)

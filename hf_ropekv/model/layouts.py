@@ -1,12 +1,7 @@
-"""How a model pairs head dimensions into the complex numbers RoPE rotates (README "How it works": the score).
-
-Pair ``f`` (``0 <= f < F``, ``F = rotary_dim / 2``) is ``x_f = x[real(f)] + i x[imag(f)]`` with
-
-- ``"rotate_half"`` (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, Falcon, ...): ``real = f``, ``imag = f + F``;
-- ``"interleaved"`` (GPT-J, CodeGen, Cohere, GLM, ...): ``real = 2f``, ``imag = 2f + 1``.
-
-Both are ``real = f * pair_stride`` and ``imag = real + imag_offset``: the kernel takes those two integers.
-Dimensions ``>= rotary_dim`` (partial rotary) are not rotated and never scored.
+"""How a model pairs head dimensions into the complex numbers RoPE rotates: pair ``f`` (``F = rotary_dim / 2``) is
+``x[real(f)] + i x[imag(f)]`` with ``"rotate_half"`` (Llama, Qwen, Mistral, ...): ``real = f``, ``imag = f + F``, or
+``"interleaved"`` (GPT-J, CodeGen, Cohere, GLM, ...): ``real = 2f``, ``imag = 2f + 1``. Dims ``>= rotary_dim`` are
+never scored.
 """
 
 from __future__ import annotations

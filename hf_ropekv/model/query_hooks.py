@@ -1,29 +1,28 @@
-"""Pre-RoPE queries from module hooks, for the families whose query RoPE receives is the output of ``q_proj`` or of
-the query norm applied to it: nothing of the modeling code is patched.
-
-Families with a fused QKV projection (Phi-3, GPT-NeoX, Falcon, Persimmon, CodeGen), a norm applied to transposed
-queries (Phi), layers without RoPE, or anything else keep the rotary-function capture (:mod:`.capture`), which reads the
-query where RoPE receives it. :func:`query_capture` picks one; both offer the same interface.
+"""Pre-RoPE queries from module hooks on ``q_proj`` (or the query norm after it), for the families whose RoPE
+receives that output: nothing of the modeling code is patched. Other families (fused QKV, NoPE layers, ...) keep
+the rotary-function capture (:mod:`.capture`); :func:`query_capture` picks one.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .capture import QUERY_NORM_NAMES, QueryCallback, QueryCapture, StepCallback, find_attention_modules
+from .capture import QUERY_NORM_NAMES, CaptureBase, QueryCallback, QueryCapture, find_attention_modules
 from .geometry import ModelGeometry
 
-#: Model types whose every attention layer computes ``q = norm?(q_proj(x))`` (viewed per head) and hands it to RoPE,
-#: checked against the rotary-function capture in ``tests`` (model families).
+#: ``(layers, queries)``: one decoding step's queries of ``layers``, ``[B, 1, H, D]`` each.
+StepCallback = Callable[[tuple, list], None]
+
+#: Model types whose every attention layer hands RoPE ``norm?(q_proj(x))`` viewed per head.
 HOOKED_MODEL_TYPES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
     "cohere", "glm", "glm4", "helium", "olmo2", "starcoder2", "gpt_oss", "granite",
 })
-#: ... of which those that apply the query norm after moving the heads in front: ``[B, H, S, D]``.
+#: ... of which those whose query norm sees ``[B, H, S, D]``.
 NORM_ON_HEADS_FIRST = frozenset({"gemma3_text"})
 
 
@@ -34,29 +33,23 @@ def query_capture(model: nn.Module, geometry: ModelGeometry, callback: QueryCall
         modules = find_attention_modules(model, geometry)
         if all(isinstance(getattr(m, "q_proj", None), nn.Module) for m in modules):
             return HookedQueryCapture(modules, geometry, callback, step_callback)
-    return QueryCapture(model, geometry, callback, step_callback)
+    return QueryCapture(model, geometry, callback)
 
 
-class HookedQueryCapture:
-    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]`` during forwards, from a
-    forward hook on each attention's query norm (``q_norm``, ``q_layernorm``) or, without one, its ``q_proj``.
-
-    A decoding step that :meth:`begin_forward` is told to record hands all its layers' queries to ``step_callback``
-    at once when it finishes (one concatenation instead of a fold per layer)."""
+class HookedQueryCapture(CaptureBase):
+    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]``, from a forward hook on
+    each attention's query norm or ``q_proj``. A recorded decoding step (:meth:`begin_forward`) hands all its layers'
+    queries to ``step_callback`` at once when it finishes."""
 
     def __init__(self, modules: list[nn.Module], geometry: ModelGeometry, callback: QueryCallback,
                  step_callback: StepCallback | None = None) -> None:
         geometry.require_rotary_layout()
-        self.geometry, self.callback, self.step_callback = geometry, callback, step_callback
+        super().__init__(modules, geometry, callback)
+        self.step_callback = step_callback
         self._heads_first = geometry.model_type in NORM_ON_HEADS_FIRST and any(
             isinstance(getattr(m, n, None), nn.Module) for m in modules for n in QUERY_NORM_NAMES)
-        self._attention_refs = [weakref.ref(m) for m in modules]
         self._handles: list[Any] = []
         self._step: list[tuple[int, torch.Tensor]] | None = None
-
-    @property
-    def attention_modules(self) -> list[nn.Module]:
-        return [m for m in (ref() for ref in self._attention_refs) if m is not None]
 
     @property
     def attached(self) -> bool:
@@ -82,7 +75,7 @@ class HookedQueryCapture:
     def finish_forward(self) -> None:
         step, self._step = self._step, None
         if step:
-            self.step_callback(tuple(layer for layer, _ in step), [q for _, q in step], 2)
+            self.step_callback(tuple(layer for layer, _ in step), [q for _, q in step])
 
     def see(self, layer_idx: int, output: torch.Tensor) -> None:
         if self._heads_first:
@@ -93,16 +86,9 @@ class HookedQueryCapture:
         else:
             self.callback(layer_idx, q)
 
-    def __enter__(self) -> "HookedQueryCapture":
-        return self.attach()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.detach()
-
 
 class _QueryHook:
-    """One layer's forward hook. A copy of the model (deepcopy, pickle) gets a no-op instead: the capture belongs to
-    the original."""
+    """One layer's forward hook; a copy of the model (deepcopy, pickle) gets a no-op instead."""
 
     def __init__(self, capture: HookedQueryCapture, layer_idx: int) -> None:
         self.capture_ref, self.layer_idx = weakref.ref(capture), layer_idx

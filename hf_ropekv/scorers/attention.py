@@ -1,9 +1,6 @@
-"""Attention recomputed from captured queries: what attention-based eviction policies score with.
-
-Under sdpa or flash attention the model never materialises its attention weights. The peers that rank keys
-by attention (SnapKV, H2O, R-KV) get them here instead, at compaction time, from the layer's post-RoPE
-queries (``ScoreContext.queries``) and the cached post-RoPE keys. Plain PyTorch, float32, chunked over the
-queries so the ``[B, H_q, n, S]`` intermediate stays bounded.
+"""Attention recomputed from captured post-RoPE queries and the cached keys, for the scorers that rank keys by
+attention (SnapKV, H2O, R-KV): sdpa and flash attention never materialise the weights. Plain PyTorch, float32,
+chunked over the queries so the ``[B, H_q, n, S]`` intermediate stays bounded.
 """
 
 from __future__ import annotations
@@ -12,33 +9,25 @@ import torch
 
 from .base import ScoreContext
 
-# Upper bound on the elements of one chunk's logits (float32: 4 bytes each -> 256 MiB).
+# Elements of one chunk's logits at most (float32: 256 MiB).
 _CHUNK_ELEMENTS = 1 << 26
 
 
-def attention_from_queries(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    slot_positions: torch.Tensor,
-    valid: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def attention_from_queries(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                           slot_positions: torch.Tensor, valid: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Softmax attention of each query over the valid, causal slots.
 
     Args:
-        queries: ``[B, H_q, N, D]`` post-RoPE queries.
-        keys: ``[B, H_kv, S, D]`` post-RoPE keys; ``H_q`` must be a multiple of ``H_kv`` (GQA: query head
-            ``h`` reads KV head ``h // (H_q // H_kv)``, as transformers' ``repeat_kv`` does).
-        query_positions: int64 ``[B, N]`` token index of each query, -1 for "no query".
+        queries: ``[B, H_q, N, D]`` post-RoPE queries (query head ``h`` reads KV head ``h // (H_q // H_kv)``).
+        keys: ``[B, H_kv, S, D]`` post-RoPE keys.
+        query_positions: int64 ``[B, N]`` token index of each query, -1 for none.
         slot_positions: int64 ``[B, H_kv, S]`` token index held by each slot.
         valid: bool ``[B, H_kv, S]`` or ``None`` (all valid).
-        scale: logit scale (``D ** -0.5`` for most models).
+        scale: logit scale.
 
     Returns:
-        float32 ``[B, H_q, N, S]``: per (row, query head, query) a probability distribution over the slots
-        with ``valid`` and ``slot_positions <= query_positions``; all zeros where no slot qualifies (and
-        for queries at -1).
+        float32 ``[B, H_q, N, S]``: a distribution over the valid slots with ``slot_positions <= query_positions``;
+        zeros where no slot qualifies.
     """
     batch, q_heads, n_queries, _ = queries.shape
     out = torch.empty(batch, q_heads, n_queries, keys.shape[2], dtype=torch.float32, device=keys.device)
@@ -47,18 +36,9 @@ def attention_from_queries(
     return out
 
 
-def summed_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    slot_positions: torch.Tensor,
-    valid: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """``attention_from_queries(...).sum(dim=2)`` without holding all queries' weights at once.
-
-    Returns float32 ``[B, H_q, S]``: the attention mass each slot received from the given queries.
-    """
+def summed_attention(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                     slot_positions: torch.Tensor, valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``attention_from_queries(...).sum(dim=2)``, float32 ``[B, H_q, S]``, one chunk of queries at a time."""
     batch, q_heads = queries.shape[:2]
     total = torch.zeros(batch, q_heads, keys.shape[2], dtype=torch.float32, device=keys.device)
     for _, _, probs in _chunks(queries, keys, query_positions, slot_positions, valid, scale):
@@ -67,10 +47,10 @@ def summed_attention(
 
 
 def _chunks(queries, keys, query_positions, slot_positions, valid, scale):
-    """``(start, stop, probabilities)`` of consecutive query chunks small enough to hold their logits."""
+    """``(start, stop, probabilities)`` of consecutive query chunks."""
     _check_shapes(queries, keys, query_positions, slot_positions, valid)
     batch, q_heads, n_queries, _ = queries.shape
-    step = _chunk_length(batch, q_heads, keys.shape[2])
+    step = max(1, _CHUNK_ELEMENTS // max(1, batch * q_heads * keys.shape[2]))
     for start in range(0, n_queries, step):
         stop = min(start + step, n_queries)
         yield start, stop, _chunk_probabilities(queries[:, :, start:stop], keys, query_positions[:, start:stop],
@@ -84,13 +64,12 @@ def group_mean(per_query_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def require_queries(ctx: ScoreContext, scorer: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The context's queries and their positions, or a clear error when the cache did not provide them."""
+    """The context's queries and their positions, or an error saying how to get them."""
     if ctx.queries is None or ctx.query_positions is None:
         raise RuntimeError(
             f"{scorer} ranks keys by attention and needs the layer's post-RoPE queries, but the ScoreContext has "
             "none (ctx.queries is None). Use it with a RopeKVCache that captures queries for scorers with a "
-            "`query_window` attribute, or pick a query-free scorer (FrequencyScorer, RecencyScorer, ...)."
-        )
+            "`query_window` attribute, or pick a query-free scorer (FrequencyScorer, RecencyScorer, ...).")
     return ctx.queries, ctx.query_positions
 
 
@@ -99,15 +78,9 @@ def context_scale(ctx: ScoreContext, head_dim: int) -> float:
     return ctx.attention_scale if ctx.attention_scale is not None else head_dim**-0.5
 
 
-def _chunk_probabilities(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    slot_positions: torch.Tensor,
-    valid: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """Probabilities of a chunk of queries, ``[B, H_kv, G, n, S]`` float32 (G = query heads per KV head)."""
+def _chunk_probabilities(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                         slot_positions: torch.Tensor, valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """float32 ``[B, H_kv, G, n, S]`` probabilities of a chunk of queries (G = query heads per KV head)."""
     batch, q_heads, n, dim = queries.shape
     kv_heads = keys.shape[1]
     grouped = queries.to(device=keys.device, dtype=torch.float32).view(batch, kv_heads, q_heads // kv_heads, n, dim)
@@ -122,52 +95,35 @@ def _chunk_probabilities(
     return torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros((), device=probs.device))
 
 
-def _chunk_length(batch: int, q_heads: int, slots: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // max(1, batch * q_heads * slots))
-
-
-def _check_shapes(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_positions: torch.Tensor,
-    slot_positions: torch.Tensor,
-    valid: torch.Tensor | None,
-) -> None:
+def _check_shapes(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                  slot_positions: torch.Tensor, valid: torch.Tensor | None) -> None:
     if queries.dim() != 4 or keys.dim() != 4:
         raise ValueError(
             f"queries must be [B, H_q, N, D] and keys [B, H_kv, S, D]; got {tuple(queries.shape)} and "
-            f"{tuple(keys.shape)}."
-        )
+            f"{tuple(keys.shape)}.")
     batch, q_heads, n_queries, dim = queries.shape
     k_batch, kv_heads, slots, k_dim = keys.shape
     if batch != k_batch or dim != k_dim:
         raise ValueError(
-            f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} must agree on batch size and head dim."
-        )
+            f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} must agree on batch size and head dim.")
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads}) for GQA.")
     if tuple(query_positions.shape) != (batch, n_queries):
         raise ValueError(f"query_positions must be [B, N] = {(batch, n_queries)}; got {tuple(query_positions.shape)}.")
     if tuple(slot_positions.shape) != (batch, kv_heads, slots):
         raise ValueError(
-            f"slot_positions must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(slot_positions.shape)}."
-        )
+            f"slot_positions must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(slot_positions.shape)}.")
     if valid is not None and tuple(valid.shape) != (batch, kv_heads, slots):
         raise ValueError(f"valid must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(valid.shape)}.")
-
-
-def last_queries(ctx: ScoreContext, count: int, scorer: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` most recent queries of the context and their positions (fewer if fewer exist)."""
-    queries, positions = require_queries(ctx, scorer)
-    return queries[:, :, -count:], positions[:, -count:]
 
 
 def window_attention(
     keys: torch.Tensor, ctx: ScoreContext, window: int, scorer: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention the last ``window`` queries put on each slot, averaged over each GQA group: ``(mass [B, H_kv, S],
-    positions [B, N])``, the observation-window vote of SnapKV and R-KV."""
-    queries, positions = last_queries(ctx, window, scorer)
+    """The observation-window vote of SnapKV and R-KV: ``(mass [B, H_kv, S], positions [B, N])``, the attention the
+    last ``window`` queries put on each slot, averaged over each GQA group."""
+    queries, positions = require_queries(ctx, scorer)
+    queries, positions = queries[:, :, -window:], positions[:, -window:]
     scale = context_scale(ctx, keys.shape[-1])
     mass = summed_attention(queries, keys, positions, ctx.slot_positions, ctx.valid, scale)
     return group_mean(mass, keys.shape[1]), positions
@@ -176,12 +132,8 @@ def window_attention(
 def pool_along_tokens(
     scores: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None, kernel_size: int, mode: str
 ) -> torch.Tensor:
-    """1-D pooling of ``[B, H, S]`` scores over neighbouring tokens, stride 1, same length.
-
-    Slots are visited in token order (``slot_positions``), so neighbours are the adjacent kept tokens
-    whatever the storage order; invalid slots sit at the end and are zeroed before pooling. ``mode`` is
-    ``"avgpool"`` (zero padding counted, like ``avg_pool1d``'s default) or ``"maxpool"``.
-    """
+    """1-D pooling (``mode`` ``"avgpool"`` or ``"maxpool"``, stride 1, same length) of ``[B, H, S]`` scores over
+    neighbouring tokens in token order; invalid slots are zeroed and sorted last."""
     if kernel_size == 1:
         return scores
     batch, heads, slots = scores.shape

@@ -13,30 +13,18 @@ class ScoreContext:
     """What a scorer may use besides the keys.
 
     Attributes:
-        layer_idx: the decoder layer the keys belong to.
-        position: int64 ``[B]``, absolute position of the next query of each row (real tokens seen; rows
-            with left padding are behind the others).
-        tokens_seen: tokens the cache has seen per row, padding included (same for every row).
-        slot_positions: int64 ``[B, H_kv, S]``, the index (padding included) of the token in each slot.
-        candidates: bool ``[B, H_kv, S]``, slots the selection may evict (not padding, not protected);
-            normalisation statistics should be taken over these.
-
-    Attention-based scorers (``hf_ropekv.scorers.attention``) also need the layer's queries. The cache fills
-    the fields below only for a scorer with a ``query_window: int`` attribute (the number of most recent
-    queries it needs at least); for the others they stay ``None``.
-
-    Query attributes:
-        queries: ``[B, H_q, N, D]`` (float32 or the model dtype), post-RoPE queries of this layer, oldest
-            first: every query since this layer's previous compaction (at the first one: since the start,
-            prompt included), plus earlier ones if needed to reach the scorer's ``query_window``.
-        query_positions: int64 ``[B, N]``, the token index of each query (padding included, the indexing of
-            ``slot_positions``); -1 where there is no query (padding tokens, unused buffer entries). A query
-            at position ``p`` attends only to slots with ``slot_positions <= p``.
-        new_queries: how many of the last ``N`` queries are new since this layer's previous compaction.
-        valid: bool ``[B, H_kv, S]``, slots that hold a real token (False for padding and unused slots:
-            attention never goes there); ``None`` means every slot is valid.
-        attention_scale: the factor the model multiplies ``q·k`` by before the softmax; ``None`` means
-            ``D ** -0.5``.
+        layer_idx: the decoder layer of the keys.
+        position: int64 ``[B]``, position of each row's next query (real tokens seen).
+        tokens_seen: tokens the cache has seen per row, padding included.
+        slot_positions: int64 ``[B, H_kv, S]``, the token index (padding included) held by each slot.
+        candidates: bool ``[B, H_kv, S]``, slots the selection may evict; normalise over these.
+        queries: for a scorer with a ``query_window: int`` attribute only (else None): post-RoPE queries
+            ``[B, H_q, N, D]`` of this layer, oldest first, since its previous compaction (at least
+            ``query_window`` of them).
+        query_positions: int64 ``[B, N]``, each query's token index; -1 where there is no query.
+        new_queries: how many of the last ``N`` queries are new since the previous compaction.
+        valid: bool ``[B, H_kv, S]``, slots holding a real token (None: all).
+        attention_scale: the model's logit scale (None: ``D ** -0.5``).
     """
 
     layer_idx: int
@@ -53,22 +41,15 @@ class ScoreContext:
 
 @runtime_checkable
 class Scorer(Protocol):
-    """An eviction policy. Higher scores are kept.
-
-    ``score`` gets a layer's live keys ``[B, H_kv, S, D]`` (a strided view of the cache storage; do not
-    modify it) and returns float32 ``[B, H_kv, S]`` on the keys' device. Scores of different layers are
-    averaged when the cache ranks globally, so put them on a comparable scale.
-    """
+    """An eviction policy: ``score`` gets a layer's live keys ``[B, H_kv, S, D]`` (a view of the cache storage: do
+    not modify it) and returns float32 ``[B, H_kv, S]`` on the keys' device. Higher scores are kept."""
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor: ...
 
 
 def standardize(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """z-score along the last dim over the candidate slots (population std), so layers and heads mix fairly.
-
-    ``scores`` ``[B, H, S]`` float32; ``candidates`` bool broadcastable to it. Rows with no candidates or
-    zero spread come out centred and unscaled instead of NaN.
-    """
+    """z-score of float32 ``scores [B, H, S]`` along the last dim over the ``candidates`` (bool, broadcastable;
+    population std); rows with no candidates or no spread come out centred and unscaled, not NaN."""
     weight = candidates.to(scores.dtype).expand_as(scores)
     count = weight.sum(-1, keepdim=True).clamp_min(1.0)
     mean = (scores * weight).sum(-1, keepdim=True) / count
@@ -78,11 +59,8 @@ def standardize(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
 
 
 def hashed_uniform(*parts: torch.Tensor | int) -> torch.Tensor:
-    """Uniform numbers in [0, 1) that depend only on the integer ``parts`` (broadcast), float32.
-
-    A row's random draws must not depend on its batch-mates or its padding, so they are a hash of what
-    identifies the token (real index, head, layer, seed) instead of a stream position.
-    """
+    """float32 uniform numbers in [0, 1) that depend only on the integer ``parts`` (broadcast): a hash of what
+    identifies a token, so a row's draws depend on neither its batch-mates nor its padding."""
     x = torch.zeros((), dtype=torch.int64)
     for i, part in enumerate(parts):
         part = torch.as_tensor(part, dtype=torch.int64)

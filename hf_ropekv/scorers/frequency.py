@@ -19,20 +19,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class FrequencyScorer:
-    """Expected future attention of each key from pre-RoPE query statistics (DESIGN.md §2; the default policy).
-
-    Per query head: the raw ``trig + norm`` score, z-scored over the candidate slots, then the max over the query
-    heads of each GQA group gives one score per KV head.
+    """The default policy: each key's expected future attention from pre-RoPE query statistics. Per query head the
+    raw ``trig + norm`` score (:mod:`.rope_scoring`) is z-scored over the candidates; the max over each GQA group
+    gives the KV head's score.
 
     Args:
         stats: calibrated statistics (a ``FrequencyStats`` or the path of a file from ``hf_ropekv.calibrate``);
-            ``None`` (the default): the cache gathers them online, per batch row, from every query the model
-            computes with it (the prompt, later turns, every decoding step).
+            ``None``: the cache gathers them online, per batch row, from every query the model computes with it.
         half_life: online statistics only: tokens after which a query's weight halves (``None``: all alike).
         head_shrink: online statistics only: a pseudo-count, in queries, pulling each query head's means toward
-            its layer's head average (steadies heads that have seen few queries; 0: every head on its own).
+            its layer's head average (0: every head on its own).
         prompt_window: at a compaction right after a prompt (a turn, a prefill chunk), also keep the keys its last
-            ``prompt_window`` queries attend to (``hf_ropekv.scorers.prompt_window``; 0: RoPE geometry alone).
+            ``prompt_window`` queries attend to (:mod:`.prompt_window`; 0: RoPE geometry alone).
         offsets: future offsets the mean query is placed at (default 1, 2, 4, ..., 65536).
     """
 
@@ -41,8 +39,7 @@ class FrequencyScorer:
     head_shrink: float = 256
     prompt_window: int = 32
     offsets: tuple[int, ...] | None = None
-    # Per-(layer, device) copies of the statistics, valid for `_cached_stats` only. Held by reference and compared
-    # with `is`: an id() key goes stale when online statistics replace a freed snapshot whose id() is reused.
+    # Per-(layer, device) copies of `_cached_stats` (held and compared by reference: an id() can be reused).
     _device_cache: dict = field(default_factory=dict, init=False, repr=False)
     _cached_stats: "FrequencyStats | None" = field(default=None, init=False, repr=False)
 
@@ -61,11 +58,11 @@ class FrequencyScorer:
         return self.score_layers([keys], [ctx])[0]
 
     def score_layers(self, keys: list[torch.Tensor], contexts: list[ScoreContext]) -> torch.Tensor:
-        """:meth:`score` of several layers at once (same batch, heads, slots and positions; one device):
-        float32 ``[L, B, H_kv, S]``. The query weights of every layer come from one set of ops; only the
-        scoring kernel runs once per layer."""
+        """:meth:`score` of several layers of one shape and device at once: float32 ``[L, B, H_kv, S]`` (the query
+        weights of every layer from one set of ops, the kernel once per layer)."""
         if self.stats is None:
-            raise RuntimeError("FrequencyScorer has no statistics: pass stats=, or let RopeKVCache(model, ...) gather them.")
+            raise RuntimeError(
+                "FrequencyScorer has no statistics: pass stats=, or let RopeKVCache(model, ...) gather them.")
         first, ctx = keys[0], contexts[0]
         batch, kv_heads, slots = first.shape[:3]
         if any(k.shape[:3] != first.shape[:3] for k in keys):
@@ -76,7 +73,8 @@ class FrequencyScorer:
         inv_freq = tensors[0][2]
         layers, (q_heads, pairs) = len(keys), q_mean.shape[-2:]
         if q_mean.dim() == 4:  # one set per row: rows first, the layers' heads side by side
-            q_mean, q_abs_mean = (t.transpose(0, 1).reshape(t.shape[1], layers * q_heads, pairs) for t in (q_mean, q_abs_mean))
+            q_mean, q_abs_mean = (t.transpose(0, 1).reshape(t.shape[1], layers * q_heads, pairs)
+                                  for t in (q_mean, q_abs_mean))
         else:
             q_mean, q_abs_mean = (t.reshape(1, layers * q_heads, pairs) for t in (q_mean, q_abs_mean))
         w, c = query_weights(q_mean, q_abs_mean, inv_freq, ctx.position, self.offsets)
@@ -111,13 +109,8 @@ class FrequencyScorer:
 def _heads_of_this_rank(
     q_mean: torch.Tensor, q_abs_mean: torch.Tensor, kv_heads: int, metadata: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query heads that go with ``kv_heads`` local KV heads.
-
-    Under tensor parallelism (``tp_plan="auto"``) each rank holds a contiguous share of the KV heads and of
-    their query heads. Statistics gathered on the rank (online) already have that share; statistics of the
-    whole model (a file) are sliced to the rank's share, the rank being ``torch.distributed``'s (a
-    tensor-parallel-only group, as transformers sets it up).
-    """
+    """The query heads that go with ``kv_heads`` local KV heads: under tensor parallelism, statistics of the whole
+    model (a file) are sliced to this rank's contiguous share (online statistics already have it)."""
     total_q, total_kv = metadata.get("num_q_heads"), metadata.get("num_kv_heads")
     heads = q_mean.shape[-2]
     if not total_q or not total_kv or kv_heads == total_kv or heads == kv_heads * (total_q // total_kv):
@@ -125,8 +118,7 @@ def _heads_of_this_rank(
     if heads != total_q or total_kv % kv_heads:
         raise ValueError(
             f"Query statistics of {heads} heads do not fit {kv_heads} KV heads (the model has {total_q} query and "
-            f"{total_kv} KV heads)."
-        )
+            f"{total_kv} KV heads).")
     shards = total_kv // kv_heads
     rank = torch.distributed.get_rank() % shards if torch.distributed.is_initialized() else 0
     per = total_q // shards

@@ -13,7 +13,7 @@ from .base import ScoreContext, standardize
 
 @dataclass
 class _LayerAccumulator:
-    """Attention received so far by each token of one layer, indexed by the token's absolute index."""
+    """Attention received so far by each token of one layer, by token index."""
 
     totals: torch.Tensor  # float32 [B, H_kv, T]
     tokens_seen: int
@@ -23,23 +23,14 @@ class _LayerAccumulator:
 class H2OScorer:
     """H2O heavy hitters: keep the keys with the largest attention accumulated over every query so far.
 
-    Each call adds the attention of the ``ctx.new_queries`` queries that arrived since this layer's previous
-    compaction (recomputed from the captured post-RoPE queries; mean over the query heads of each GQA group)
-    to a per-layer running total indexed by the token's absolute index (``slot_positions``), so totals
-    follow a token when compaction moves it. The score is the total, z-scored over the candidates. Over
-    the whole run each surviving token has the sum of the attention of every query that could see it while
-    it was kept, which is H2O's accumulated attention. H2O splits its budget between heavy hitters and the
-    most recent tokens: pass ``RopeKVCache(..., window=...)`` for the recent half.
-
-    State and resets: the totals of a layer start over when a call shows a new sequence: its new queries
-    reach back to the first token (``new_queries >= tokens_seen``: the first compaction of a sequence),
-    ``tokens_seen`` went down, or the batch / head shape or device changed. A second call for the same layer
-    at the same ``tokens_seen`` adds nothing (those queries were already counted), so scoring a layer twice
-    per compaction is harmless. One scorer serves one cache at a time. Beam search reorders the cache's
-    rows between compactions; the totals do not follow that reordering (each row keeps its slot's totals).
+    Each call adds the attention (mean over each GQA group) of the queries new since the layer's previous
+    compaction to a per-layer total indexed by token, and scores the z-scored totals. Pass ``RopeKVCache(...,
+    window=...)`` for H2O's recent half. A layer's totals start over on a new sequence (its new queries reach back
+    to the first token, ``tokens_seen`` went down, or the shape or device changed); a second call at the same
+    ``tokens_seen`` adds nothing. One scorer serves one cache at a time; totals do not follow beam reordering.
     """
 
-    query_window: ClassVar[int] = 1  # H2O needs the new queries only; the cache provides at least those.
+    query_window: ClassVar[int] = 1  # the new queries only
     _layers: dict[int, _LayerAccumulator] = field(default_factory=dict, init=False, repr=False)
 
     def reset(self) -> None:
@@ -69,8 +60,7 @@ class H2OScorer:
             or new >= ctx.tokens_seen
             or ctx.tokens_seen < state.tokens_seen
             or state.totals.shape[:2] != (batch, kv_heads)
-            or state.totals.device != keys.device
-        )
+            or state.totals.device != keys.device)
         if fresh:
             totals = torch.zeros(batch, kv_heads, max(ctx.tokens_seen, 1), dtype=torch.float32, device=keys.device)
             state = _LayerAccumulator(totals=totals, tokens_seen=-1)
@@ -79,7 +69,7 @@ class H2OScorer:
 
     @staticmethod
     def _add(state: _LayerAccumulator, mass: torch.Tensor, ctx: ScoreContext) -> None:
-        needed = ctx.tokens_seen  # slot positions are token indices < tokens_seen (no host sync needed)
+        needed = ctx.tokens_seen  # slot positions are token indices < tokens_seen
         if needed > state.totals.shape[-1]:
             grown = torch.zeros(*state.totals.shape[:2], max(needed, 2 * state.totals.shape[-1]),
                                 dtype=torch.float32, device=state.totals.device)

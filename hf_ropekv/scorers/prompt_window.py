@@ -1,11 +1,7 @@
-"""The observation window of the default scorer: the last queries of the most recent prompt (or turn, or prefill
-chunk), for the compaction right after it.
-
-RoPE geometry predicts which keys future queries will attend to, and it is best where the future is unknown (a long
-generation, a question asked later). When a compaction follows a multi-token forward at once, the end of that input
-is already there, and its own attention says what it needs (a question at the end of a document: SnapKV's
-observation window). :class:`PromptWindow` keeps those queries until the next forward; a decoding step makes them
-stale, so compactions during generation score by RoPE alone. ``FrequencyScorer`` keeps the better of both z-scores.
+"""The default scorer's observation window: the last queries of the most recent prompt (or turn, or prefill chunk),
+for the compaction right after it. There, the input's own attention says what it needs (SnapKV's vote), where RoPE
+geometry predicts an unknown future; a decoding step makes the window stale, so compactions during generation score
+by RoPE alone. ``FrequencyScorer`` keeps the better of both z-scores.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""The recent post-RoPE queries of each layer, for attention-based scorers (SnapKV, H2O, R-KV).
-
-Those policies need attention weights, which fused attention (sdpa, flash) never materialises. The cache
-keeps the queries instead, captured before RoPE by the same hooks as the online statistics and rotated here
-to their absolute positions, and the scorer recomputes the attention it needs at compaction time
-(``hf_ropekv.scorers.attention``). A layer holds every query since its last compaction plus, after it, the
-``window`` most recent ones. As with the statistics, a forward's queries count once it has finished.
-
-Rotation follows the model's ``rotate_half`` pairing and frequencies; a RoPE ``attention_scaling`` other
-than 1 (YaRN) scales every logit of a query alike and is left out.
+"""Recent post-RoPE queries of each layer, for the attention-based scorers (SnapKV, H2O, R-KV): captured before
+RoPE by the statistics' hooks and rotated here. A layer holds every query since its last compaction plus the
+``window`` most recent ones; a forward's queries count once it has finished. A RoPE ``attention_scaling`` (YaRN)
+scales every logit of a query alike and is left out.
 """
 
 from __future__ import annotations
@@ -21,10 +15,8 @@ from ..model.geometry import ModelGeometry
 def rotate(
     queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, layout: str = ROTATE_HALF
 ) -> torch.Tensor:
-    """Apply RoPE (pairs of ``layout``, see ``hf_ropekv.model.layouts``) to ``queries [B, S, H, D]`` at ``positions [B, S]``.
-
-    Dimensions beyond ``2F`` (partial rotary) pass through. Phases are computed in float64.
-    """
+    """RoPE of ``layout`` applied to ``queries [B, S, H, D]`` at ``positions [B, S]`` (float64 phases; dims beyond
+    ``2F`` pass through)."""
     pairs = inv_freq.numel()
     angle = positions.to(torch.float64)[..., None] * inv_freq.to(queries.device, torch.float64)  # [B, S, F]
     cos, sin = angle.cos().float()[:, :, None, :], angle.sin().float()[:, :, None, :]
@@ -38,12 +30,8 @@ def rotate(
 
 
 class QueryWindow:
-    """Per-layer post-RoPE queries ``[B, H_q, N, D]`` and their token indices ``[B, N]`` (-1: no query).
-
-    Args:
-        geometry: the model's geometry (rotary frequencies).
-        window: queries kept after a compaction (the scorer's ``query_window``).
-    """
+    """Per-layer post-RoPE queries ``[B, H_q, N, D]`` and their token indices ``[B, N]`` (-1: no query);
+    ``window`` queries are kept after a compaction."""
 
     def __init__(self, geometry: ModelGeometry, window: int) -> None:
         if not isinstance(window, int) or window < 1:
@@ -60,7 +48,6 @@ class QueryWindow:
         self._pending: dict[int, torch.Tensor] = {}
         self._forward: tuple[torch.Tensor, torch.Tensor] | None = None  # (token index, RoPE position) [B, S]
 
-    # ------------------------------------------------------------------ one forward
     def begin_forward(self, seen: int, new: int, pads: torch.Tensor, new_token_mask: torch.Tensor | None) -> None:
         """A forward of ``new`` tokens after ``seen``; ``pads`` [B] left padding, ``new_token_mask`` [B, new]."""
         index = torch.arange(seen, seen + new, device=pads.device).expand(pads.shape[0], new)
@@ -75,7 +62,8 @@ class QueryWindow:
         if self._forward is None:
             return
         index, rope = self._forward
-        rotated = rotate(queries.detach(), rope.to(queries.device), self.geometry.inv_freq, self.geometry.rotary_layout)
+        geometry = self.geometry
+        rotated = rotate(queries.detach(), rope.to(queries.device), geometry.inv_freq, geometry.rotary_layout)
         self._pending[layer_idx] = rotated.to(queries.dtype).transpose(1, 2)  # [B, H, S, D]
 
     def end_forward(self) -> None:
@@ -89,7 +77,6 @@ class QueryWindow:
             self._new[layer_idx] = self._new.get(layer_idx, 0) + queries.shape[2]
         self._pending, self._forward = {}, None
 
-    # ------------------------------------------------------------------ reading
     def take(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """``(queries [B, H, N, D], positions [B, N], new)`` of one layer; ``(None, None, 0)`` before any."""
         chunks = self._queries.get(layer_idx)
@@ -108,7 +95,6 @@ class QueryWindow:
             self._positions[layer_idx] = [positions[:, -self.window :].clone()]
         self._new[layer_idx] = 0
 
-    # ------------------------------------------------------------------ batch reshuffles (beam search)
     def select_batch(self, index: torch.Tensor) -> None:
         for table in (self._queries, self._positions):
             for layer_idx, chunks in table.items():

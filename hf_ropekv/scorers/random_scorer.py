@@ -11,11 +11,8 @@ from .base import ScoreContext, hashed_uniform
 
 @dataclass
 class RandomScorer:
-    """Uniform random scores, reproducible and independent of the batch.
-
-    A token's score is a hash of (seed, layer, KV head, the token's real index in its row), not a draw from a
-    stream: the same row gets the same scores alone, with more left padding, or beside other rows.
-    """
+    """Uniform random scores: a hash of (seed, layer, KV head, the token's real index), so a row gets the same
+    scores alone, with more padding, or beside other rows."""
 
     seed: int = 0
 

@@ -11,10 +11,7 @@ from .base import ScoreContext
 
 @dataclass
 class RecencyScorer:
-    """Score = how recent the token is, scaled to [0, 1] so it averages across layers like any z-score.
-
-    With ``RopeKVCache(..., sink=4)`` this is StreamingLLM: attention sinks plus a recent window.
-    """
+    """Score = how recent the token is, in [0, 1]; with ``RopeKVCache(..., sink=4)`` this is StreamingLLM."""
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
         return ctx.slot_positions.to(torch.float32) / max(ctx.tokens_seen, 1)

@@ -12,30 +12,16 @@ from .base import ScoreContext, standardize
 
 @dataclass
 class RKVScorer:
-    """R-KV: keep keys that are important (attended to) and not redundant (unlike the other kept keys).
+    """R-KV: keep keys that are attended to and not redundant. Per (row, KV head), over the valid slots, the
+    score ``λ·I − (1 − λ)·R`` is z-scored over the candidates, where
 
-    Per (row, KV head), over the valid slots:
+    - importance ``I``: attention of the last ``window`` queries, averaged over the window and each GQA group,
+      max-pooled over ``kernel_size`` neighbouring tokens;
+    - redundancy ``R`` (:func:`key_redundancy`): softmax over slots of the keys' mean cosine similarity to the
+      others, each token's most recent later copy (similarity above ``threshold``) exempted.
 
-    - importance ``I``: attention of the last ``window`` queries (the paper's observation window, α = 8),
-      averaged over the window and over the query heads of each GQA group, max-pooled over ``kernel_size``
-      neighbouring tokens; a distribution over the slots (each query's softmax sums to 1).
-    - redundancy ``R``: cosine similarity ``s_ij`` of the keys, diagonal zeroed. So that one copy of a
-      repeated pattern survives, for each token ``i`` the pair with its most recent later token ``j`` that
-      is similar (``s_ij > threshold``) is exempted (``s_ij := 0``): the latest copy is not penalised for
-      its predecessors, the earlier copies are. ``R_j = softmax_j(mean_i s_ij)``.
-    - score ``Z = λ·I − (1 − λ)·R`` (the paper's joint selection), then z-scored over the candidates.
-
-    The paper also keeps the observation window's tokens unconditionally: pass ``RopeKVCache(...,
-    window=8)`` to match. Differences from the reference code, on purpose: heads of a GQA group are averaged
-    after the softmax (the code max-pools logits before it), and the exemption only goes to a *later*
-    similar token (the code also exempts the earlier partner when there is only one, so an identical pair
-    is never penalised).
-
-    Args:
-        window: observation window α, in queries (paper: 8).
-        mix_lambda: λ, weight of importance against redundancy (paper: 0.1; the reference code uses 0.07).
-        kernel_size: odd max-pooling width of the importance (reference code: 7).
-        threshold: cosine similarity above which two keys count as copies (reference code: 0.5).
+    Pass ``RopeKVCache(..., window=8)`` to protect the observation window as the paper does. ``mix_lambda`` is λ
+    (paper: 0.1).
     """
 
     window: int = 8
@@ -54,7 +40,6 @@ class RKVScorer:
 
     @property
     def query_window(self) -> int:
-        """Queries the cache must provide: the observation window."""
         return self.window
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:

@@ -1,17 +1,10 @@
-"""TriAttention key scores (README "How it works": the score): the single source of truth for the math.
+"""The RoPE (TriAttention) key score, the one place its math is written:
 
     q_eff[h, f] = q_mean[h, f] * mean_{d in offsets} exp(i * omega_f * (t + d))
-    trig        = Re sum_f q_eff[h, f] * conj(k_f)          with k_f = k[real(f)] + i k[imag(f)]
-    norm        = sum_f max(A[h, f] - |q_mean[h, f]|, 0) * |k_f|
-    score       = trig + norm
+    score       = Re sum_f q_eff[h, f] * conj(k_f)  +  sum_f max(A[h, f] - |q_mean[h, f]|, 0) * |k_f|
 
-The pair of dims that forms ``k_f`` is the model's rotary layout (``hf_ropekv.model.layouts``):
-``rotate_half`` (f, f + F) or ``interleaved`` (2f, 2f + 1). Statistics may be shared by
-all batch rows (``[H_q, F]``) or given per row (``[B, H_q, F]``).
-
-The offset mean collapses into one weight vector per (batch row, query head),
-so scoring the cache is a GEMV plus a weighted pair-norm per head:
-:func:`query_weights` builds the weights (tiny, float64 phases) and
+with ``k_f`` the key's rotary pair ``f`` (model layout) and statistics shared by all rows (``[H_q, F]``) or per row
+(``[B, H_q, F]``). :func:`query_weights` folds the offsets into one weight vector per (row, query head);
 :func:`score_keys_weighted` streams the keys (Triton on CUDA).
 """
 from __future__ import annotations
@@ -34,21 +27,18 @@ Position = Union[int, torch.Tensor]
 def _check_stats(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor) -> None:
     if not torch.is_tensor(q_mean) or not q_mean.is_complex():
         raise ValueError(
-            f"q_mean must be a complex tensor [H_q, F] or [B, H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}"
-        )
+            f"q_mean must be a complex tensor [H_q, F] or [B, H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}")
     if q_mean.dim() not in (2, 3) or q_mean.shape[-1] == 0:
         raise ValueError(
             f"q_mean must be [H_q, F] (shared by all rows) or [B, H_q, F] (one set per row) with F > 0, "
-            f"got shape {tuple(q_mean.shape)}"
-        )
+            f"got shape {tuple(q_mean.shape)}")
     if q_abs_mean.is_complex() or not q_abs_mean.is_floating_point():
         raise ValueError(f"q_abs_mean must be a real floating tensor, got {q_abs_mean.dtype}")
     if q_abs_mean.shape != q_mean.shape:
         raise ValueError(f"q_abs_mean shape {tuple(q_abs_mean.shape)} must equal q_mean shape {tuple(q_mean.shape)}")
     if inv_freq.dim() != 1 or inv_freq.shape[0] != q_mean.shape[-1]:
         raise ValueError(
-            f"inv_freq must be [F] = [{q_mean.shape[-1]}] (one frequency per rotary pair), got {tuple(inv_freq.shape)}"
-        )
+            f"inv_freq must be [F] = [{q_mean.shape[-1]}] (one frequency per rotary pair), got {tuple(inv_freq.shape)}")
 
 
 def _positions(position: Position, device: torch.device) -> torch.Tensor:
@@ -66,28 +56,14 @@ def _positions(position: Position, device: torch.device) -> torch.Tensor:
     raise ValueError(f"position must be an int or an integer tensor [B], got {type(position).__name__}")
 
 
-def query_weights(
-    q_mean: torch.Tensor,
-    q_abs_mean: torch.Tensor,
-    inv_freq: torch.Tensor,
-    position: Position,
-    offsets: Optional[Sequence[int]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Collapse the calibration statistics into per-head scoring weights.
+def query_weights(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor, position: Position,
+                  offsets: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The statistics folded into per-head scoring weights.
 
-    Args:
-        q_mean: complex [H_q, F] (shared by every row) or [B, H_q, F] (one set
-            per batch row), mean pre-RoPE query per rotary pair.
-        q_abs_mean: real, same shape, mean query magnitude per pair (``A``).
-        inv_freq: [F], the model's rotary frequencies ``omega``.
-        position: next-query absolute position ``t``: an int or an integer
-            tensor [B] (rows with left padding have different positions).
-        offsets: future offsets ``delta`` averaged over (default ``DEFAULT_OFFSETS``).
-
-    Returns:
-        ``(w, c)``: ``w`` float32 [B', H_q, 2F] = ``[Re q_eff, Im q_eff]`` and
-        ``c`` float32 [1 or B, H_q, F] = ``clamp(A - |q_mean|, 0)``, on ``q_mean``'s
-        device; ``B'`` is the number of positions or of statistics rows (1 when both are 1).
+    ``q_mean`` complex ``[H_q, F]`` or ``[B, H_q, F]``, ``q_abs_mean`` (``A``) real of the same shape, ``inv_freq``
+    ``[F]``, ``position`` the next query's position ``t`` (an int or an integer tensor ``[B]``), ``offsets`` (default
+    :data:`DEFAULT_OFFSETS`). Returns ``(w, c)`` on ``q_mean``'s device: ``w`` float32 ``[B', H_q, 2F] = [Re q_eff,
+    Im q_eff]`` (``B'``: positions or statistics rows) and ``c`` float32 ``[1 or B, H_q, F] = clamp(A - |q_mean|, 0)``.
     """
     _check_stats(q_mean, q_abs_mean, inv_freq)
     if q_mean.dim() == 2:
@@ -95,14 +71,12 @@ def query_weights(
     offs = DEFAULT_OFFSETS if offsets is None else tuple(offsets)
     if len(offs) == 0:
         raise ValueError("offsets must not be empty")
-    # float64 phases: t reaches 1e6 and float32 phases would be off by ~0.1 rad.
-    # MPS has no float64, so the (tiny) phase table is then built on the CPU.
+    # float64 phases (float32 is off by ~0.1 rad at t = 1e6), built on the CPU for MPS, which has no float64.
     dev = q_mean.device if q_mean.device.type != "mps" else torch.device("cpu")
     t = _positions(position, dev)
     if t.shape[0] not in (1, q_mean.shape[0]) and q_mean.shape[0] != 1:
         raise ValueError(
-            f"position has {t.shape[0]} entries but the statistics have {q_mean.shape[0]} rows; give one per batch row"
-        )
+            f"position has {t.shape[0]} entries but the statistics have {q_mean.shape[0]} rows; give one per batch row")
     delta = torch.tensor(offs, dtype=torch.float64, device=dev)
     omega = inv_freq.to(device=dev, dtype=torch.float64)
     phase = omega[None, None, :] * (t[:, None, None] + delta[None, :, None])  # [B, n_offsets, F]
@@ -113,23 +87,11 @@ def query_weights(
     return w, c
 
 
-def score_keys_weighted(
-    keys: torch.Tensor,
-    w: torch.Tensor,
-    c: torch.Tensor,
-    *,
-    backend: Optional[str] = None,
-    out: Optional[torch.Tensor] = None,
-    layout: str = ROTATE_HALF,
-) -> torch.Tensor:
-    """Score keys from precomputed weights: the kernel-level entry point.
-
-    ``keys`` [B, H_kv, S, D] any strides, fp16/bf16/fp32; ``w`` float32
-    [B or 1, H_q, 2F]; ``c`` float32 [B or 1, H_q, F] (or [H_q, F]). Returns
-    float32 [B, H_q, S]. ``layout``: the model's rotary pairing
-    (``hf_ropekv.model.layouts``). ``backend``: ``"triton"``, ``"torch"`` or ``None``
-    (Triton on CUDA when installed, the PyTorch reference elsewhere).
-    """
+def score_keys_weighted(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, backend: Optional[str] = None,
+                        out: Optional[torch.Tensor] = None, layout: str = ROTATE_HALF) -> torch.Tensor:
+    """float32 ``[B, H_q, S]`` scores of ``keys [B, H_kv, S, D]`` (any strides, fp16/bf16/fp32) from weights ``w
+    [B or 1, H_q, 2F]`` and ``c [B or 1, H_q, F]``. ``backend``: ``"triton"``, ``"torch"`` or ``None`` (Triton on
+    CUDA when installed)."""
     pair_stride, imag_offset = pair_strides(layout, w.shape[-1] // 2)
     if backend is None:
         backend = "triton" if HAS_TRITON and keys.is_cuda else "torch"
@@ -140,36 +102,11 @@ def score_keys_weighted(
     raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
 
 
-def score_keys(
-    keys: torch.Tensor,
-    q_mean: torch.Tensor,
-    q_abs_mean: torch.Tensor,
-    inv_freq: torch.Tensor,
-    position: Position,
-    offsets: Optional[Sequence[int]] = None,
-    *,
-    backend: Optional[str] = None,
-    layout: str = ROTATE_HALF,
-) -> torch.Tensor:
-    """Raw TriAttention scores (trig + norm) of post-RoPE cached keys.
-
-    Args:
-        keys: [B, H_kv, S, D], any strides (e.g. ``storage[:, :, :S]``),
-            fp16/bf16/fp32; dims outside the rotary pairs (non-rotary part of
-            partial-rotary heads) are ignored.
-        q_mean: complex64 [H_q, F] (shared by all rows) or [B, H_q, F] (one set
-            per row); query head h reads KV head ``h // (H_q // H_kv)``.
-        q_abs_mean: float32, same shape as ``q_mean``.
-        inv_freq: [F] rotary frequencies.
-        position: next-query position, int or integer tensor [B].
-        offsets: future offsets (default ``DEFAULT_OFFSETS``).
-        backend: see :func:`score_keys_weighted`.
-        layout: how the model pairs dims (``"rotate_half"``: f with f + F, HF's
-            default; ``"interleaved"``: 2f with 2f + 1); see ``hf_ropekv.model.layouts``.
-
-    Returns:
-        float32 [B, H_q, S].
-    """
+def score_keys(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch.Tensor,
+               position: Position, offsets: Optional[Sequence[int]] = None, *, backend: Optional[str] = None,
+               layout: str = ROTATE_HALF) -> torch.Tensor:
+    """Raw scores (float32 ``[B, H_q, S]``) of post-RoPE keys ``[B, H_kv, S, D]``: :func:`query_weights`, checked,
+    then :func:`score_keys_weighted` (query head ``h`` reads KV head ``h // (H_q // H_kv)``)."""
     if not torch.is_tensor(keys) or keys.dim() != 4:
         raise ValueError(f"keys must be a 4-D tensor [B, H_kv, S, D], got {getattr(keys, 'shape', type(keys))}")
     _check_stats(q_mean, q_abs_mean, inv_freq)

@@ -12,22 +12,12 @@ from .base import ScoreContext, standardize
 
 @dataclass
 class SnapKVScorer:
-    """SnapKV: keep the keys the most recent queries (the "observation window") attend to.
+    """SnapKV: keep the keys the last ``window`` queries (the observation window) attend to.
 
-    Score of a slot = the attention it receives from the last ``window`` queries, summed over the window
-    (softmax per query over the valid, causal slots, recomputed from the captured post-RoPE queries), then
-    averaged over the query heads of each GQA group (as kvpress does) and pooled over ``kernel_size``
-    neighbouring tokens so the kept tokens come with their context. z-scored over the candidates.
-
-    The paper keeps the window's own tokens unconditionally; here they are scored like the rest (they
-    receive their own attention, so they tend to rank high): pass ``RopeKVCache(..., window=...)`` to
-    protect them as the paper does. SnapKV compresses the prompt once; in this harness it is re-run at each
-    compaction with the queries of the most recent tokens as the observation window.
-
-    Args:
-        window: observation-window length, in queries (the paper's experiments use 32).
-        kernel_size: odd pooling width (5: the reference implementation's default).
-        pooling: ``"avgpool"`` (the reference default) or ``"maxpool"``.
+    A slot's score is the attention it receives from the window (mean over each GQA group, as kvpress does),
+    pooled over ``kernel_size`` neighbouring tokens (``pooling``: ``"avgpool"`` or ``"maxpool"``), z-scored over the
+    candidates. Run at every compaction; pass ``RopeKVCache(..., window=...)`` to protect the window's own tokens
+    as the paper does.
     """
 
     window: int = 32
@@ -41,7 +31,6 @@ class SnapKVScorer:
 
     @property
     def query_window(self) -> int:
-        """Queries the cache must provide: the observation window."""
         return self.window
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:

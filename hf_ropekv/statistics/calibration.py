@@ -1,19 +1,8 @@
-"""Calibrate the RoPE scorer's query statistics on ordinary text.
+"""Calibrate the RoPE scorer's query statistics on ordinary text or on the model's answers to prompts.
 
-    stats = hf_ropekv.calibrate(model, tokenizer, [open("book.txt").read()])   # the function, exported at top level
-    stats.save("model.ropekv.safetensors")
-
-or from the command line::
-
-    python -m hf_ropekv calibrate --model Qwen/Qwen3-8B --text book.txt --out qwen3-8b.safetensors
-
-The model runs forward without a cache over up to ``max_tokens`` tokens; :func:`~hf_ropekv.model.query_hooks.query_capture` hands every
-layer's pre-RoPE queries to a :class:`FrequencyAccumulator`.
-
-On the user's own prompts, in one call (the model answers each greedily, in its chat template when the
-tokenizer has one, and the statistics cover prompt and answer: the queries a cache meets when it serves them)::
-
+    stats = hf_ropekv.calibrate(model, tokenizer, [open("book.txt").read()])
     stats = hf_ropekv.calibrate(model, tokenizer, prompts=["Solve: ...", ...], max_new_tokens=256)
+    stats.save("model.ropekv.safetensors")   # or: python -m hf_ropekv calibrate --model ... --text ... --out ...
 """
 
 from __future__ import annotations
@@ -31,7 +20,6 @@ from transformers.utils import logging
 
 from ..model.query_hooks import query_capture
 from ..model.geometry import describe
-from ..model.special_tokens import generation_token_ids, token_ids
 from ..warnings import warn
 from .fingerprint import calibration_metadata
 from .frequency_stats import FrequencyAccumulator, FrequencyStats
@@ -42,42 +30,28 @@ Texts = Union[str, Sequence[str], torch.Tensor, Sequence[int], Sequence[Sequence
 
 DEFAULT_MAX_TOKENS = 32768
 DEFAULT_CHUNK_TOKENS = 4096
-DEFAULT_ANSWER_BATCH = 16  # prompts answered by one generate(): one at a time took minutes for a few hundred on a GPU
+DEFAULT_ANSWER_BATCH = 16
 
 
-def calibrate(
-    model: nn.Module,
-    tokenizer: Any,
-    texts: Texts | None = None,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    source: str | None = None,
-    progress: bool = True,
-    *,
-    prompts: Sequence[str] | None = None,
-    max_new_tokens: int = 256,
-    batch_size: int = DEFAULT_ANSWER_BATCH,
-) -> "FrequencyStats":
-    """Average the pre-RoPE queries of ``model`` over ``texts`` (README "How it works": the score).
+def calibrate(model: nn.Module, tokenizer: Any, texts: Texts | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, source: str | None = None, progress: bool = True, *,
+              prompts: Sequence[str] | None = None, max_new_tokens: int = 256,
+              batch_size: int = DEFAULT_ANSWER_BATCH) -> "FrequencyStats":
+    """Average the pre-RoPE queries of ``model`` over ``texts`` (or ``prompts`` with the model's answers).
 
     Args:
         model: a decoder-only RoPE model (any dtype, device or ``device_map``; weight-quantized works).
         tokenizer: its tokenizer; may be ``None`` when ``texts`` are token ids.
-        texts: a string, a list of strings (each tokenized on its own, with special tokens), or token ids:
-            a 1-D / 2-D ``input_ids`` tensor (rows are separate sequences, unpadded), a list of ids or a list
-            of id lists.
+        texts: a string, a list of strings (each tokenized on its own, with special tokens), or token ids: a
+            1-D / 2-D ``input_ids`` tensor (rows are unpadded sequences), a list of ids or a list of id lists.
         max_tokens: at most this many tokens are used in total.
-        chunk_tokens: at most this many tokens (batch x padded length) go through one forward; longer texts
-            are cut into consecutive pieces, short ones share a right-padded batch.
+        chunk_tokens: at most this many tokens (batch x padded length) per forward.
         source: description of the text stored in the statistics (default: a summary of ``texts``).
         progress: show a tqdm progress bar.
-        prompts: instead of ``texts``, prompts of the workload: the model answers each (greedy, up to
-            ``max_new_tokens`` tokens, with a ``DynamicCache``; in the chat template when
-            ``tokenizer.chat_template`` is set) and the statistics cover each prompt with its answer.
-        max_new_tokens: the longest answer generated per prompt.
-        batch_size: prompts answered together (left-padded). Each answer is cut after its end-of-sequence
-            token, so the filler ``generate()`` feeds a finished row until the batch's longest answer ends is
-            never calibrated on.
+        prompts: instead of ``texts``: the model answers each (greedy, ``DynamicCache``, in the chat template
+            when the tokenizer has one) and the statistics cover each prompt with its answer.
+        max_new_tokens: the longest answer per prompt.
+        batch_size: prompts answered together (left-padded); each answer is cut after its end-of-sequence token.
 
     Returns:
         float32 :class:`FrequencyStats` covering every decoder layer.
@@ -114,11 +88,7 @@ def calibrate(
         ) as bar:
             for input_ids, attention_mask in _batches(pieces, chunk_tokens, pad_id):
                 current_mask["mask"] = attention_mask.bool() if not bool(attention_mask.all()) else None
-                model(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
-                    use_cache=False,
-                )
+                model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
                 bar.update(int(attention_mask.sum()))
     finally:
         model.train(was_training)
@@ -133,9 +103,8 @@ def calibrate(
 def answered_prompts(model: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int,
                      max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = False,
                      batch_size: int = DEFAULT_ANSWER_BATCH) -> list[list[int]]:
-    """Token ids of each prompt followed by the model's greedy answer (at most ``max_new_tokens``, cut after its
-    end-of-sequence token), ``batch_size`` prompts per ``generate()``, stopping once ``max_tokens`` tokens are
-    there."""
+    """Token ids of each prompt followed by the model's greedy answer (cut after its end-of-sequence token),
+    ``batch_size`` prompts per ``generate()``, until ``max_tokens`` tokens are there."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts \
             or not all(isinstance(p, str) for p in prompts):
         raise TypeError("prompts must be a non-empty list of strings (one user message each).")
@@ -184,12 +153,7 @@ def _answer(model: nn.Module, batch: list[list[int]], max_new_tokens: int, pad_i
 
     from .._compat import cache_kwarg
 
-    width = max(len(ids) for ids in batch)
-    input_ids = torch.full((len(batch), width), 0 if pad_id is None else int(pad_id), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(batch):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
+    input_ids, attention_mask = _padded(batch, 0 if pad_id is None else int(pad_id), left=True)
     # An explicit DynamicCache: an hf_ropekv-enabled model must not answer with an evicting cache.
     kwargs: dict[str, Any] = {cache_kwarg(model): DynamicCache(config=model.config)}
     if eos_ids:  # stop where _cut_after_eos cuts
@@ -197,22 +161,24 @@ def _answer(model: nn.Module, batch: list[list[int]], max_new_tokens: int, pad_i
     with torch.no_grad():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                              do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **kwargs)
-    return out[:, width:].tolist()
+    return out[:, input_ids.shape[1]:].tolist()
 
 
 def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
-    """The ids an answer ends at: the model's generation config's end of sequence and the tokenizer's (a chat
-    tokenizer's end-of-turn marker, which a converted checkpoint's generation config may lack)."""
-    return token_ids(generation_token_ids(model, ("eos_token_id",)), getattr(tokenizer, "eos_token_id", None))
+    """The generation config's end-of-sequence ids, then the tokenizer's (a chat end-of-turn marker may be only
+    there), without repeats."""
+    found: list[int] = []
+    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool) and token not in found:
+                found.append(token)
+    return found
 
 
 def _cut_after_eos(answer: list[int], eos_ids: list[int]) -> list[int]:
-    """``answer`` up to and including its first end-of-sequence token: what follows is the pad filler a finished
-    row of a batch is fed, not text of the workload."""
-    for i, token in enumerate(answer):
-        if token in eos_ids:
-            return answer[: i + 1]
-    return answer
+    """``answer`` up to and including its first end-of-sequence token (what follows is a finished row's filler)."""
+    return next((answer[: i + 1] for i, token in enumerate(answer) if token in eos_ids), answer)
 
 
 def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[list[list[int]], str]:
@@ -238,8 +204,7 @@ def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[lis
     else:
         raise TypeError(
             "texts must be a non-empty string, list of strings, input_ids tensor, list of ids or list of id lists; "
-            f"got {type(texts).__name__}."
-        )
+            f"got {type(texts).__name__}.")
     sequences, budget = [], max_tokens
     for row in rows:
         row = [int(t) for t in row[:budget]]
@@ -252,23 +217,26 @@ def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[lis
 
 
 def _batches(pieces: list[list[int]], chunk_tokens: int, pad_id: int):
-    """Right-padded ``(input_ids, attention_mask)`` batches of at most ``chunk_tokens`` padded tokens each.
-
-    Right padding keeps real tokens at positions 0..n-1 and, under the causal mask, unaffected by padding.
-    """
+    """Right-padded ``(input_ids, attention_mask)`` batches of at most ``chunk_tokens`` padded tokens each (right
+    padding leaves the real tokens' positions and, under the causal mask, their queries unchanged)."""
     order = sorted(pieces, key=len, reverse=True)  # similar lengths together: little padding
     start = 0
     while start < len(order):
-        width = len(order[start])
-        rows = max(1, chunk_tokens // width)
-        group = order[start : start + rows]
+        group = order[start : start + max(1, chunk_tokens // len(order[start]))]
         start += len(group)
-        input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(group), width), dtype=torch.long)
-        for i, piece in enumerate(group):
-            input_ids[i, : len(piece)] = torch.tensor(piece, dtype=torch.long)
-            attention_mask[i, : len(piece)] = 1
-        yield input_ids, attention_mask
+        yield _padded(group, pad_id, left=False)
+
+
+def _padded(rows: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``(input_ids, attention_mask)`` of ``rows`` padded to the longest, on the left or the right."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        input_ids[i, span] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, span] = 1
+    return input_ids, attention_mask
 
 
 def _input_device(model: nn.Module) -> torch.device:
@@ -278,8 +246,10 @@ def _input_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-# ---------------------------------------------------------------------- command line
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     parser = argparse.ArgumentParser(
         prog="python -m hf_ropekv calibrate",
         description="Calibrate hf_ropekv query statistics (per layer and query head) for one model.",
@@ -294,14 +264,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="model dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    args = _parse_args(argv)
+    args = parser.parse_args(argv)
     if not logger.handlers:
         handler = pylogging.StreamHandler(sys.stderr)
         handler.setFormatter(pylogging.Formatter("%(message)s"))
@@ -328,10 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype_name), **extra)
     model.to(args.device)
     source = "text files: " + ", ".join(Path(n).name for n in args.text)
-    stats = calibrate(
-        model, tokenizer, texts,
-        max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, source=source, progress=not args.no_progress,
-    )
+    stats = calibrate(model, tokenizer, texts, max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens,
+                      source=source, progress=not args.no_progress)
     stats.save(args.out)
     logger.info("Wrote %s: %d layers x %d query heads, %d tokens.", args.out, *stats.q_mean.shape[:2], stats.tokens)
     return 0

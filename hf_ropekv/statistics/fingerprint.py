@@ -1,20 +1,10 @@
-"""A fingerprint of the weights query statistics were calibrated on.
+"""A fingerprint of the weights query statistics were calibrated on: loading statistics of other weights with the
+same geometry (a fine-tune, another checkpoint) warns, naming both.
 
-A statistics file of another model with the same geometry (a fine-tune, another checkpoint) passes every
-shape and RoPE check, yet the RoPE scorer would then rank keys by another model's queries. ``calibrate``
-records the fingerprint of the model it ran; loading statistics for a model with another fingerprint warns
-(:class:`~hf_ropekv.warnings.HfRopeKVWarning`) naming both. Statistics without one (older files, imported reference files, online statistics) are
-not checked.
-
-How it is computed: the first 12 hex digits of a SHA-256 over a fixed sample of the query projection weights
-(``q_proj``, or a fused QKV projection) of the first, middle and last decoder layers: 8 evenly spaced rows x
-8 evenly spaced columns each, plus the weight shapes. The sampled values are rounded to bfloat16, and those
-below 2**-13 in magnitude count as zero, so float32, bfloat16 and float16 copies of a bfloat16 checkpoint
-(most checkpoints) share one fingerprint. Quantized linears (optimum-quanto, bitsandbytes 4-bit and 8-bit)
-are dequantized first and then sampled the same way; the dequantized values are not the original ones, so a
-quantized model has a fingerprint of its own, and statistics calibrated on its unquantized original get the
-warning (which says so). A model whose weights cannot be read (offloaded to the meta device, sharded, or a
-projection of an unknown type) has no fingerprint, and nothing is checked.
+The fingerprint is 12 hex digits of a SHA-256 over an 8 x 8 sample of the query projection weights of the first,
+middle and last layers, rounded to bfloat16 (|w| < 2**-13 counts as 0), so float32 / bfloat16 / float16 copies
+share it. Quantized weights are dequantized first (so they get a fingerprint of their own); unreadable weights
+(meta, sharded, unknown projection) give none, and nothing is checked.
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ from torch import nn
 
 from ..warnings import warn
 
-#: Attention attributes that hold the projection producing the queries (separate, or fused with K and V).
+#: Attention attributes holding the query projection (separate, or fused with K and V).
 PROJECTION_NAMES = ("q_proj", "qkv_proj", "query_key_value", "Wqkv", "c_attn")
 _SAMPLE = 8  # rows and columns sampled per layer
 _ZERO_BELOW = 2.0**-13  # |w| below this counts as 0 (float16 subnormals lose bits there)
@@ -39,10 +29,8 @@ _warned: set[tuple[str, str, str]] = set()
 
 
 def weights_fingerprint(model: nn.Module) -> str | None:
-    """The fingerprint of ``model``'s query projection weights (see the module docstring), or ``None``.
-
-    Cached per model until one of the sampled weights is modified in place (an optimizer step).
-    """
+    """The fingerprint of ``model``'s query projection weights, or ``None``; cached per model until a sampled
+    weight changes in place."""
     projections = _projections(model)
     if not projections:
         return None
@@ -83,11 +71,8 @@ def calibration_metadata(model: nn.Module) -> dict[str, Any]:
 
 
 def warn_if_other_weights(metadata: Mapping[str, Any], model: nn.Module, where: str | None = None) -> bool:
-    """Warn (once per fingerprint pair and model) if statistics with this ``metadata`` (``FrequencyStats.metadata``)
-    were calibrated on other weights than ``model``'s.
-
-    Returns whether the fingerprints differ; ``False`` when either side has none.
-    """
+    """Warn (once per fingerprint pair and model) if statistics with this ``metadata`` were calibrated on other
+    weights than ``model``'s; returns whether the fingerprints differ (False when either side has none)."""
     theirs = metadata.get("weights_fingerprint")
     if not theirs:
         return False
@@ -106,12 +91,10 @@ def warn_if_other_weights(metadata: Mapping[str, Any], model: nn.Module, where: 
             "fine-tune or another checkpoint?): eviction would rank keys by another model's queries. Recalibrate "
             "with hf_ropekv.calibrate / python -m hf_ropekv calibrate on this model. (A quantized copy of the "
             "calibrated model also has another fingerprint; statistics of the unquantized model are then still a "
-            "good fit.)"
-        )
+            "good fit.)")
     return True
 
 
-# ---------------------------------------------------------------------- helpers
 def _projections(model: nn.Module) -> list[nn.Module]:
     """The query projection of the first, middle and last decoder layers ([] if not found)."""
     from ..model.capture import find_attention_modules

@@ -1,15 +1,6 @@
-"""Calibrated pre-RoPE query statistics: what the RoPE scorer needs about future queries (README "How it works").
-
-Per layer ``l``, query head ``h`` and rotary pair ``f`` (``F = rotary_dim / 2``), with ``q_f`` the complex
-number RoPE rotates (``q[f] + i q[f + F]`` in the ``rotate_half`` layout, ``q[2f] + i q[2f + 1]`` in the
-interleaved one; ``metadata["rotary_layout"]``, absent in older files: ``rotate_half``) and ``q`` the query as
-RoPE receives it:
-
-- ``q_mean[l, h, f] = E[q_f]`` (complex64)
-- ``q_abs_mean[l, h, f] = E|q_f|`` (float32)
-
-Files are safetensors (real and imaginary parts split, float32) with the metadata as JSON in the header: no
-pickle.
+"""Calibrated pre-RoPE query statistics, per layer ``l``, query head ``h`` and rotary pair ``f``:
+``q_mean[l, h, f] = E[q_f]`` (complex64) and ``q_abs_mean[l, h, f] = E|q_f|`` (float32), with ``q_f`` the pair of
+the model's rotary layout. Files are safetensors (float32 tensors, metadata as header JSON): no pickle.
 """
 
 from __future__ import annotations
@@ -37,17 +28,10 @@ FORMAT_VERSION = 1
 _HEADER_KEY = "hf_ropekv"
 _FIX = "recalibrate with hf_ropekv.calibrate / python -m hf_ropekv calibrate for this model"
 _EXPECTED_SAFETENSORS = "a safetensors file of hf_ropekv query statistics (written by FrequencyStats.save)"
-_IDENTITY_FIELDS = {
-    "model_type": "model type",
-    "num_layers": "layers",
-    "num_q_heads": "query heads",
-    "num_kv_heads": "KV heads",
-    "head_dim": "head dim",
-    "rotary_dim": "rotary dim",
-    "rope_type": "rope type",
-    "rotary_layout": "rotary pair layout",
+_IDENTITY_FIELDS = {  # metadata key -> its name in messages
+    "model_type": "model type", "num_layers": "layers", "num_q_heads": "query heads", "num_kv_heads": "KV heads",
+    "head_dim": "head dim", "rotary_dim": "rotary dim", "rope_type": "rope type", "rotary_layout": "rotary pair layout",
 }
-# Files written before the layout was recorded were all rotate_half.
 _DEFAULTS = {"rotary_layout": ROTATE_HALF}
 
 
@@ -56,13 +40,11 @@ class FrequencyStats:
     """Per-layer, per-query-head statistics of the pre-RoPE query.
 
     Attributes:
-        q_mean: complex64 ``[L, H_q, F]``, mean of ``q[f] + i q[f+F]`` (L = every decoder layer).
+        q_mean: complex64 ``[L, H_q, F]``, mean of each rotary pair ``q_f`` (L = every decoder layer).
         q_abs_mean: float32 ``[L, H_q, F]``, mean modulus of the same pairs.
-        metadata: JSON-able dict: ``model_type, num_layers, num_q_heads, num_kv_heads, head_dim, rotary_dim,
-            rope_type, rope_theta, rope_parameters, inv_freq`` (list of floats), ``rotary_layout``, ``tokens`` (positions averaged;
-            0 when unknown, e.g. imported reference files), ``source`` (the calibration text) and
-            ``format_version``; from ``calibrate``, also ``weights_fingerprint`` and ``weights_source`` (the
-            calibrated weights, see ``hf_ropekv.statistics.fingerprint``; absent from older files).
+        metadata: JSON-able dict: the model's geometry (:func:`geometry_metadata`), ``tokens`` (positions averaged,
+            0 when unknown), ``source``, ``format_version`` and, from ``calibrate``, ``weights_fingerprint`` and
+            ``weights_source``.
     """
 
     q_mean: torch.Tensor
@@ -73,14 +55,12 @@ class FrequencyStats:
         if self.q_mean.ndim != 3 or self.q_mean.shape != self.q_abs_mean.shape:
             raise ValueError(
                 f"FrequencyStats needs q_mean and q_abs_mean of the same shape [layers, q_heads, rotary_dim/2]; "
-                f"got {tuple(self.q_mean.shape)} and {tuple(self.q_abs_mean.shape)}."
-            )
+                f"got {tuple(self.q_mean.shape)} and {tuple(self.q_abs_mean.shape)}.")
         if not self.q_mean.is_complex():
             raise TypeError(f"FrequencyStats.q_mean must be complex (complex64), got {self.q_mean.dtype}.")
         self.q_mean = self.q_mean.to(torch.complex64)
         self.q_abs_mean = self.q_abs_mean.to(torch.float32)
 
-    # ------------------------------------------------------------------ access
     def for_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q_mean [H_q, F] complex64, q_abs_mean [H_q, F] float32)`` of one decoder layer."""
         if not 0 <= layer_idx < self.q_mean.shape[0]:
@@ -97,10 +77,8 @@ class FrequencyStats:
         layers, heads, pairs = self.q_mean.shape
         return (
             f"FrequencyStats(model_type={self.metadata.get('model_type')!r}, layers={layers}, q_heads={heads}, "
-            f"pairs={pairs}, tokens={self.tokens}, source={self.metadata.get('source')!r})"
-        )
+            f"pairs={pairs}, tokens={self.tokens}, source={self.metadata.get('source')!r})")
 
-    # ------------------------------------------------------------------ files
     def save(self, path: str | os.PathLike) -> None:
         """Write a safetensors file (float32 real / imaginary / modulus tensors, metadata as header JSON)."""
         path = Path(path)
@@ -115,26 +93,23 @@ class FrequencyStats:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "FrequencyStats":
-        """Read a file written by :meth:`save`.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: the file is not hf_ropekv statistics (corrupt, truncated, another format); the message
-                names the file and says how to make a good one.
-        """
-        path = _existing_file(path)
+        """Read a file written by :meth:`save`; ``FileNotFoundError`` without one, ``ValueError`` naming the file
+        when it is not hf_ropekv statistics."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"No statistics file at {path}; create one with hf_ropekv.calibrate / python -m hf_ropekv calibrate.")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 header = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # not a map of the file
         except Exception as err:  # safetensors raises its own error types for corrupt or foreign files
             fix = "recalibrate: hf_ropekv.calibrate / python -m hf_ropekv calibrate"
             raise ValueError(f"{path} could not be read as {_EXPECTED_SAFETENSORS} ({err}); {fix}.") from None
         if _HEADER_KEY not in header:
             raise ValueError(
                 f"{path} is a safetensors file but holds no hf_ropekv statistics (no '{_HEADER_KEY}' header); "
-                f"expected {_EXPECTED_SAFETENSORS}: {_FIX}."
-            )
+                f"expected {_EXPECTED_SAFETENSORS}: {_FIX}.")
         try:
             metadata = json.loads(header[_HEADER_KEY])
         except ValueError:
@@ -145,8 +120,7 @@ class FrequencyStats:
         if version > FORMAT_VERSION:
             raise ValueError(
                 f"{path} has statistics format {version}, newer than this hf_ropekv understands ({FORMAT_VERSION}); "
-                "upgrade hf_ropekv."
-            )
+                "upgrade hf_ropekv.")
         missing = {"q_mean_real", "q_mean_imag", "q_abs_mean"} - tensors.keys()
         if missing:
             raise ValueError(f"{path} lacks the tensors {sorted(missing)}; {_FIX}.")
@@ -154,26 +128,23 @@ class FrequencyStats:
         return cls(q_mean=q_mean, q_abs_mean=tensors["q_abs_mean"].float(), metadata=metadata)
 
     @classmethod
-    def resolve(
-        cls, stats_or_path: "FrequencyStats | str | os.PathLike", geometry: ModelGeometry, model: nn.Module | None = None
-    ) -> "FrequencyStats":
-        """Statistics from an object or a file (``.safetensors`` from :meth:`save`),
-        checked against the model's geometry and, given ``model``, its weights' fingerprint (a warning)."""
+    def resolve(cls, stats_or_path: "FrequencyStats | str | os.PathLike", geometry: ModelGeometry,
+                model: nn.Module | None = None) -> "FrequencyStats":
+        """Statistics from an object or a file, checked against the model's geometry and, given ``model``, its
+        weights' fingerprint (a warning)."""
         if isinstance(stats_or_path, FrequencyStats):
             stats = stats_or_path
         elif isinstance(stats_or_path, (str, os.PathLike)):
             stats = cls.load(stats_or_path)
         else:
             raise TypeError(
-                f"stats must be a FrequencyStats or the path of a statistics file, got {type(stats_or_path).__name__}."
-            )
+                f"stats must be a FrequencyStats or the path of a statistics file, got {type(stats_or_path).__name__}.")
         stats.check_compatible(geometry)
         if model is not None:
             where = str(stats_or_path) if isinstance(stats_or_path, (str, os.PathLike)) else None
             warn_if_other_weights(stats.metadata, model, where)
         return stats
 
-    # ------------------------------------------------------------------ checks
     def check_compatible(self, geometry: ModelGeometry) -> None:
         """Raise ``ValueError`` naming every difference between these statistics and the model."""
         meta = self.metadata
@@ -197,31 +168,27 @@ class FrequencyStats:
         model_scaling = _rope_scaling(geometry.rope_parameters)
         if not _same_params(ours_scaling, model_scaling):
             differ("rope scaling", ours_scaling, model_scaling)
-        inv_freq = torch.tensor(meta.get("inv_freq") or [], dtype=torch.float32)
-        if not _same_frequencies(inv_freq, geometry.inv_freq):
+        inv_freq, model_freq = torch.tensor(meta.get("inv_freq") or [], dtype=torch.float32), geometry.inv_freq
+        if inv_freq.shape != model_freq.shape or not torch.allclose(inv_freq, model_freq, rtol=1e-5, atol=0):
             problems.append("inv_freq (RoPE frequencies): the statistics were taken with other rotary frequencies")
         if problems:
             source = meta.get("source", "unknown source")
             raise ValueError(
                 f"These query statistics ({source}) do not fit this model ('{geometry.model_type}'):\n  - "
                 + "\n  - ".join(problems)
-                + f"\nStatistics belong to one model: {_FIX}."
-            )
+                + f"\nStatistics belong to one model: {_FIX}.")
 
 
 class FrequencyAccumulator:
-    """Running sums of pre-RoPE query pairs, per layer and query head, in float64.
+    """Running float64 sums of pre-RoPE query parts per layer and query head, kept on the queries' device so that
+    adding never synchronises a GPU."""
 
-    Sums stay on the device the queries come from (or ``device``), so adding never synchronises a GPU.
-    """
-
-    def __init__(self, geometry: ModelGeometry, device: torch.device | str | None = None) -> None:
+    def __init__(self, geometry: ModelGeometry) -> None:
         self.geometry = geometry
         self.layout = geometry.require_rotary_layout()
-        self.device = torch.device(device) if device is not None else None
         self._pairs = geometry.rotary_dim // 2
         self._heads: int | None = None  # query heads the tensors show (fewer than the model's under TP)
-        # Per layer: float64 [3, H_q, F] (sum of real parts, imaginary parts, moduli) and an int64 count.
+        # Per layer: float64 [3, H_q, F] sums and an int64 count.
         self._sums: list[torch.Tensor | None] = [None] * geometry.num_layers
         self._counts: list[torch.Tensor | None] = [None] * geometry.num_layers
 
@@ -230,16 +197,14 @@ class FrequencyAccumulator:
         g = self.geometry
         if not 0 <= layer_idx < g.num_layers:
             raise IndexError(f"layer_idx {layer_idx} is out of range for a model of {g.num_layers} layers.")
-        # Under tensor parallelism a rank sees its share of the heads: take whatever divides the model's count,
-        # the same count on every call.
+        # Under tensor parallelism a rank sees a share of the heads: any divisor of the model's count, always the same.
         heads = queries.shape[2] if queries.ndim == 4 else -1
         if heads < 1 or g.num_q_heads % heads or queries.shape[3] < g.rotary_dim or self._heads not in (None, heads):
             raise ValueError(
                 f"Expected pre-RoPE queries [batch, seq, {self._heads or g.num_q_heads} heads (or a tensor-parallel "
-                f"share of them), >= {g.rotary_dim} dims], got {tuple(queries.shape)}."
-            )
+                f"share of them), >= {g.rotary_dim} dims], got {tuple(queries.shape)}.")
         self._heads = heads
-        device = self.device or queries.device
+        device = queries.device
         if device.type == "mps":  # no float64 there
             device = torch.device("cpu")
         parts = query_parts(queries.to(device), self.layout, self._pairs)  # [B, S, 3, H, F]
@@ -250,9 +215,7 @@ class FrequencyAccumulator:
             parts, count = masked_parts(parts, mask), mask.sum(dtype=torch.int64)
         else:
             count = torch.tensor(queries.shape[0] * queries.shape[1], dtype=torch.int64, device=device)
-        self._add_sums(layer_idx, parts.sum(dim=(0, 1), dtype=torch.float64), count)
-
-    def _add_sums(self, layer_idx: int, sums: torch.Tensor, count: torch.Tensor) -> None:
+        sums = parts.sum(dim=(0, 1), dtype=torch.float64)
         if self._sums[layer_idx] is None:
             self._sums[layer_idx], self._counts[layer_idx] = sums, count
         else:
@@ -273,54 +236,24 @@ class FrequencyAccumulator:
         if empty:
             raise ValueError(
                 f"No queries were recorded for layers {empty}: run the model forward over some text with "
-                "QueryCapture attached (hf_ropekv.calibrate does this) before building statistics."
-            )
+                "QueryCapture attached (hf_ropekv.calibrate does this) before building statistics.")
         if len(set(counts)) > 1:
             warn(
                 f"Layers saw different numbers of query positions ({min(counts)} to {max(counts)}): a forward stopped "
-                "part way through calibration? The statistics use each layer's own count."
-            )
+                "part way through calibration? The statistics use each layer's own count.")
         sums = torch.stack([s.cpu() for s in self._sums])  # [L, 3, H, F] float64
         q_mean, q_abs_mean = complex_means(sums, torch.tensor(counts, dtype=torch.float64))
-        metadata = {
-            **geometry_metadata(self.geometry),
-            "tokens": min(counts),
-            "source": source,
-            "format_version": FORMAT_VERSION,
-        }
+        metadata = {**geometry_metadata(self.geometry), "tokens": min(counts), "source": source,
+                    "format_version": FORMAT_VERSION}
         return FrequencyStats(q_mean=q_mean, q_abs_mean=q_abs_mean, metadata=metadata)
 
 
 def geometry_metadata(geometry: ModelGeometry) -> dict[str, Any]:
     """The part of the statistics metadata that identifies the model (compared by ``check_compatible``)."""
-    return {
-        "model_type": geometry.model_type,
-        "num_layers": geometry.num_layers,
-        "num_q_heads": geometry.num_q_heads,
-        "num_kv_heads": geometry.num_kv_heads,
-        "head_dim": geometry.head_dim,
-        "rotary_dim": geometry.rotary_dim,
-        "rope_type": geometry.rope_type,
-        "rope_theta": geometry.rope_theta,
-        "rope_parameters": _jsonable(geometry.rope_parameters),
-        "inv_freq": [float(x) for x in geometry.inv_freq.tolist()],
-        "rotary_layout": geometry.rotary_layout,
-    }
-
-
-# ---------------------------------------------------------------------- reading untrusted files
-def _existing_file(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"No statistics file at {path}; create one with hf_ropekv.calibrate / python -m hf_ropekv calibrate."
-        )
-    return path
-
-
-# ---------------------------------------------------------------------- small helpers
-def _same_frequencies(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=0)
+    names = ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_type",
+             "rope_theta")
+    return {**{name: getattr(geometry, name) for name in names}, "rope_parameters": _jsonable(geometry.rope_parameters),
+            "inv_freq": [float(x) for x in geometry.inv_freq.tolist()], "rotary_layout": geometry.rotary_layout}
 
 
 def _rope_scaling(params: dict) -> dict:
@@ -334,14 +267,11 @@ def _same_number(a: Any, b: Any) -> bool:
 
 
 def _same_params(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key in a:
-        x, y = a[key], b[key]
+    def same(x: Any, y: Any) -> bool:
         numbers = isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool)
-        if not (_same_number(x, y) if numbers else x == y):
-            return False
-    return True
+        return _same_number(x, y) if numbers else x == y
+
+    return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,15 +1,9 @@
 """Query statistics gathered while the cache runs (the default scorer's), one set per batch row.
 
-Every forward adds its pre-RoPE queries (the prompt, later turns, prefill chunks and every decoding step), so the
-statistics follow the generation. A row's statistics hold its real (unpadded) queries only, so its evictions do not
-depend on its batch-mates. A forward's queries count once it has finished, so a compaction (which runs at the first
-layer of a forward) scores every layer with the same tokens.
-
-Decoding steps are cheap: an eager step keeps a reference to its queries and folds :data:`DEFER_STEPS` steps at once
-(:meth:`OnlineStatistics.flush`); a static cache's step folds in place inside the step (recorded as a CUDA graph or
-compiled), at the last layer of each device. With a half-life, the sums decay by ``0.5 ** (new / half_life)`` before
-a forward's queries are added. ``head_shrink`` pulls each query head's means toward its layer's head average by a
-pseudo-count of that many queries.
+Every forward adds its pre-RoPE queries; a row's statistics hold its real (unpadded) queries only, and a forward's
+queries count once it has finished, so a compaction scores every layer with the same tokens. Eager decoding steps
+are folded :data:`DEFER_STEPS` at a time; a static cache's step folds in place at the last layer of each device. With
+a half-life the sums decay by ``0.5 ** (new / half_life)`` before a forward's queries are added.
 """
 
 from __future__ import annotations
@@ -20,19 +14,18 @@ from typing import Callable
 import torch
 
 from ..model.geometry import ModelGeometry
-from ..storage.buffers import mark_static
+from ..storage.buffers import mark_static, normal_tensors
 from .query_sums import complex_means, masked_parts, query_parts
 
-#: Eager decoding steps folded in one go (a host-bound step at batch 1 shows each launch of a fold) ...
+#: Eager decoding steps folded in one go, holding at most DEFER_BYTES of queries.
 DEFER_STEPS = 16
-#: ... and no more query bytes than this held for it (large batches fold sooner).
 DEFER_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
 class RowStatistics:
-    """Per-row statistics as :class:`~hf_ropekv.scorers.FrequencyScorer` reads them: ``for_layer(i)`` gives
-    ``(q_mean [B, H_q, F] complex64, q_abs_mean [B, H_q, F] float32)``; ``metadata["inv_freq"]`` the frequencies."""
+    """Per-row statistics as ``FrequencyScorer`` reads them: ``for_layer(i)`` gives ``(q_mean [B, H_q, F]
+    complex64, q_abs_mean [B, H_q, F] float32)``."""
 
     q_mean: tuple[torch.Tensor | None, ...]
     q_abs_mean: tuple[torch.Tensor | None, ...]
@@ -46,10 +39,8 @@ class RowStatistics:
 class OnlineStatistics:
     """Running per-row float64 sums of query parts per layer and query head, kept on the queries' devices.
 
-    Args:
-        geometry: the model's attention geometry.
-        half_life: tokens after which a query's weight halves; ``None`` weighs every query alike.
-        head_shrink: pseudo-count, in queries, pulling each head's means toward its layer's head average.
+    ``half_life``: tokens after which a query's weight halves (``None``: all alike); ``head_shrink``: a pseudo-count,
+    in queries, pulling each head's means toward its layer's head average.
     """
 
     def __init__(self, geometry: ModelGeometry, half_life: float | None = None, head_shrink: float = 0) -> None:
@@ -74,18 +65,16 @@ class OnlineStatistics:
         self._snapshot: RowStatistics | None = None
         self._fold_index: dict[tuple, tuple[torch.Tensor | None, int]] = {}
         self._weights: dict[tuple, torch.Tensor] = {}  # decay weights of n deferred steps, by (device, n)
-        # A static cache's decoding steps fold in place at the last layer of each device (see _fold_static_step).
-        self._on_buffers = False
+        self.on_buffers = False  # a static cache's sums: its recorded steps fold in place
         self._static_step: list[tuple[int, torch.Tensor]] = []
         self._static_layers: dict[torch.device, tuple[int, ...]] = {}
         self._static_last: dict[int, torch.device] = {}
 
-    # ------------------------------------------------------------------ one forward
     def begin_forward(self, new_token_mask: torch.Tensor | None, new_tokens: int) -> None:
         """A forward of ``new_tokens`` starts; queries of a forward that never finished (it raised) are dropped."""
         self._pending, self._stash, self._step, self._static_step = {}, [], None, []
         self._mask, self._new = new_token_mask, new_tokens
-        if self._on_buffers and new_tokens == 1:  # the step folds its queries itself; the counts move here
+        if self.on_buffers and new_tokens == 1:  # the step folds its queries itself; the counts move here
             for device, counts in self._counts.items():
                 _decay_then_add(counts, self._factor(1), self._count_on(device))
             self._snapshot = None
@@ -94,7 +83,7 @@ class OnlineStatistics:
         """One layer's pre-RoPE queries ``[B, S, H_q, D]`` of the running forward (read, never modified)."""
         self._check(queries)
         queries = queries.detach()
-        if queries.shape[1] == 1 and self._on_buffers:
+        if queries.shape[1] == 1 and self.on_buffers:
             self._static_step.append((layer_idx, queries))
             device = self._static_last.get(layer_idx)
             if device is not None:
@@ -105,15 +94,15 @@ class OnlineStatistics:
             parts = masked_parts(query_parts(queries, self._layout, self._pairs), self._mask_on(queries))
             self._pending[layer_idx] = parts.sum(dim=1, dtype=torch.float64)
 
-    def add_step(self, layers: tuple[int, ...], queries: list[torch.Tensor], heads_dim: int) -> None:
-        """A decoding step's queries of ``layers`` at once, as the model handed them to RoPE (``[B, 1, H, D]`` with
-        ``heads_dim`` 2, ``[B, H, 1, D]`` with 1): one concatenation instead of a call per layer."""
+    def add_step(self, layers: tuple[int, ...], queries: list[torch.Tensor]) -> None:
+        """A decoding step's queries of ``layers`` (``[B, 1, H, D]`` each) at once: one concatenation instead of a
+        call per layer."""
         device = queries[0].device
-        if self._on_buffers or self._stash or self._step is not None or any(q.device != device for q in queries):
+        if self.on_buffers or self._stash or self._step is not None or any(q.device != device for q in queries):
             for layer_idx, q in zip(layers, queries):
-                self.add(layer_idx, q.transpose(1, 2) if heads_dim == 1 else q)
+                self.add(layer_idx, q)
             return
-        stacked = torch.cat(queries, dim=2).transpose(1, 2) if heads_dim == 1 else torch.cat(queries, dim=1)
+        stacked = torch.cat(queries, dim=1)
         self._check(stacked)
         self._step = (layers, stacked.detach())
 
@@ -156,10 +145,9 @@ class OnlineStatistics:
                 self._counts[device] += self._count_on(device)
         self._pending, self._stash, self._snapshot = {}, [], None
 
-    # ------------------------------------------------------------------ deferred eager decoding steps
     def _defer(self, layers: tuple[int, ...], stacked: torch.Tensor) -> bool:
-        """Keep a finished decoding step for a later fold when it holds every layer of its device in order and has
-        no padding mask; False when it must be folded now."""
+        """Keep a finished decoding step for a later fold (every layer of its one device, in order, no padding
+        mask); False when it must be folded now."""
         device = stacked.device
         memo = self._fold_index.get((device, layers))
         every_layer = memo is not None and memo[0] is None and memo[1] == self._sums[device].shape[0]
@@ -172,7 +160,7 @@ class OnlineStatistics:
         return True
 
     def flush(self) -> None:
-        """Fold the deferred steps: ``sums * f**n + sum_j f**(n-1-j) parts_j`` (a decay and an add per step, in order)."""
+        """Fold the deferred steps: ``sums * f**n + sum_j f**(n-1-j) parts_j``."""
         if not self._deferred:
             return
         steps, n = list(self._deferred), len(self._deferred)
@@ -192,7 +180,6 @@ class OnlineStatistics:
         _decay_then_add(sums, factor**n, torch.tensordot(weights, parts.to(torch.float64), dims=1))
         _decay_then_add(counts, factor**n, weights.sum())
 
-    # ------------------------------------------------------------------ reading
     def snapshot(self) -> RowStatistics:
         """Per-row means of every finished forward's queries (cached until another forward finishes)."""
         self.flush()
@@ -201,8 +188,7 @@ class OnlineStatistics:
         if not self._counts or len(self._slot) < len(self.geometry.full_attention_layers):
             raise RuntimeError(
                 "RopeKVCache has no query statistics: no prompt went through the model with the cache attached. "
-                "Build the cache from the model, or pass FrequencyScorer(stats=...) from hf_ropekv.calibrate."
-            )
+                "Build the cache from the model, or pass FrequencyScorer(stats=...) from hf_ropekv.calibrate.")
         q_mean, q_abs = [], []
         for layer_idx in range(self.geometry.num_layers):
             if layer_idx not in self._slot:  # a layer that gave no queries (sliding layers are never scored)
@@ -224,14 +210,9 @@ class OnlineStatistics:
         )
         return self._snapshot
 
-    # ------------------------------------------------------------------ static caches
-    @property
-    def on_buffers(self) -> bool:
-        return self._on_buffers
-
     def move_to_buffers(self, take: Callable[..., torch.Tensor]) -> None:
-        """Move the sums into buffers from ``take(purpose, shape, dtype, make)`` (a static cache's lease): a
-        recorded decoding step updates them in place, at addresses the next cache of the model takes over."""
+        """Move the sums into buffers from ``take(purpose, shape, dtype, make)`` (a static cache's lease), which a
+        recorded decoding step updates in place."""
         self.flush()
         for table, name in ((self._sums, "online_sums"), (self._counts, "online_counts")):
             for device, value in table.items():
@@ -239,7 +220,7 @@ class OnlineStatistics:
                 table[device] = buffer.copy_(value)
         self._static_layers = {device: self._layers_on(device) for device in self._sums}
         self._static_last = {layers[-1]: device for device, layers in self._static_layers.items() if layers}
-        self._on_buffers, self._snapshot = True, None
+        self.on_buffers, self._snapshot = True, None
 
     def _fold_static_step(self, device: torch.device) -> None:
         """Fold the static step's queries of ``device``'s layers into their sums in place: decay, then add."""
@@ -262,6 +243,7 @@ class OnlineStatistics:
 
     step_tensors = buffers  # every table a static decoding step reads or updates (a CUDA graph holds their addresses)
 
+    @normal_tensors
     def select_batch(self, index: torch.Tensor) -> None:
         """Rows were reordered, selected or repeated (beam search, expansion)."""
         self.flush()
@@ -271,13 +253,11 @@ class OnlineStatistics:
                 mark_static(table[device])
         self._snapshot = None
 
-    # ------------------------------------------------------------------ internals
     def _check(self, queries: torch.Tensor) -> None:
         g, shape = self.geometry, queries.shape
         if len(shape) != 4 or g.num_q_heads % shape[2] or shape[3] < 2 * self._pairs:  # TP: a share of the heads
             raise ValueError(
-                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], got {tuple(shape)}."
-            )
+                f"Expected pre-RoPE queries [batch, seq, {g.num_q_heads} heads, {g.head_dim}], got {tuple(shape)}.")
 
     def _mask_on(self, queries: torch.Tensor) -> torch.Tensor | None:
         if self._mask is None:
@@ -291,8 +271,9 @@ class OnlineStatistics:
             return torch.full((self._counts[device].shape[0],), float(self._new), dtype=torch.float64, device=device)
         return self._mask.to(device).sum(dim=1, dtype=torch.float64)
 
+    @normal_tensors
     def _place(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.device, int]:
-        """Where ``layer_idx``'s sums live (made at its first queries, beside the other layers of its device)."""
+        """``(device, row)`` of ``layer_idx``'s sums, made at its first queries."""
         if layer_idx not in self._slot:
             device, batch = like.device, like.shape[0]
             zeros = torch.zeros((1, batch, *like.shape[1:]), dtype=torch.float64, device=device)
@@ -308,7 +289,7 @@ class OnlineStatistics:
 
     def _index_of(self, device: torch.device, layers: tuple[int, ...], parts: torch.Tensor) -> torch.Tensor | None:
         """Rows of ``device``'s sums that ``layers`` (``parts [B, L, 3, H, F]``) go to, placing new layers; None
-        when they are all rows in order. Memoised: the same layers come every decoding step."""
+        when they are all rows in order (memoised)."""
         memo = self._fold_index.get((device, layers))
         if memo is not None and memo[1] == self._sums[device].shape[0]:
             return memo[0]
@@ -325,7 +306,7 @@ class OnlineStatistics:
         return tuple(layer_idx for _, layer_idx in placed)
 
     def _factor(self, new_tokens: int) -> float | None:
-        """What the sums are multiplied by before ``new_tokens`` tokens' queries are added (None: no half-life)."""
+        """The decay before ``new_tokens`` tokens' queries are added (None: no half-life)."""
         return None if self.half_life is None else 0.5 ** (new_tokens / self.half_life)
 
     def _decay(self, new_tokens: int) -> None:

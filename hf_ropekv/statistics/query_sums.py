@@ -1,9 +1,5 @@
-"""The one place the query statistics' arithmetic is written: a query's parts, and means from their sums.
-
-A pre-RoPE query ``q [..., H, D]`` enters the statistics as three numbers per head and rotary pair ``f``: the real
-and imaginary parts of ``q_f`` and its modulus ``|q_f|`` (DESIGN.md §2). Calibration (:mod:`.frequency_stats`)
-and online statistics (:mod:`.online`) both sum these parts in float64 and divide by a count.
-"""
+"""The query statistics' arithmetic, shared by calibration and online statistics: a query's parts (real and
+imaginary part and modulus of each rotary pair ``q_f``), summed in float64, and means from those sums."""
 
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ def masked_parts(parts: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
 
 
 def complex_means(sums: torch.Tensor, counts: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sums [..., 3, H, F]`` (float64) over ``counts`` -> ``(q_mean complex64, q_abs_mean float32)`` ``[..., H, F]``."""
+    """float64 ``sums [..., 3, H, F]`` over ``counts`` -> ``(q_mean complex64, q_abs_mean float32)`` ``[..., H, F]``."""
     if isinstance(counts, torch.Tensor):
         counts = counts.clamp_min(1e-12).view(*counts.shape, *(1,) * (sums.dim() - counts.dim()))
     means = sums / counts

@@ -17,13 +17,26 @@ so a model never holds the arenas of a configuration that no longer runs beside 
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
 
 Make = Callable[[], torch.Tensor]
+
+
+def normal_tensors(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``function`` with inference mode off: the tensors it makes outlive the forward that made them (a cache
+    filled under ``torch.inference_mode()`` is continued outside it, as a DynamicCache can be), and an inference
+    tensor would refuse those later in-place writes."""
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False):
+            return function(*args, **kwargs)
+
+    return wrapper
 
 #: Purposes of a static sliding-window layer's leased keys and values (``hf_ropekv.cache.window.StaticWindowLayer``).
 WINDOW_KEYS, WINDOW_VALUES = "window_keys", "window_values"
@@ -70,6 +83,7 @@ class BufferLease:
         twin._held.extend((purpose, copy.deepcopy(tensor, memo)) for purpose, tensor in self._held)
         return twin
 
+    @normal_tensors
     def take(self, purpose: Hashable, shape: tuple[int, ...], dtype: torch.dtype, make: Make) -> torch.Tensor:
         """A buffer for ``purpose`` of ``shape`` and ``dtype``: the pool's (zeroed) when it has one of them, else
         ``make()``; marked as a static address. A pooled buffer of another shape or dtype is let go first."""
@@ -97,6 +111,7 @@ class BufferLease:
                 return
 
 
+@normal_tensors
 def static_buffer(lease: BufferLease | None, purpose: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
     """A zeroed buffer at a static address: from ``lease`` (the pool of the model's previous static cache) when the

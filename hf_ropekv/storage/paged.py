@@ -14,6 +14,7 @@ import torch
 
 from ..kernels.compact import compact_
 from ..kernels.quantize import dequantize_kv, quantize_kv
+from .buffers import normal_tensors
 
 # Attributes of the keys a layer hands the model's attention, read by ``hf_ropekv.model.attention``:
 #: the int8 codes' scales ``(key_scale, value_scale)``, float32 ``[B, H, S]``;
@@ -129,6 +130,7 @@ class PagedKV:
         self.length = max(0, min(self.length, length))
         self._positions_valid = min(self._positions_valid, self.length)
 
+    @normal_tensors
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder or select batch rows (beam search, contrastive search)."""
         if self.planes is not None:
@@ -137,6 +139,7 @@ class PagedKV:
             if self.positions is not None:
                 self.positions = self.positions.index_select(0, index)
 
+    @normal_tensors
     def repeat_batch(self, repeats: int) -> None:
         if self.planes is not None:
             self.planes = [plane.repeat_interleave(repeats, dim=0) for plane in self.planes]
@@ -162,6 +165,7 @@ class PagedKV:
         self._write_positions()
         return self.positions[:, :, : self.length]
 
+    @normal_tensors
     def _write_positions(self) -> None:
         if self.positions is None:
             self.positions = torch.empty(self.keys.shape[:3], dtype=torch.int64, device=self.keys.device)
@@ -172,6 +176,7 @@ class PagedKV:
             self._positions_valid = end
 
     # -- allocation ----------------------------------------------------------------------------
+    @normal_tensors
     def _shrink_to_hint(self) -> None:
         """Give back what a long, unpinned prefill made the arena grow to, once it fits the steady state."""
         steady = self.capacity_hint
@@ -179,6 +184,7 @@ class PagedKV:
             self.planes = [plane[:, :, :steady].clone() for plane in self.planes]
             self.positions = self.positions[:, :, :steady].clone()
 
+    @normal_tensors
     def _reserve(self, like: list[torch.Tensor], needed: int) -> None:
         """Room for ``needed`` slots, planes shaped like ``like``: whole pages, never past the steady-state bound
         unless one forward needs more (a cache that never evicts holds at most a page more than a DynamicCache, and

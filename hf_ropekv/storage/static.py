@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .buffers import mark_static, static_buffer
+from .buffers import mark_static, normal_tensors, static_buffer
+from ..kernels.quantize import quantize_into_
 from .paged import PagedKV, attention_view
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ class StaticKV(PagedKV):
     (:meth:`write`), so a recorded step reads no host counter.
 
     A forward longer than the arena (a long prompt that is not pinned, sent in one piece) spills into a temporary
-    larger arena; the compaction that brings the layer back within it moves the survivors back (:meth:`_shrink_to_hint`).
+    larger arena; the compaction that brings the layer back within it moves the survivors back.
     """
 
     def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: "BufferLease | None" = None,
@@ -36,6 +37,7 @@ class StaticKV(PagedKV):
         self.write_index: torch.Tensor | None = None  # int64 [q] on the arena's device: slots of this forward's tokens
         self.planned_write = (0, 0)  # (first slot, tokens) of the coming forward, for a layer not allocated yet
 
+    @normal_tensors
     def fit(self, tokens: int) -> None:
         """Size the fixed arena for a generation of at most ``tokens`` tokens per row (whole pages, never past the
         steady-state bound). An arena allocated already only grows, its live slots copied."""
@@ -73,7 +75,7 @@ class StaticKV(PagedKV):
         self._mark()
         if needed > self.static_capacity:  # nothing is stored before the first forward: a temporary arena, no copy
             self.planes = None
-            super()._reserve(like, needed)
+            self._reserve(like, needed)
             self._zero_from(0)
 
     def _new_arena(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,7 +89,7 @@ class StaticKV(PagedKV):
     def reserve(self, needed: int) -> None:
         """Make room for ``needed`` slots before a forward: beyond the fixed arena, a temporary one (eager only)."""
         if self.planes is not None and needed > self.capacity:
-            super()._reserve(self.planes, needed)
+            self._reserve(self.planes, needed)
             self._zero_from(self.length)
 
     def _zero_from(self, slot: int) -> None:
@@ -101,8 +103,12 @@ class StaticKV(PagedKV):
         if self.write_index is None:  # allocated by this forward's first write: its slots are known now
             start, count = self.planned_write
             self.write_index = torch.arange(start, start + count, device=key_states.device)
-        for plane, part in zip(self.planes, self.encode(key_states, value_states)):
-            plane.index_copy_(2, self.write_index, part)
+        if self.bits is None:
+            self.keys.index_copy_(2, self.write_index, key_states)
+            self.values.index_copy_(2, self.write_index, value_states)
+        else:  # codes and scales in one launch per tensor (a recorded step would run a dozen kernels a layer)
+            quantize_into_(self.planes[0], self.planes[2], key_states, self.write_index)
+            quantize_into_(self.planes[1], self.planes[3], value_states, self.write_index)
         return self.keys, self.values  # marked for attention outside the step (see _mark), so it traces no setattr
 
     def _mark(self) -> None:
@@ -121,6 +127,7 @@ class StaticKV(PagedKV):
     def append(self, *args, **kwargs):  # type: ignore[override]
         raise TypeError("StaticKV is written with plan_write() + write(); append() belongs to the growing PagedKV.")
 
+    @normal_tensors
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder rows in place (beam search keeps the arena's address); a new row count reallocates."""
         if self.planes is None:
@@ -159,6 +166,7 @@ class StaticKV(PagedKV):
             self._arena = self.planes
             mark_static(*self._arena)
 
+    @normal_tensors
     def _shrink_to_hint(self) -> None:
         """After a compaction: leave a temporary arena for the fixed one once the survivors fit in it."""
         if self._arena is None or self.planes is self._arena or self.length > self.static_capacity:
