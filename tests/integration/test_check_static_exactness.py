@@ -23,7 +23,7 @@ import torch
 from transformers import CompileConfig
 
 from conftest import cache_kw, compiled, padded_batch, tiny_model
-from hf_ropekv import FrequencyScorer, RopeKVCache
+from hf_ropekv import RopeKVCache
 from hf_ropekv.scorers import KeyNormScorer, RandomScorer, RecencyScorer
 from test_check_exactness import QWEN3_1_7B, TINY_QWEN3, left_padded, random_qwen3
 
@@ -76,8 +76,7 @@ def compiled_twice(model, ids, mask, options, steps, config, counters) -> tuple[
 def test_compiled_static_cache_matches_eager_on_cpu(fresh_dynamo) -> None:
     model = random_qwen3(TINY_QWEN3, torch.float32, "cpu")
     ids, mask = left_padded(2, 24, TINY_QWEN3["vocab_size"], "cpu")
-    # (without the prompt window: see test_static_cache.test_a_compaction_right_after_the_prompt_...)
-    options = dict(budget=16, compress_every=4, protect_prompt=False, scorer=FrequencyScorer(prompt_window=0))
+    options = dict(budget=16, compress_every=4, protect_prompt=False)
     eager, _ = generate(model, RopeKVCache(model, **options, static=True), ids, mask, 24, eager=True)
     growing_cache = RopeKVCache(model, **options)
     growing, _ = generate(model, growing_cache, ids, mask, 24)
@@ -93,7 +92,7 @@ def test_static_cache_at_qwen3_1_7b_on_cuda(deterministic_sdpa, fresh_dynamo, mo
     the compiled path parts from eager only at bf16 near-ties and repeats itself."""
     model = random_qwen3(QWEN3_1_7B, torch.bfloat16, "cuda")
     ids, mask = left_padded(4, 1024, QWEN3_1_7B["vocab_size"], "cuda")
-    options = dict(budget=1024, compress_every=64, protect_prompt=False, scorer=FrequencyScorer(prompt_window=0))
+    options = dict(budget=1024, compress_every=64, protect_prompt=False)
     eager, scores = generate(model, RopeKVCache(model, **options, static=True), ids, mask, 256, eager=True)
     growing_cache = RopeKVCache(model, **options, static=False)
     growing, _ = generate(model, growing_cache, ids, mask, 256)

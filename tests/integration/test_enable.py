@@ -289,11 +289,6 @@ def test_context_manager_restores_on_exception(model) -> None:
     assert model.__dict__.keys() == before.keys()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: enable() on an enabled model replaces the options inside the model's one _Enablement object, "
-    "and enabled() remembers that same object as the outer block's state; so leaving an inner "
-    "`with enabled(model, budget=24)` inside `with enabled(model, budget=16)` keeps budget 24 for the rest of the "
-    "outer block (its docstring: 'an inner block with other options restores the outer block's options')"))
 def test_an_inner_block_restores_the_outer_blocks_options(model) -> None:
     ids, mask = padded_batch(lengths=(6,))
     spy = CacheSpy(model)
@@ -306,10 +301,6 @@ def test_an_inner_block_restores_the_outer_blocks_options(model) -> None:
         assert spy.caches[-1].options.budget == 16
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (same cause as test_an_inner_block_restores_the_outer_blocks_options): after enable(model, "
-    "budget=16), a `with enabled(model, budget=32)` block in which disable() was called enables the model again "
-    "on exit with budget 32, not the 16 it had before the block"))
 def test_disable_inside_a_block_is_undone_with_the_options_from_before(model) -> None:
     ids, mask = padded_batch(lengths=(6,))
     enable(model, budget=16)
@@ -360,10 +351,6 @@ def test_every_cache_gets_its_own_copy_of_the_scorer(model) -> None:
         gen(model, ids, mask, max_new_tokens=8)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (since c5df2d6): enable() rebuilds a FrequencyScorer given statistics positionally, "
-    "FrequencyScorer(stats, half_life, head_shrink, offsets), and the new prompt_window field now sits before "
-    "offsets: offsets=None lands in prompt_window and enable() raises 'prompt_window must be an int >= 0'"))
 def test_calibrated_stats_are_loaded_once(model, tmp_path) -> None:
     """A statistics file given to enable() is read and checked when enable() is called (a bad file fails there),
     and every cache it makes shares those statistics (not one load per generate)."""

@@ -100,10 +100,6 @@ def test_statistics_of_other_weights_warn_naming_both(tmp_path, warned) -> None:
     assert [str(w.message) for w in warned if "fingerprint" in str(w.message)] == [message]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (since c5df2d6): enable() rebuilds a FrequencyScorer given statistics positionally, "
-    "FrequencyScorer(stats, half_life, head_shrink, offsets), and the new prompt_window field now sits before "
-    "offsets: offsets=None lands in prompt_window and enable() raises 'prompt_window must be an int >= 0'"))
 def test_enable_with_statistics_of_other_weights_warns_once(tmp_path, warned) -> None:
     model, finetune = tiny_model("llama"), tiny_model("llama", seed=1)
     path = tmp_path / "finetune.safetensors"

@@ -98,17 +98,7 @@ def fixed_arena_bytes(model, batch: int, slots: int) -> int:
     return config.num_hidden_layers * (per_layer + batch * config.num_key_value_heads * slots * 8)
 
 
-PROMPT_WINDOW_BUG = pytest.mark.xfail(strict=True, reason=(
-    "library bug (since c5df2d6, the default scorer's PromptWindow; see "
-    "test_a_compaction_right_after_the_prompt_keeps_what_the_growing_cache_keeps): with a chunked prefill, "
-    "static=True keeps "
-    "other tokens than static=False and generates other tokens (prefill chunks of 8 and of 90 over a 200-token "
-    "prompt, budget 16, unpinned); with "
-    "FrequencyScorer(prompt_window=0) they agree"))
-
-
-@pytest.mark.parametrize("prefill", ["one piece", pytest.param("chunked", marks=PROMPT_WINDOW_BUG),
-                                     pytest.param("a chunk longer than the arena", marks=PROMPT_WINDOW_BUG)])
+@pytest.mark.parametrize("prefill", ["one piece", "chunked", "a chunk longer than the arena"])
 def test_unpinned_prompt_longer_than_the_arena(prefill: str) -> None:
     """A prompt of 3x the arena, not pinned: in one forward it spills into a temporary arena that the first
     compaction folds back; chunked, it never leaves the fixed arena. Same tokens as the growing cache, and the
@@ -124,12 +114,9 @@ def test_unpinned_prompt_longer_than_the_arena(prefill: str) -> None:
     assert cache.bytes_held <= fixed_arena_bytes(model, 2, PAGE_SIZE) < fixed_arena_bytes(model, 2, 200)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (since c5df2d6): at a compaction right after a multi-token forward the default scorer adds the "
-    "prompt's last 32 queries' votes (PromptWindow); a static cache then keeps other tokens than a growing one "
-    "(here an unpinned, left-padded 24-token prompt over budget 16 + compress_every 4: the tokens differ), while "
-    "with FrequencyScorer(prompt_window=0) they agree"))
 def test_a_compaction_right_after_the_prompt_keeps_what_the_growing_cache_keeps() -> None:
+    """The default scorer's prompt window (the last queries of the forward just finished) reads the same positions
+    in a static cache as in a growing one: an unpinned, left-padded prompt over the budget compacts right after it."""
     model = tiny_model("qwen3")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(24, 17))
     options = dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False)
@@ -137,18 +124,6 @@ def test_a_compaction_right_after_the_prompt_keeps_what_the_growing_cache_keeps(
     expected = generate(model, reference, ids, mask, new=24)
     cache = RopeKVCache(model, **options, static=True)
     torch.testing.assert_close(generate(model, cache, ids, mask, new=24), expected, atol=0, rtol=0)
-    _same_kept(cache, reference)
-
-
-@pytest.mark.parametrize("chunk", [8, 90])
-def test_a_chunked_prefill_without_the_prompt_window_keeps_what_the_growing_cache_keeps(chunk: int) -> None:
-    options = dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False, scorer=FrequencyScorer(prompt_window=0))
-    model = tiny_model("llama")
-    ids, mask = padded_batch(model.config.vocab_size, lengths=(200, 157))
-    reference = RopeKVCache(model, **options)
-    expected = generate(model, reference, ids, mask, prefill_chunk_size=chunk)
-    cache = RopeKVCache(model, **options, static=True)
-    torch.testing.assert_close(generate(model, cache, ids, mask, prefill_chunk_size=chunk), expected, atol=0, rtol=0)
     _same_kept(cache, reference)
 
 

@@ -98,13 +98,10 @@ def test_eviction_keeps_what_the_growing_cache_keeps(arch: str, compile_config, 
 def test_unpinned_prompt_longer_than_the_arena(chunk: int | None, compile_config, fresh_dynamo) -> None:
     """A prompt of about 4x the arena, not pinned, in one forward (a temporary arena: the window part of the mask then
     sits after its longer slot mask) or in chunks of 8 (each chunk a multi-token window update): the growing
-    cache's tokens, eager and compiled. (Without the default scorer's prompt window: see
-    test_static_cache.PROMPT_WINDOW_BUG.)"""
-    from hf_ropekv import FrequencyScorer
-
+    cache's tokens, eager and compiled."""
     model = tiny_model("gemma2")
     ids, mask = padded_batch(model.config.vocab_size, lengths=(60, 41))
-    options = dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False, scorer=FrequencyScorer(prompt_window=0))
+    options = dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False)
     extra = {} if chunk is None else {"prefill_chunk_size": chunk}
     expected = generate(model, RopeKVCache(model, **options), ids, mask, new=12, **extra)
     cache = RopeKVCache(model, **options, static=True)

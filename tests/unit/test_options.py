@@ -147,11 +147,6 @@ def test_a_scorer_without_a_score_method_is_refused(model, scorer) -> None:
     assert not is_enabled(model)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: a scorer class (the factory form enable() took before the API rework) passes check_scorer (the "
-    "class has a callable `score`), so enable(model, scorer=RecencyScorer) is accepted and every later generate() "
-    "fails with dataclasses' 'replace() should be called on dataclass instances'; RopeKVCache raises that same "
-    "unexplained TypeError instead of the scorer message"))
 def test_a_scorer_class_is_refused_up_front_with_the_scorer_message(model) -> None:
     from hf_ropekv.scorers import RecencyScorer
 

@@ -304,11 +304,6 @@ def test_statistics_of_another_model_are_refused_naming_the_mismatch(tmp_path):
     assert "python -m hf_ropekv calibrate" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: FrequencyStats.load keeps q_abs_mean as safetensors' memory map of the file (`.float()` of a "
-    "float32 tensor copies nothing), so rewriting the file in place afterwards changes the loaded statistics of "
-    "live caches and of enable() (zeroes here; a truncated file gave zeros in a test of enable(), and may SIGBUS); "
-    "q_mean is a copy (torch.complex) and is unaffected"))
 def test_loaded_statistics_do_not_change_with_the_file(tmp_path):
     path = tmp_path / "stats.safetensors"
     stats = _random_stats(describe(_qwen3_config()))
