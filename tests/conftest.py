@@ -529,6 +529,11 @@ def smollm2():
     return offline_assets.load_smollm2(dtype=torch.float32, hub_fallback=None)
 
 
+def pytest_configure(config) -> None:
+    # The tiny models' budgets are small on purpose; test_enable checks the warning itself (pytest.warns sees it).
+    config.addinivalue_line("filterwarnings", r"ignore:hf_ropekv.enable. budget=\d+ is small")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Skip tests marked ``gpu`` when CUDA is not available, and ``multi_gpu`` ones without two devices."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -58,10 +58,13 @@ def test_nothing_evicted_equals_the_int8_full_cache(arch: str, static: bool) -> 
     cache = RopeKVCache(model, budget=4096, kv_bits=8, static=static)
     got = model.generate(**cache_kw(model, cache), **kw)
     assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     plain = model.generate(**cache_kw(model, DynamicCache(config=model.config)), **kw)
-    assert any(not torch.equal(a, b) for a, b in zip(got.logits, plain.logits)), "int8 storage changed nothing"
+    int8_effect = max((a - b).abs().max().item() for a, b in zip(want.logits, plain.logits))
+    assert int8_effect > 1e-3, f"int8 storage moved the logits by {int8_effect:.1e} only: a weak reference"
+    # Bit for bit on transformers 5.25; 5.17 sums hf_ropekv's attention function and its own sdpa in another order
+    # (up to 1.5e-4 after 20 steps of qwen3): at least 10x closer to the int8 reference than int8 is to float32.
+    distance = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
+    assert distance <= 0.1 * int8_effect, (distance, int8_effect)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])

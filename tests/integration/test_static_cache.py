@@ -442,21 +442,30 @@ def test_where_graphs_cannot_hold_the_model_generate_compiles_the_step(monkeypat
                                                                       deterministic_sdpa) -> None:
     """A static cache whose model a graph cannot hold (several devices or ranks; simulated by the attachment's
     capturability check, private) decodes with generate's own compilation (inductor, CUDA graph trees): no CUDA
-    graph skipped (every tensor the step mutates is a static address), no recompile for a second cache, and the
-    eager static cache's tokens wherever the eager run's top-2 logits are not a float32 near-tie."""
+    graph skipped (every tensor the step mutates is a static address), no recompile for a second cache, the same
+    tokens twice, and the eager static cache's tokens except where the eager run's top-2 logits are a float32
+    near-tie (inductor's fused kernels round differently)."""
     from hf_ropekv.adapter import attach
 
     monkeypatch.setattr(attach, "not_capturable", lambda model, device: "simulated: the model spans 2 devices")
     model = tiny_model("llama").cuda()
     ids, mask = (t.cuda() for t in padded_batch(model.config.vocab_size, lengths=(11, 6, 3)))
-    expected = generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask,
-                        disable_compile=True)
-    graphs = []
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+              do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    eager = model.generate(**cache_kw(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)),
+                           disable_compile=True, **kw)
+    outs, graphs = [], []
     for _ in range(2):
         cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
-        got = generate(model, cache, ids, mask, compile_config=CompileConfig(fullgraph=True))
-        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        outs.append(model.generate(**cache_kw(model, cache), compile_config=CompileConfig(fullgraph=True), **kw))
         graphs.append(fresh_dynamo["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1] > 0
     assert fresh_dynamo["inductor"]["cudagraph_skips"] == 0
     assert cache.num_compactions >= 8
+    assert torch.equal(outs[1].sequences, outs[0].sequences)
+    new = ids.shape[1]
+    for row in range(ids.shape[0]):
+        differ = (eager.sequences[row, new:] != outs[0].sequences[row, new:]).nonzero()
+        if differ.numel():
+            top2 = eager.scores[int(differ[0])][row].float().topk(2).values
+            assert float(top2[0] - top2[1]) <= 1e-3, f"row {row}: compiled parted from eager at a clear margin"

@@ -90,8 +90,7 @@ def test_prompts_with_padding_are_each_rows_real_queries(half_life, shrink) -> N
 
 
 @pytest.mark.parametrize("half_life", [None, 5.0])
-@pytest.mark.parametrize("delivery", ["per layer", "all layers at once, heads dim 2",
-                                      "all layers at once, heads dim 1"])
+@pytest.mark.parametrize("delivery", ["per layer", "all layers at once"])
 def test_decoding_steps_however_they_arrive_are_the_sequential_decayed_sum(half_life, delivery: str) -> None:
     """A prompt, then more decoding steps than are deferred at once (the last ones still deferred when read): the
     means of folding each step on its own."""
@@ -109,10 +108,8 @@ def test_decoding_steps_however_they_arrive_are_the_sequential_decayed_sum(half_
         if delivery == "per layer":
             for layer in layers:
                 stats.add(layer, step[layer])
-        elif delivery.endswith("heads dim 2"):
-            stats.add_step(layers, step, heads_dim=2)  # [B, 1, H, D] each
         else:
-            stats.add_step(layers, [q.transpose(1, 2) for q in step], heads_dim=1)  # [B, H, 1, D] each
+            stats.add_step(layers, step)  # [B, 1, H, D] each
         stats.end_forward()
     assert_matches(stats, geometry, forwards, half_life, 2.0)
 
