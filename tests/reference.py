@@ -6,9 +6,9 @@ layer its own additive 4-D mask: the tokens that layer kept (read through the pu
 ``RopeKVCache.kept_positions``), causal, real tokens only. Sliding-window layers get the plain window mask,
 built here from the 2-D padding mask. Two flavours:
 
-* ``layers_alike=True``: every full-attention layer must hold the same tokens (``selection="global"``, or a
-  scorer that ranks the same everywhere); the reference checks that and gives all of them one mask.
-* ``layers_alike=False`` (the default ``selection="per_layer"``): each layer gets the mask of what it kept.
+* ``layers_alike=False`` (the default: every layer ranks its own keys): each layer gets the mask of what it kept.
+* ``layers_alike=True``: every full-attention layer must hold the same tokens (a scorer that ranks the same
+  everywhere, e.g. recency); the reference checks that and gives all of them one mask.
 
 The per-layer masks reach the attention modules through forward pre-hooks that replace their
 ``attention_mask`` keyword for the duration of one reference forward; the model itself gets a plain causal
@@ -149,10 +149,14 @@ def run_and_compare(
     decode_steps: int,
     atol: float = 1e-5,
     layers_alike: bool = False,
+    reference: DynamicCache | None = None,
 ) -> int:
     """Feed ``chunks`` (then ``decode_steps`` greedy tokens) to ``cache`` and to the masked full-cache reference;
-    compare the logits of every real new position. Returns the most slots the cache held at once."""
-    reference = DynamicCache()  # no config: every layer, sliding ones included, keeps every token
+    compare the logits of every real new position. Returns the most slots the cache held at once.
+
+    ``reference``: the full cache to run the reference on (default: a ``DynamicCache()`` without config, so every
+    layer, sliding ones included, keeps every token)."""
+    reference = DynamicCache() if reference is None else reference
     seen = 0
     steps = list(chunks) + [None] * decode_steps
     next_token = None

@@ -1,0 +1,140 @@
+"""FrequencyScorer on tensors: raw RoPE scores (``score_keys``, checked against its formula in test_rope_scoring),
+z-scored per query head over the candidate slots (population std), then the max over each GQA group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config, tiny_model
+from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache, ScoreContext
+from hf_ropekv.model.geometry import describe
+from hf_ropekv.scorers.rope_scoring import score_keys
+from hf_ropekv.statistics.frequency_stats import geometry_metadata
+from hf_ropekv.statistics.online import RowStatistics
+
+CONFIG = tiny_config("llama", num_hidden_layers=3)
+PROMPT = 40
+GEOMETRY = describe(CONFIG)
+
+
+def random_stats(seed: int) -> FrequencyStats:
+    g = torch.Generator().manual_seed(seed)
+    shape = (GEOMETRY.num_layers, GEOMETRY.num_q_heads, GEOMETRY.inv_freq.numel())
+    q_mean = torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    q_abs = q_mean.abs() * (1 + torch.rand(shape, generator=g))
+    return FrequencyStats(q_mean, q_abs, {**geometry_metadata(GEOMETRY), "tokens": 1, "source": "random"})
+
+
+def context(layer: int, batch: int, slots: int, gen: torch.Generator, positions=None) -> ScoreContext:
+    return ScoreContext(
+        layer_idx=layer,
+        position=torch.tensor(positions if positions is not None else [slots] * batch),
+        tokens_seen=slots,
+        slot_positions=torch.arange(slots).expand(batch, GEOMETRY.num_kv_heads, slots),
+        candidates=torch.rand(batch, GEOMETRY.num_kv_heads, slots, generator=gen) > 0.2,
+    )
+
+
+def reference(keys, stats, ctx, offsets=None) -> torch.Tensor:
+    """z-score of each query head's raw scores over the candidates of its KV head, then the max over the group."""
+    q_mean, q_abs = stats.for_layer(ctx.layer_idx)
+    extra = {} if offsets is None else {"offsets": offsets}
+    raw = score_keys(keys, q_mean, q_abs, GEOMETRY.inv_freq, ctx.position, backend="torch", **extra).double()
+    group = GEOMETRY.group_size
+    out = torch.empty(keys.shape[:3], dtype=torch.float64)
+    for b in range(keys.shape[0]):
+        for kv in range(keys.shape[1]):
+            cand = ctx.candidates[b, kv]
+            z = []
+            for h in range(kv * group, (kv + 1) * group):
+                x = raw[b, h]
+                z.append((x - x[cand].mean()) / x[cand].std(unbiased=False))
+            out[b, kv] = torch.stack(z).amax(0)
+    return out
+
+
+@pytest.mark.parametrize("offsets", [None, (1, 3, 10, 1000)])
+def test_score_is_the_group_max_of_z_scores_over_the_candidates(offsets) -> None:
+    gen = torch.Generator()
+    gen.seed()
+    stats = random_stats(0)
+    keys = torch.randn(2, GEOMETRY.num_kv_heads, 29, GEOMETRY.head_dim, generator=gen)
+    ctx = context(1, 2, 29, gen, positions=[29, 400])
+    got = FrequencyScorer(stats=stats, offsets=offsets).score(keys, ctx)
+    assert got.dtype == torch.float32 and got.shape == keys.shape[:3]
+    torch.testing.assert_close(got.double(), reference(keys, stats, ctx, offsets), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-stats", "per-row-stats"])
+def test_score_layers_equals_scoring_each_layer(per_row: bool) -> None:
+    """score_layers (one set of query-weight ops for every layer) gives exactly score()'s result per layer."""
+    stats = random_stats(4)
+    batch, slots = 3, 37
+    g = torch.Generator().manual_seed(6)
+    if per_row:  # per-row statistics, as online statistics give them
+        q_mean = tuple(torch.complex(torch.randn(batch, *s.shape, generator=g),
+                                     torch.randn(batch, *s.shape, generator=g)) for s in stats.q_mean)
+        q_abs = tuple(q.abs() * (1 + torch.rand(q.shape, generator=g)) for q in q_mean)
+        stats = RowStatistics(q_mean, q_abs, dict(stats.metadata), torch.ones(batch, dtype=torch.float64))
+    scorer = FrequencyScorer(stats)
+    keys = [torch.randn(batch, GEOMETRY.num_kv_heads, slots, GEOMETRY.head_dim, generator=g)
+            for _ in range(GEOMETRY.num_layers)]
+    contexts = [context(layer, batch, slots, g, positions=[50, 47, 61]) for layer in range(GEOMETRY.num_layers)]
+    together = scorer.score_layers(keys, contexts)
+    assert together.shape == (GEOMETRY.num_layers, batch, GEOMETRY.num_kv_heads, slots)
+    for layer in range(GEOMETRY.num_layers):
+        assert torch.equal(together[layer], scorer.score(keys[layer], contexts[layer]))
+    if not per_row:
+        torch.testing.assert_close(together[2].double(), reference(keys[2], stats, contexts[2]), rtol=1e-4, atol=1e-4)
+
+
+def test_replaced_statistics_take_effect_even_at_a_reused_address() -> None:
+    """Online statistics swap a new snapshot in at every compaction and drop the old one; CPython then often
+    hands the new object the old one's address. The scorer must always score with the statistics it holds
+    (with an id()-keyed device cache it did not: the bug behind a flaky quality-harness test)."""
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(1, GEOMETRY.num_kv_heads, PROMPT, GEOMETRY.head_dim, generator=g)
+    ctx = context(1, 1, PROMPT, g)
+    scorer = FrequencyScorer(random_stats(0))
+    for seed in range(1, 20):
+        before = scorer.score(keys, ctx)  # the scorer now holds device copies of the current statistics
+        parts = random_stats(seed)  # tensors and metadata first, so that the object comes next
+        q_mean, q_abs, metadata = parts.q_mean, parts.q_abs_mean, parts.metadata
+        del parts
+        scorer.stats = None  # drops the old statistics, as the online snapshot swap does
+        scorer.stats = FrequencyStats(q_mean, q_abs, metadata)
+        want = FrequencyScorer(scorer.stats).score(keys, ctx)
+        assert not torch.equal(want, before)
+        torch.testing.assert_close(scorer.score(keys, ctx), want, atol=0, rtol=0, msg=f"swap {seed}")
+
+
+def test_without_statistics_it_says_where_they_come_from() -> None:
+    g = torch.Generator().manual_seed(3)
+    with pytest.raises(RuntimeError, match="no statistics: pass stats=.*RopeKVCache\\(model"):
+        FrequencyScorer().score(torch.randn(1, 2, 5, 16), context(0, 1, 5, g))
+
+
+def test_statistics_of_another_geometry_are_refused() -> None:
+    other = tiny_config("llama", num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3)
+    g = torch.Generator().manual_seed(0)
+    geometry = describe(other)
+    shape = (geometry.num_layers, geometry.num_q_heads, geometry.inv_freq.numel())
+    q_mean = torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    stats = FrequencyStats(q_mean, q_mean.abs(), {**geometry_metadata(geometry), "tokens": 1, "source": "random"})
+    with pytest.raises(ValueError, match="query heads: statistics have 8, the model has 4"):
+        RopeKVCache(tiny_model("llama", num_hidden_layers=3), budget=32, scorer=FrequencyScorer(stats=stats))
+
+
+def test_statistics_from_a_file_are_loaded_and_checked(tmp_path) -> None:
+    path = tmp_path / "stats.safetensors"
+    random_stats(0).save(path)
+    model = tiny_model("llama", num_hidden_layers=3)
+    for given in (str(path), path):
+        cache = RopeKVCache(model, budget=32, scorer=FrequencyScorer(stats=given))
+        assert isinstance(cache.scorer.stats, FrequencyStats) and cache.scorer.stats.tokens == 1
+        assert torch.equal(cache.scorer.stats.q_mean, random_stats(0).q_mean)
+    with pytest.raises(ValueError, match="model type"):
+        RopeKVCache(tiny_model("qwen3", num_hidden_layers=3), budget=32, scorer=FrequencyScorer(stats=path))
+    with pytest.raises(FileNotFoundError, match="python -m hf_ropekv calibrate"):
+        RopeKVCache(model, budget=32, scorer=FrequencyScorer(stats=tmp_path / "missing.safetensors"))
