@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-#: Slots per storage page: capacity grows in whole pages (not an option: no measurement asked for another).
+#: Slots per storage page: capacity grows in whole pages.
 PAGE_SIZE = 64
-#: The seed of the tie-break noise (the noise depends on the token and head only, never on the batch).
+#: The seed of the tie-break noise (which depends on the token and head only, never on the batch).
 SEED = 0
 #: The default recent window, capped at a quarter of the budget: what measured best on GSM8K.
 DEFAULT_WINDOW = 32
@@ -16,10 +16,8 @@ DEFAULT_WINDOW = 32
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """Every plain option of ``RopeKVCache`` (the scorer is an object, resolved by the cache).
-
-    Construction validates all of them, so a wrong value gets a ``ValueError`` naming the option and the fix.
-    """
+    """Every plain option of ``RopeKVCache`` (the scorer is an object, resolved by the cache). A wrong value gets a
+    ``ValueError`` naming the option and the fix."""
 
     budget: int | None = None
     compress_every: int = 128
@@ -57,8 +55,7 @@ class CacheOptions:
 
     @property
     def recent_window(self) -> int:
-        """The recent window the cache protects: ``window`` if given, else ``min(32, budget // 4)`` (0 without a
-        budget)."""
+        """``window`` if given, else ``min(32, budget // 4)`` (0 without a budget)."""
         if self.window is not None:
             return self.window
         return 0 if self.budget is None else min(DEFAULT_WINDOW, self.budget // 4)

@@ -10,6 +10,10 @@ from torch import nn
 from ..model.geometry import ModelGeometry
 from ..scorers.base import Scorer
 from ..scorers.frequency import FrequencyScorer
+from ..scorers.prompt_window import PromptWindow
+from ..scorers.query_window import QueryWindow
+from ..statistics.frequency_stats import FrequencyStats
+from ..statistics.online import OnlineStatistics
 
 
 def check_scorer(scorer: Any) -> None:
@@ -24,10 +28,9 @@ def check_scorer(scorer: Any) -> None:
 
 def resolve_scorer(scorer: Scorer | None, budget: int | None, geometry: ModelGeometry,
                    model: nn.Module | None) -> tuple[Scorer, Any]:
-    """The cache's own copy of ``scorer`` (default: ``FrequencyScorer()``) and the online statistics it gathers for
-    it (None when it gathers none: calibrated statistics, another scorer, or no budget).
-
-    A dataclass scorer is copied, so one scorer object may configure many caches (``hf_ropekv.enable``)."""
+    """The cache's own copy of ``scorer`` (default ``FrequencyScorer()``; a dataclass is copied, so one scorer may
+    configure many caches) and the online statistics it gathers for it (None: calibrated statistics, another
+    scorer, or no budget)."""
     check_scorer(scorer)
     scorer = FrequencyScorer() if scorer is None else scorer
     if dataclasses.is_dataclass(scorer):
@@ -35,8 +38,6 @@ def resolve_scorer(scorer: Scorer | None, budget: int | None, geometry: ModelGeo
     if not isinstance(scorer, FrequencyScorer):
         return scorer, None
     if scorer.stats is not None:
-        from ..statistics.frequency_stats import FrequencyStats
-
         scorer.stats = FrequencyStats.resolve(scorer.stats, geometry, model)
         return scorer, None
     if budget is None:
@@ -47,8 +48,6 @@ def resolve_scorer(scorer: Scorer | None, budget: int | None, geometry: ModelGeo
             "gathered online, or scorer=FrequencyScorer(stats=path) with a file from hf_ropekv.calibrate, or another "
             "scorer (hf_ropekv.scorers)."
         )
-    from ..statistics.online import OnlineStatistics
-
     return scorer, OnlineStatistics(geometry, half_life=scorer.half_life, head_shrink=scorer.head_shrink)
 
 
@@ -56,8 +55,6 @@ def query_window(scorer: Scorer, budget: int | None, geometry: ModelGeometry, mo
     """Recent queries for a scorer that asks for them (``query_window``; they need the model's hooks), the default
     scorer's prompt window, or None."""
     if isinstance(scorer, FrequencyScorer) and scorer.prompt_window and budget is not None and model is not None:
-        from ..scorers.prompt_window import PromptWindow
-
         return PromptWindow(geometry, scorer.prompt_window)
     window = getattr(scorer, "query_window", None)
     if window is None or budget is None:
@@ -67,6 +64,4 @@ def query_window(scorer: Scorer, budget: int | None, geometry: ModelGeometry, mo
             f"{type(scorer).__name__} recomputes attention from the model's queries: build the cache from "
             "the model (RopeKVCache(model, ...)), not from its config."
         )
-    from ..scorers.query_window import QueryWindow
-
     return QueryWindow(geometry, window)

@@ -1,10 +1,8 @@
 """A snapshot of what a :class:`RopeKVCache` kept, in numbers and in one line of text.
 
-    summary = CacheSummary.from_cache(cache)
-    print(summary)  # RopeKVCache: kept 318 of 702 tokens (bound: budget 256 + compress_every 64 = 320), ...
+    print(cache.summary())  # RopeKVCache: kept 318 of 702 tokens (bound: budget 256 + compress_every 64 = 320), ...
 
-``cache.summary()`` takes one; ``hf_ropekv.last_summary(model)`` gives the one taken when a ``generate()`` call of an
-enabled model returned. This module only reads a cache's public properties.
+``hf_ropekv.last_summary(model)`` gives the one taken when a ``generate()`` call of an enabled model returned.
 """
 
 from __future__ import annotations
@@ -17,25 +15,14 @@ __all__ = ["CacheSummary"]
 
 @dataclass(frozen=True)
 class CacheSummary:
-    """What a :class:`RopeKVCache` held at one moment (all counts per row; bytes for the whole batch).
-
-    Attributes:
-        tokens_seen: tokens per row the model processed (``cache.tokens_seen``).
-        tokens_kept: tokens per row, KV head and full-attention layer held (``cache.tokens_kept``).
-        num_compactions: compactions so far (``cache.num_compactions``).
-        bytes_held: bytes of the cache's tensors (``cache.bytes_held``): its arenas, which are sized in whole
-            pages, and the slot positions.
-        full_cache_bytes: bytes a ``DynamicCache`` would hold for the same tokens (``cache.full_cache_bytes``).
-        budget: the cache's budget (``None``: nothing is evicted).
-        compress_every: tokens allowed beyond the budget before a compaction.
-        static: whether the cache's layers were a fixed arena (``cache.static``).
-    """
+    """What a :class:`RopeKVCache` held at one moment: the cache properties of the same names (counts per row,
+    bytes for the whole batch), its ``budget`` and ``compress_every``, and whether it was ``static``."""
 
     tokens_seen: int
     tokens_kept: int
     num_compactions: int
-    bytes_held: int
-    full_cache_bytes: int
+    bytes_held: int  # the arenas (sized in whole pages) and the slot positions
+    full_cache_bytes: int  # what a DynamicCache would hold for the same tokens
     budget: int | None
     compress_every: int
     static: bool = False
