@@ -51,37 +51,23 @@ class RopeKVCache(Cache):
             never evicts.
         scorer: the eviction policy (``hf_ropekv.scorers``; the cache works on its own copy); default
             ``FrequencyScorer()``: RoPE geometry with statistics gathered online.
-        **options: the rest of :class:`~hf_ropekv.cache.options.CacheOptions` (default in brackets):
-            ``compress_every`` (128): compact once this many tokens beyond the budget have accumulated;
-            ``window`` (``min(32, budget // 4)``): most recent tokens never evicted;
-            ``sink`` (0): first tokens of each row never evicted;
-            ``protect_prompt`` (True): pin the prompt (every token before the first decoding step) within the budget;
-            ``static`` ("auto"): ``True`` keeps the layers in a fixed arena whose decode steps replay a CUDA graph on
-            one CUDA device (``generate`` compiles them on several devices or ranks), ``False`` grows them and
-            decodes eagerly, ``"auto"`` is static where graphs can run (``cache.static`` says which);
-            ``kv_bits`` (None): 8 stores the kept keys and values in int8 with a scale per token and head.
+        **options: ``compress_every``, ``window``, ``sink``, ``protect_prompt``, ``static``, ``kv_bits``: see
+            :class:`~hf_ropekv.cache.options.CacheOptions`, which holds their defaults.
 
     Raises:
         TypeError: an unknown option (the message lists the valid ones).
         ValueError: an invalid value, or a model the cache cannot hold.
     """
 
-    def __init__(
-        self,
-        model_or_config: PreTrainedModel | PretrainedConfig,
-        budget: int | None = None,
-        *,
-        scorer: Scorer | None = None,
-        **options: Any,
-    ) -> None:
+    def __init__(self, model_or_config: PreTrainedModel | PretrainedConfig, budget: int | None = None, *,
+                 scorer: Scorer | None = None, **options: Any) -> None:
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(f"RopeKVCache got unknown option(s) {unknown}; the options are {list(OPTION_NAMES)}.")
         self.options = options = CacheOptions(budget=budget, **options)
-        self.geometry: ModelGeometry = describe(model_or_config)
         model = model_or_config if isinstance(model_or_config, nn.Module) else None
-        if model is not None:
-            self.geometry = shared_geometry(model, self.geometry)
+        geometry = describe(model_or_config)
+        self.geometry: ModelGeometry = geometry if model is None else shared_geometry(model, geometry)
         check_sliding_windows(self.geometry, budget)
         check_kv_bits(options.kv_bits, model_or_config)
         super().__init__(layers=[])
@@ -96,13 +82,12 @@ class RopeKVCache(Cache):
         compactor = Compactor(self.scorer, sink=options.sink, window=options.recent_window,
                               auto_window=options.window is None, seed=SEED, online=self._online,
                               queries=self._queries)
-        #: The plan and prologue of every forward: the full-attention layers' only link to the cache.
-        self.coordinator = ForwardCoordinator(options, [], self.rows, compactor,
-                                              None if model is None else type(model).__name__)
         self._lease = BufferLease(self, BufferPool.of(model)) if self.static else None
         self.layers = make_layers(self, self.geometry, options, self._lease, self.static)
         self._full_layers = [layer for layer in self.layers if isinstance(layer, BudgetedLayer)]
-        self.coordinator.full_layers = self._full_layers
+        #: The plan and prologue of every forward: the full-attention layers' only link to the cache.
+        self.coordinator = ForwardCoordinator(options, self._full_layers, self.rows, compactor,
+                                              None if model is None else type(model).__name__)
         windows = [layer for layer in self.layers if isinstance(layer, StaticWindowLayer)]
         self._static_driver = (StaticForwardDriver(self.coordinator, self._lease, len(self.layers), windows)
                                if self.static else None)
@@ -232,7 +217,6 @@ class RopeKVCache(Cache):
         for part in (self._static_driver, self._queries):
             if part is not None:
                 part.reset()
-        self.coordinator.rollback_expected = False
         if self._online is not None:
             if self._lease is not None:
                 for tensor in self._online.buffers():
@@ -245,8 +229,7 @@ class RopeKVCache(Cache):
         """Roll back as transformers' ``crop(n)`` does (``n < 0`` removes ``-n`` tokens); only until the first
         eviction: after it, any crop that would remove tokens raises."""
         super().crop(n)
-        seen = self.tokens_seen
-        coordinator = self.coordinator
+        seen, coordinator = self.tokens_seen, self.coordinator
         if coordinator.prompt_tokens is not None and coordinator.prompt_tokens > seen:
             coordinator.prompt_tokens = seen  # the rollback reached into the pinned prompt
         if self._attachment is not None:
@@ -267,10 +250,8 @@ class RopeKVCache(Cache):
         own model attachment (hooks that act only when the forward's cache is the copy)."""
         twin = type(self).__new__(type(self))
         memo[id(self)] = twin
-        for layer in self.layers:  # BudgetedLayer holds a weakref.proxy to its cache: make it the copy's
-            back = getattr(layer, "_cache", None)
-            if isinstance(back, weakref.ProxyTypes):
-                memo[id(back)] = weakref.proxy(twin)
+        for layer in self._full_layers:  # each holds a weakref.proxy to its cache: make it the copy's
+            memo[id(layer._cache)] = weakref.proxy(twin)
         for name, value in self.__dict__.items():
             if name != "_attachment":
                 setattr(twin, name, copy.deepcopy(value, memo))
@@ -303,9 +284,8 @@ class RopeKVCache(Cache):
                 state.select_batch(index)
 
     # ------------------------------------------------------------------ called by the model attachment
-    def _forward_starts(
-        self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device,
-    ) -> torch.Tensor | None:
+    def _forward_starts(self, attention_mask: torch.Tensor | None, new: int, batch: int,
+                        device: torch.device) -> torch.Tensor | None:
         """Before a forward with this cache: returns the mask the forward is to use (None: none)."""
         self.coordinator.announced = True
         if attention_mask is None or self.rows.appends_real_token(attention_mask.shape[-1], new, batch):

@@ -16,14 +16,14 @@ from .rows import BatchRows
 
 
 class ForwardCoordinator:
-    """What the full-attention layers of one cache ask before they store a forward's tokens (their only link to the
-    cache): the forward's plan (``planned_slots``) and its prologue (``before_update``).
+    """What the full-attention layers of one cache ask before they store a forward's tokens: the forward's plan
+    (``planned_slots``) and its prologue (``before_update``). ``model_class``: the class name of the cache's model
+    (None: built from a config).
 
     The plan is a pure function of the cache's state, memoised per forward, so the mask (built before any layer
-    runs) and the layers agree on it. A growing cache runs the prologue at its first full-attention layer's update,
-    a static one before the forward (``cache.static``); either way every layer is compacted before any writes, so
-    no tensor returned in the forward aliases a compacted arena. ``model_class``: the class name of the cache's
-    model (None: built from a config).
+    runs) and the layers agree on it. The prologue runs at the first full-attention layer's update (a static cache:
+    before the forward), so every layer is compacted before any writes and no returned tensor aliases a compacted
+    arena.
     """
 
     def __init__(self, options: CacheOptions, full_layers: list, rows: BatchRows, compactor: Compactor,
@@ -34,13 +34,13 @@ class ForwardCoordinator:
         self.compactor = compactor
         self.model_class = model_class
         self.reset()
-        self.rollback_expected = False  # generate announced a decoding mode that rolls the cache back
 
     def reset(self) -> None:
         self.plan: Plan | None = None  # this forward's compaction plan (memoised by seen, new, slots)
         self.decode_steps = 0  # single-token forwards started: the compaction clock (hf_ropekv.eviction.schedule)
         self.prompt_tokens: int | None = None  # pinned prompt length once decoding started
         self.announced = False  # the model's forward pre-hook announced the running forward
+        self.rollback_expected = False  # generate announced a decoding mode that rolls the cache back
 
     def plan_for(self, new: int, seen_without_full_layers: int = 0) -> Plan:
         """This forward's plan of ``new`` tokens (memoised)."""

@@ -61,8 +61,7 @@ class BudgetedLayer(CacheLayerMixin):
         return self.tokens_seen == self.storage.length
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.dtype = key_states.dtype
+        self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
     def update(

@@ -19,13 +19,15 @@ class CacheOptions:
     """Every plain option of ``RopeKVCache`` (the scorer is an object, resolved by the cache). A wrong value gets a
     ``ValueError`` naming the option and the fix."""
 
-    budget: int | None = None
-    compress_every: int = 128
-    window: int | None = None  # None: min(DEFAULT_WINDOW, budget // 4), yielding to a long pinned prompt
-    sink: int = 0
-    protect_prompt: bool = True
+    budget: int | None = None  # tokens kept per row, KV head and layer after a compaction; None: never evict
+    compress_every: int = 128  # compact once this many tokens beyond the budget have accumulated
+    window: int | None = None  # recent tokens never evicted; None: min(32, budget // 4), less for a long prompt
+    sink: int = 0  # first tokens of each row never evicted
+    protect_prompt: bool = True  # pin the prompt (every token before the first decoding step) within the budget
+    # True: a fixed arena whose decode steps replay a CUDA graph on one CUDA device (generate compiles them on
+    # several devices or ranks); False: growing layers, eager steps; "auto": static where graphs can run.
     static: bool | str = "auto"
-    kv_bits: int | None = None
+    kv_bits: int | None = None  # 8: the kept keys and values in int8 with a scale per token and head
 
     def __post_init__(self) -> None:
         budget = self.budget

@@ -52,14 +52,8 @@ class BatchRows:
         """Whether this forward is a decoding step right after a forward whose padding was recorded: its token is
         real (``generate`` appends a one to its mask), so the padding is the known one and the step skips the ops
         on generate's full-length mask (or on the positions)."""
-        return (
-            new == 1
-            and self.pads_total == total - 1
-            and self.pads is not None
-            and self.pads.shape[0] == batch
-            and self.pads_host is not None
-            and len(self.pads_host) == batch
-        )
+        return (new == 1 and self.pads_total == total - 1 and self.pads is not None and self.pads.shape[0] == batch
+                and self.pads_host is not None and len(self.pads_host) == batch)
 
     def check_batch(self, batch: int) -> None:
         """Fix the batch size at the first forward; refuse another one later."""
@@ -119,13 +113,12 @@ class BatchRows:
 
     def record_compaction(self, plan: Plan, from_model: bool) -> None:
         """A compaction moved each row's real tokens behind ``plan.holes_after`` holes (host only)."""
-        if not from_model and any(self.pads_host or ()):
-            if plan.holes_after != padding_holes(self.pads_host, plan.seen - plan.slots_after):
-                # the unmodified mask could not hide these holes
-                raise ValueError(
-                    "RopeKVCache was built from a config, so it cannot hide the rows' evicted slots in the "
-                    "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...)."
-                )
+        if (not from_model and any(self.pads_host or ())
+                and plan.holes_after != padding_holes(self.pads_host, plan.seen - plan.slots_after)):
+            raise ValueError(  # the unmodified mask cannot hide these holes
+                "RopeKVCache was built from a config, so it cannot hide the rows' evicted slots in the "
+                "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...)."
+            )
         for row in plan.evicting_rows:
             self.evicted[row] = True
         self.holes = plan.holes_after
@@ -159,9 +152,8 @@ class BatchRows:
             # No mask needed (newer generates drop an all-ones one). Given one, transformers 5.17 gathers its kept
             # columns every step (three kernels DynamicCache's steps do not run) and synchronises on their all().
             return None
-        if self.holes is None and not plan.compacts:
-            return attention_mask
-        if plan.holes_after == padding_holes(self.pads_host, plan.seen - plan.slots_after):
+        if (self.holes is None and not plan.compacts
+                or plan.holes_after == padding_holes(self.pads_host, plan.seen - plan.slots_after)):
             return attention_mask
         holes = self.on_device(plan.holes_after, attention_mask.device)
         region = torch.arange(plan.slots_after + new, device=attention_mask.device)[None, :] >= holes[:, None]

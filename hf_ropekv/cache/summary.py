@@ -35,16 +35,9 @@ class CacheSummary:
                 f"CacheSummary.from_cache needs a RopeKVCache, got {type(cache).__name__}. For a DynamicCache, "
                 "sum the bytes of its layers' keys and values."
             )
-        return cls(
-            tokens_seen=cache.tokens_seen,
-            tokens_kept=cache.tokens_kept,
-            num_compactions=cache.num_compactions,
-            bytes_held=cache.bytes_held,
-            full_cache_bytes=cache.full_cache_bytes,
-            budget=cache.options.budget,
-            compress_every=cache.options.compress_every,
-            static=cache.static,
-        )
+        same = ("tokens_seen", "tokens_kept", "num_compactions", "bytes_held", "full_cache_bytes", "static")
+        return cls(budget=cache.options.budget, compress_every=cache.options.compress_every,
+                   **{name: getattr(cache, name) for name in same})
 
     @property
     def bound(self) -> int | None:

@@ -14,16 +14,11 @@ transformers' sliding-window mask reads exactly its own part.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from .. import _compat
-from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, mark_static, normal_tensors, static_buffer
-
-if TYPE_CHECKING:
-    from ..storage.buffers import BufferLease
+from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, BufferLease, mark_static, normal_tensors, static_buffer
 
 #: The error of a rollback that reaches past the window (tokens already rolled out of it).
 CANNOT_CROP_WINDOW = (
@@ -39,7 +34,7 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
     is_compileable = True
     is_sliding = True
 
-    def __init__(self, sliding_window: int, layer_idx: int, lease: "BufferLease | None" = None) -> None:
+    def __init__(self, sliding_window: int, layer_idx: int, lease: BufferLease | None = None) -> None:
         _compat.init_static_sliding_layer(self, sliding_window)
         self.window = sliding_window
         self.layer_idx = layer_idx
