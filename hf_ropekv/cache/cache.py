@@ -1,9 +1,6 @@
-"""RopeKVCache: a budgeted, paged ``transformers.Cache`` that ``generate()`` accepts unchanged.
-
-A thin composition: ``options``, ``rows`` (per-row bookkeeping), ``coordinator`` (the plan and prologue of every
-forward), ``eviction.compactor``, the model's ``adapter`` attachment (hooks), and for a static cache the driver
-that prepares each forward before it runs (``cache.static``).
-"""
+"""RopeKVCache: a budgeted, paged ``transformers.Cache`` that ``generate()`` accepts unchanged. A thin composition of
+its options, per-row bookkeeping (``rows``), the plan and prologue of every forward (``forward``), the compactor,
+the model's attachment (hooks) and, for a static cache, the driver that prepares each forward (``static``)."""
 
 from __future__ import annotations
 
@@ -27,7 +24,7 @@ from .layers import CANNOT_CROP, BudgetedLayer, make_layers
 from .model_checks import check_kv_bits, check_sliding_windows, check_static, static_unsupported
 from .options import OPTION_NAMES, SEED, CacheOptions
 from .rows import BatchRows, padding_holes
-from .scorer_setup import query_window, resolve_scorer
+from .scorer_setup import resolve_scorer
 from .static import StaticForwardDriver
 from .summary import CacheSummary
 from .window import StaticWindowLayer
@@ -71,8 +68,7 @@ class RopeKVCache(Cache):
         check_sliding_windows(self.geometry, budget)
         check_kv_bits(options.kv_bits, model_or_config)
         super().__init__(layers=[])
-        self.scorer, self._online = resolve_scorer(scorer, budget, self.geometry, model)
-        self._queries = query_window(self.scorer, budget, self.geometry, model)
+        self.scorer, self._online, self._queries = resolve_scorer(scorer, budget, self.geometry, model)
         if options.static is True:
             check_static(self.geometry, budget, model_or_config, self.scorer)
         #: Whether the layers are a fixed arena (static decode steps), settled once.
@@ -88,9 +84,7 @@ class RopeKVCache(Cache):
         #: The plan and prologue of every forward: the full-attention layers' only link to the cache.
         self.coordinator = ForwardCoordinator(options, self._full_layers, self.rows, compactor,
                                               None if model is None else type(model).__name__)
-        windows = [layer for layer in self.layers if isinstance(layer, StaticWindowLayer)]
-        self._static_driver = (StaticForwardDriver(self.coordinator, self._lease, len(self.layers), windows)
-                               if self.static else None)
+        self._static_driver = StaticForwardDriver(self.coordinator, self._lease, self.layers) if self.static else None
         self._attachment = None
         if model is not None:
             collect = self._online is not None or self._queries is not None
@@ -198,23 +192,21 @@ class RopeKVCache(Cache):
             f"compress_every={self.options.compress_every}, scorer={type(self.scorer).__name__}, "
             f"static={self.static}, seen={self.tokens_seen}, kept={self.tokens_kept}, "
             f"pages={self.pages_in_use}/{self.pages_allocated}, bytes={self.bytes_held}, "
-            f"compactions={self.num_compactions})"
-        )
+            f"compactions={self.num_compactions})")
 
     # ------------------------------------------------------------------ transformers hooks
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> Any:
         if layer_idx >= len(self.layers):
             raise ValueError(
                 f"This RopeKVCache holds {len(self.layers)} layers ({self.geometry.model_type}) but a model with more "
-                f"layers updates layer {layer_idx}. A cache is bound to its model: build one per model."
-            )
+                f"layers updates layer {layer_idx}. A cache is bound to its model: build one per model.")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reset(self) -> None:
         super().reset()
         self.rows = self.coordinator.rows = BatchRows()
         self.coordinator.reset()
-        for part in (self._static_driver, self._queries):
+        for part in (self._static_driver, self._queries, self._attachment):
             if part is not None:
                 part.reset()
         if self._online is not None:
@@ -222,8 +214,6 @@ class RopeKVCache(Cache):
                 for tensor in self._online.buffers():
                     self._lease.give_back(tensor)
             self._online.reset()
-        if self._attachment is not None:
-            self._attachment.reset()
 
     def crop(self, n: int) -> None:
         """Roll back as transformers' ``crop(n)`` does (``n < 0`` removes ``-n`` tokens); only until the first

@@ -90,8 +90,7 @@ class ForwardCoordinator:
                 other = f"another {running}" if running == self.model_class else f"a {running}"
                 raise ValueError(
                     f"This RopeKVCache was built for a {self.model_class} and is bound to it, but {other} runs a "
-                    f"forward with it. Build a cache for each model: RopeKVCache(the_model, ...)."
-                )
+                    f"forward with it. Build a cache for each model: RopeKVCache(the_model, ...).")
         self.announced = False
 
     def prologue(self, seen: int, new: int) -> Plan:
@@ -118,8 +117,7 @@ class ForwardCoordinator:
             if pins_too_much or self.plan_for(new).compacts:
                 raise ValueError(
                     f"RopeKVCache cannot crop once it evicts, and this decoding mode rolls the cache back: this step "
-                    f"would take it to {real} tokens, past budget={budget}. {CROPPABLE_FIX}"
-                )
+                    f"would take it to {real} tokens, past budget={budget}. {CROPPABLE_FIX}")
         if self.prompt_tokens is None:
             if new == 1 and seen > 0:
                 self.prompt_tokens = seen  # first decoding step: the prompt is complete
@@ -129,8 +127,7 @@ class ForwardCoordinator:
                     raise ValueError(
                         f"The prompt has {real} tokens but budget={budget}; a pinned prompt must fit in the "
                         f"budget. Raise `budget` to at least {real} plus room for the answer, or pass "
-                        "`protect_prompt=False` to let prompt tokens be evicted too."
-                    )
+                        "`protect_prompt=False` to let prompt tokens be evicted too.")
 
 
 def _running_model_class() -> str | None:

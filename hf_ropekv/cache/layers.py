@@ -1,9 +1,7 @@
-"""Cache layers: one small class per storage behaviour (see transformers' ``cache_utils`` layers).
-
-Full-attention layers get a :class:`BudgetedLayer` (paged, compacted in place) or, in a static cache, a
-:class:`StaticBudgetedLayer` (a fixed arena); sliding-window layers are already bounded and stay transformers'
-``DynamicSlidingWindowLayer``, or a :class:`~hf_ropekv.cache.window.StaticWindowLayer`.
-"""
+"""Cache layers, one small class per storage behaviour (as transformers' ``cache_utils``): full-attention layers get
+a :class:`BudgetedLayer` (paged, compacted in place) or, in a static cache, a :class:`StaticBudgetedLayer` (a fixed
+arena); sliding-window layers, already bounded, stay transformers' ``DynamicSlidingWindowLayer`` or become a
+:class:`~hf_ropekv.cache.window.StaticWindowLayer`."""
 
 from __future__ import annotations
 
@@ -24,12 +22,10 @@ from .window import StaticWindowLayer
 #: How to get a croppable cache: the end of every "cannot crop" error.
 CROPPABLE_FIX = (
     "Assisted/speculative decoding (assistant_model=, prompt_lookup_num_tokens=) and DoLa need a croppable "
-    "cache; use a plain DynamicCache for them, or a budget larger than the whole generation."
-)
+    "cache; use a plain DynamicCache for them, or a budget larger than the whole generation.")
 #: The error of a rollback after an eviction.
 CANNOT_CROP = (
-    "RopeKVCache cannot crop: tokens were already evicted, so the cache cannot be rolled back. " + CROPPABLE_FIX
-)
+    "RopeKVCache cannot crop: tokens were already evicted, so the cache cannot be rolled back. " + CROPPABLE_FIX)
 
 
 class BudgetedLayer(CacheLayerMixin):

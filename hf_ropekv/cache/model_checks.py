@@ -22,14 +22,12 @@ def check_sliding_windows(geometry: ModelGeometry, budget: int | None) -> None:
         warn(
             f"budget={budget} evicts nothing on '{geometry.model_type}': all its layers are sliding-window layers, "
             f"already bounded by their window ({max(windows)} tokens), which RopeKVCache leaves as they are. "
-            "Use a DynamicCache, or budget=None to silence this."
-        )
+            "Use a DynamicCache, or budget=None to silence this.")
     if budget is not None and windows and FULL in geometry.layer_types and budget < max(windows):
         raise ValueError(
             f"budget={budget} is smaller than the sliding window ({max(windows)}) of '{geometry.model_type}''s "
             f"sliding-window layers. Use budget >= {max(windows)}: the full-attention layers then always keep at "
-            "least as many tokens as a window holds."
-        )
+            "least as many tokens as a window holds.")
 
 
 def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: Any, scorer: Any = None) -> str | None:
@@ -41,8 +39,7 @@ def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: A
     if not isinstance(model_or_config, nn.Module):
         return (
             "static=True needs the model, not its config: RopeKVCache(model, budget=..., static=True). The cache "
-            "prepares every forward (compaction, slots, mask) from the model's hooks before the compiled step runs."
-        )
+            "prepares every forward (compaction, slots, mask) from the model's hooks before the compiled step runs.")
     if getattr(scorer, "query_window", None) is not None:
         name = type(scorer).__name__
         return (
@@ -50,14 +47,12 @@ def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: A
             "model's recent queries that the cache gathers and keeps growing on the eager path; a static cache's "
             "compiled decode step (fixed shapes, every decision taken before the forward) cannot hold or hand over "
             f"those queries. Use static=False with {name}, or keep static=True with a RoPE or query-free scorer "
-            "(the default RoPE FrequencyScorer, RecencyScorer, KeyNormScorer, RandomScorer)."
-        )
+            "(the default RoPE FrequencyScorer, RecencyScorer, KeyNormScorer, RandomScorer).")
     windows = {w for kind, w in zip(geometry.layer_types, geometry.sliding_windows) if kind == SLIDING}
     if None in windows or len(windows) > 1:
         return (
             f"static=True does not support '{geometry.model_type}': its sliding-window layers have windows "
-            f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False."
-        )
+            f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False.")
     return None
 
 
@@ -97,5 +92,4 @@ def check_kv_bits(kv_bits: int | None, model_or_config: Any) -> None:
         raise ValueError(
             f"kv_bits=8 needs a model on sdpa attention that transformers dispatches by name; this "
             f"{type(model_or_config).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa', "
-            "or use kv_bits=None."
-        )
+            "or use kv_bits=None.")

@@ -42,15 +42,13 @@ class CacheOptions:
         if budget is not None and self.recent_window + self.sink >= budget:
             raise ValueError(
                 f"window ({self.recent_window}) + sink ({self.sink}) must be smaller than budget ({budget}), or "
-                "nothing is left to choose."
-            )
+                "nothing is left to choose.")
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"protect_prompt must be True or False; got {self.protect_prompt!r}.")
         if not (isinstance(self.static, bool) or self.static == "auto"):
             raise ValueError(
                 f"static must be \"auto\" (the default: a fixed arena replaying CUDA graphs on one CUDA device, "
-                f"else growing), True (always the fixed arena) or False (always growing, eager); got {self.static!r}."
-            )
+                f"else growing), True (always the fixed arena) or False (always growing, eager); got {self.static!r}.")
         if self.kv_bits not in (None, 8):
             raise ValueError(f"kv_bits must be None (16-bit keys and values) or 8 (int8 with scales); got "
                              f"{self.kv_bits!r}.")

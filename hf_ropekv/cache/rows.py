@@ -64,22 +64,20 @@ class BatchRows:
         elif batch != self.batch_size:
             raise ValueError(
                 f"This RopeKVCache holds a batch of {self.batch_size} rows but got {batch}. A cache belongs to one "
-                "batch: create a fresh RopeKVCache for every generate() call (or use hf_ropekv.enable(model, ...))."
-            )
+                "batch: create a fresh RopeKVCache for every generate() call (or use hf_ropekv.enable(model, ...)).")
 
     def observe_mask(self, attention_mask: torch.Tensor, new: int) -> bool:
         """Record left padding from generate's 2-D attention mask (tokens seen + new); returns whether this forward
         is a decoding step appending a real token (``appends_real_token``)."""
-        self.check_batch(attention_mask.shape[0])
-        total = attention_mask.shape[-1]
-        if self.appends_real_token(total, new, attention_mask.shape[0]):
-            self.pads_total = total
-            return True
-        self.pads = (attention_mask == 0).sum(-1)
+        batch, total = attention_mask.shape[0], attention_mask.shape[-1]
+        self.check_batch(batch)
+        decoding = self.appends_real_token(total, new, batch)
+        if not decoding:
+            self.pads = (attention_mask == 0).sum(-1)
+            if self.pads_host is None or new > 1 or len(self.pads_host) != batch:
+                self.pads_host = tuple(self.pads.tolist())
         self.pads_total = total
-        if self.pads_host is None or new > 1 or len(self.pads_host) != attention_mask.shape[0]:
-            self.pads_host = tuple(self.pads.tolist())
-        return False
+        return decoding
 
     def observe_update(self, total: int, new: int, device: torch.device, args: tuple, kwargs: dict,
                        from_model: bool) -> None:
@@ -101,8 +99,7 @@ class BatchRows:
                 raise ValueError(
                     "RopeKVCache was built from a config and this transformers version does not tell the cache "
                     "where the left padding of a batch is. Build it from the model instead: "
-                    "RopeKVCache(model, ...)."
-                )
+                    "RopeKVCache(model, ...).")
             self.assume_no_padding(self.batch_size, device)
         self.pads_total = total
 
@@ -117,8 +114,7 @@ class BatchRows:
                 and plan.holes_after != padding_holes(self.pads_host, plan.seen - plan.slots_after)):
             raise ValueError(  # the unmodified mask cannot hide these holes
                 "RopeKVCache was built from a config, so it cannot hide the rows' evicted slots in the "
-                "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...)."
-            )
+                "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...).")
         for row in plan.evicting_rows:
             self.evicted[row] = True
         self.holes = plan.holes_after

@@ -23,11 +23,10 @@ class StaticForwardDriver:
     step captured by address (the first new token's slot, the tokens seen before it).
     """
 
-    def __init__(self, coordinator: ForwardCoordinator, lease: BufferLease, layer_count: int,
-                 window_layers: list[StaticWindowLayer] | None = None) -> None:
+    def __init__(self, coordinator: ForwardCoordinator, lease: BufferLease, layers: list) -> None:
         self.coordinator = coordinator
-        self.window_layers = list(window_layers or ())
-        self.layer_count = layer_count  # all layers of the model (transformers' shape helper counts them)
+        self.window_layers = [layer for layer in layers if isinstance(layer, StaticWindowLayer)]
+        self.layer_count = len(layers)  # all layers of the model (transformers' shape helper counts them)
         self.lease = lease
         self.clock: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.query_offset = 0  # slots in front of the running forward's first new token

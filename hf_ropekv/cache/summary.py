@@ -33,8 +33,7 @@ class CacheSummary:
         if not hasattr(cache, "num_compactions"):
             raise TypeError(
                 f"CacheSummary.from_cache needs a RopeKVCache, got {type(cache).__name__}. For a DynamicCache, "
-                "sum the bytes of its layers' keys and values."
-            )
+                "sum the bytes of its layers' keys and values.")
         same = ("tokens_seen", "tokens_kept", "num_compactions", "bytes_held", "full_cache_bytes", "static")
         return cls(budget=cache.options.budget, compress_every=cache.options.compress_every,
                    **{name: getattr(cache, name) for name in same})
@@ -50,23 +49,17 @@ class CacheSummary:
         return self.bytes_held / self.full_cache_bytes if self.full_cache_bytes else None
 
     def __str__(self) -> str:
-        if self.budget is None:
-            bound = "no budget: nothing is evicted"
-        else:
-            bound = f"bound: budget {self.budget} + compress_every {self.compress_every} = {self.bound}"
+        bound = ("no budget: nothing is evicted" if self.budget is None
+                 else f"bound: budget {self.budget} + compress_every {self.compress_every} = {self.bound}")
         compactions = f"{self.num_compactions} compaction{'' if self.num_compactions == 1 else 's'}"
         share = "" if self.bytes_fraction is None else f" ({self.bytes_fraction:.0%})"
         return (
             f"RopeKVCache: kept {self.tokens_kept:,} of {self.tokens_seen:,} tokens ({bound}), {compactions}; "
             f"KV {format_bytes(self.bytes_held)} held vs {format_bytes(self.full_cache_bytes)} for a "
-            f"DynamicCache{share}"
-        )
+            f"DynamicCache{share}")
 
 
 def format_bytes(count: int) -> str:
     """``count`` bytes in the largest binary unit up to GiB that keeps the number at or above 1 (``"3.25 MiB"``)."""
-    units = ("B", "KiB", "MiB", "GiB")
-    power = 0
-    while power < len(units) - 1 and count >= 1024 ** (power + 1):
-        power += 1
-    return f"{count} B" if power == 0 else f"{count / 1024**power:.2f} {units[power]}"
+    power = next((p for p in (3, 2, 1) if count >= 1024**p), 0)
+    return f"{count} B" if power == 0 else f"{count / 1024**power:.2f} {('KiB', 'MiB', 'GiB')[power - 1]}"

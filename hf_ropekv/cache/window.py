@@ -23,16 +23,13 @@ from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, BufferLease, mark_stat
 #: The error of a rollback that reaches past the window (tokens already rolled out of it).
 CANNOT_CROP_WINDOW = (
     "RopeKVCache cannot crop a static sliding-window layer that has rolled tokens out of its window: they are gone. "
-    "Use a plain DynamicCache for assisted/speculative decoding and DoLa on this model."
-)
+    "Use a plain DynamicCache for assisted/speculative decoding and DoLa on this model.")
 
 
 class StaticWindowLayer(StaticSlidingWindowLayer):
     """A sliding-window layer of a static cache: ``sliding_window`` tokens a query attends to (itself included),
-    ``layer_idx`` names its buffers in ``lease`` (the static cache's buffers; None: its own)."""
-
-    is_compileable = True
-    is_sliding = True
+    ``layer_idx`` names its buffers in ``lease`` (the static cache's buffers; None: its own). Compileable and
+    sliding, as transformers' layer; ``get_seq_length`` is its ``cumulative_length_int``, which the driver advances."""
 
     def __init__(self, sliding_window: int, layer_idx: int, lease: BufferLease | None = None) -> None:
         _compat.init_static_sliding_layer(self, sliding_window)
@@ -97,9 +94,6 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
     def query_offset(self) -> int:
         """The first new token's column in the forward's 2-D mask (see the module docstring)."""
         return self.mask_offset + self.window - 1
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length_int
 
     def get_max_length(self) -> int:
         return -1  # the sequence is not bounded (the window is: it rolls)
