@@ -308,7 +308,7 @@ class RopeKVCache(Cache):
     def _recorded_step_tensors(self) -> list[torch.Tensor]:
         """The tensors besides its inputs that a static decode step reads, as they are now: its leased buffers, the
         online statistics' tables and each sliding-window layer's slot index. ``adapter.graphed_step`` keys its
-        CUDA graphs by their addresses (``tests/integration/test_graphed_step.py``: a step reads nothing else)."""
+        CUDA graphs by their addresses (``test_graphed_step.py`` checks that a step reads nothing else)."""
         tensors = [] if self._lease is None else self._lease.tensors()
         if self._online is not None:
             tensors += self._online.step_tensors()
