@@ -12,7 +12,7 @@ import hf_ropekv
 from conftest import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from task_accuracy import CharTokenizer  # noqa: E402  one token per character, a chat template of its own
+from common import CharTokenizer  # noqa: E402  one token per character, a chat template of its own
 
 PROMPTS = ["tom has 3 apples and buys 4 how many", "what is 12 plus 30"]
 
