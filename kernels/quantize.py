@@ -91,8 +91,7 @@ def quantize_into_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, in
         x.stride(0), x.stride(1), x.stride(2),
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
-        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1,
-    )
+        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
 
 
 def quantize_into_reference_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, index: torch.Tensor) -> None:
