@@ -34,7 +34,6 @@ class H2OScorer:
     _layers: dict[int, _LayerAccumulator] = field(default_factory=dict, init=False, repr=False)
 
     def reset(self) -> None:
-        """Forget every layer's totals."""
         self._layers.clear()
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
@@ -55,13 +54,8 @@ class H2OScorer:
     def _state_for(self, keys: torch.Tensor, ctx: ScoreContext, new: int) -> _LayerAccumulator:
         state = self._layers.get(ctx.layer_idx)
         batch, kv_heads = keys.shape[:2]
-        fresh = (
-            state is None
-            or new >= ctx.tokens_seen
-            or ctx.tokens_seen < state.tokens_seen
-            or state.totals.shape[:2] != (batch, kv_heads)
-            or state.totals.device != keys.device)
-        if fresh:
+        if (state is None or new >= ctx.tokens_seen or ctx.tokens_seen < state.tokens_seen
+                or state.totals.shape[:2] != (batch, kv_heads) or state.totals.device != keys.device):
             totals = torch.zeros(batch, kv_heads, max(ctx.tokens_seen, 1), dtype=torch.float32, device=keys.device)
             state = _LayerAccumulator(totals=totals, tokens_seen=-1)
             self._layers[ctx.layer_idx] = state
