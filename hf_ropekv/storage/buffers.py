@@ -42,10 +42,7 @@ class BufferPool:
 
     @classmethod
     def of(cls, model: nn.Module) -> "BufferPool":
-        pool = cls._BY_MODEL.get(model)
-        if pool is None:
-            pool = cls._BY_MODEL[model] = cls()
-        return pool
+        return cls._BY_MODEL.setdefault(model, cls())
 
     def __init__(self) -> None:
         self.free: dict[Hashable, torch.Tensor] = {}
@@ -92,7 +89,6 @@ class BufferLease:
         return tensor
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every buffer this lease holds now."""
         return [tensor for _, tensor in self._held]
 
     def give_back(self, tensor: torch.Tensor | None) -> None:

@@ -134,7 +134,6 @@ class PagedKV:
                 self.positions = self.positions.repeat_interleave(repeats, dim=0)
 
     def clear(self) -> None:
-        """Drop everything, memory included."""
         self.planes = self.positions = None
         self.length = self._positions_valid = self._pending_position = 0
         self.num_compactions = 0
