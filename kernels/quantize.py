@@ -46,7 +46,6 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale[..., None]`` computed in float32, returned as ``dtype``."""
     return (q.float() * scale[..., None].float()).to(dtype)
 
 

@@ -74,7 +74,6 @@ def require_queries(ctx: ScoreContext, scorer: str) -> tuple[torch.Tensor, torch
 
 
 def context_scale(ctx: ScoreContext, head_dim: int) -> float:
-    """The model's attention scale from the context, ``head_dim ** -0.5`` when not given."""
     return ctx.attention_scale if ctx.attention_scale is not None else head_dim**-0.5
 
 

@@ -43,9 +43,8 @@ class H2OScorer:
             raise ValueError(f"ctx.new_queries={new} must lie in [0, {queries.shape[2]}] (the queries provided).")
         state = self._state_for(keys, ctx, new)
         if ctx.tokens_seen != state.tokens_seen and new > 0:
-            scale = context_scale(ctx, keys.shape[-1])
-            fresh_queries, fresh_positions = queries[:, :, -new:], positions[:, -new:]
-            mass = summed_attention(fresh_queries, keys, fresh_positions, ctx.slot_positions, ctx.valid, scale)
+            mass = summed_attention(queries[:, :, -new:], keys, positions[:, -new:], ctx.slot_positions, ctx.valid,
+                                    context_scale(ctx, keys.shape[-1]))
             self._add(state, group_mean(mass, keys.shape[1]), ctx)
         state.tokens_seen = ctx.tokens_seen
         index = ctx.slot_positions.clamp(0, state.totals.shape[-1] - 1)

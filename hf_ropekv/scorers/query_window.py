@@ -59,8 +59,7 @@ class QueryWindow:
         """One layer's pre-RoPE queries ``[B, S, H, D]`` of the running forward."""
         if self._forward is None:
             return
-        index, rope = self._forward
-        geometry = self.geometry
+        geometry, rope = self.geometry, self._forward[1]
         rotated = rotate(queries.detach(), rope.to(queries.device), geometry.inv_freq, geometry.rotary_layout)
         self._pending[layer_idx] = rotated.to(queries.dtype).transpose(1, 2)  # [B, H, S, D]
 

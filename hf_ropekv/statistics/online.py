@@ -306,7 +306,6 @@ class OnlineStatistics:
 
 
 def _decay_then_add(total: torch.Tensor, factor: float | None, addend: torch.Tensor | float) -> None:
-    """``total = total * factor + addend`` in place (``factor`` None: no decay)."""
     if factor is not None:
         total.mul_(factor)
     total.add_(addend)

@@ -119,9 +119,8 @@ _CUDA_BUILT = torch.backends.cuda.is_built()  # a CPU-only torch has no capture 
 def step_is_recorded() -> bool:
     """Whether the running forward is recorded to be replayed (traced by ``torch.compile`` or captured into a CUDA
     graph): it must then read per-step values from the static buffers (a host int would be baked in)."""
-    if torch.compiler.is_compiling():
-        return True
-    return _CUDA_BUILT and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return torch.compiler.is_compiling() or (
+        _CUDA_BUILT and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
 def mark_static(*tensors: torch.Tensor) -> None:

@@ -137,8 +137,7 @@ class StaticKV(PagedKV):
     def clear(self) -> None:
         self._give_back_arena()
         super().clear()
-        self._arena = None
-        self.write_index = None
+        self._arena = self.write_index = None
 
     def _give_back_arena(self) -> None:
         if self._arena is not None and self._lease is not None:
