@@ -8,7 +8,8 @@ Layout of the suite::
     tests/integration/   tiny random models built from configs: exactness against DynamicCache, recorded tokens,
                          row/batch/padding invariance, every RoPE family, enable/Trainer/pipeline, copies, lifetime,
                          threads, static caches on the CPU, quantized models, calibration, crop, device_map on CPU.
-    tests/*.py           the benchmark and notebook checks (owned with benchmarks/ and examples/).
+    tests/*.py           the benchmark, example and notebook checks (owned with benchmarks/ and examples/), and
+                         the decode-attention kernel's (tests/test_kernel_attention.py).
 
 Markers (declared in setup.cfg): ``gpu`` (needs CUDA; skipped here without it), ``multi_gpu`` (2 CUDA devices),
 ``slow`` (real weights: SmolLM2 from the offline package; long runs), ``compile`` (runs torch.compile: dynamo on
