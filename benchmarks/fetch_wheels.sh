@@ -2,15 +2,15 @@
 # Download the wheels the benchmark suite needs on the GPU machine into .whl/ (gitignored), for Python 3.12 on
 # x86-64 Linux. That machine reaches no package index; the wheels travel with the work tree (carry: [".whl"]).
 #
-#   bash benchmarks/fetch_wheels.sh            # optimum-quanto (memory.py: transformers' QuantizedCache)
+#   bash benchmarks/fetch_wheels.sh            # optimum-quanto (memory.py: QuantizedCache), gguf (quality.py: GGUF models)
 #   bash benchmarks/fetch_wheels.sh NAME==VER  # ...plus more wheels, same platform tags
 #   bash benchmarks/fetch_wheels.sh bitsandbytes==0.50.2   # for the NF4 test in tests/test_quantized.py (43 MB:
 #                                                          # fits the 64 MiB the device tool carries)
 #
-# optimum-quanto 0.2.7 is pure Python (py3-none-any). Its requirements are torch, ninja, numpy, safetensors and
-# huggingface_hub: the GPU image already has all of them, so nothing else is fetched. (ninja is only used when
-# quanto compiles its C++/CUDA extensions; the suite serves the one operation it needs from those, int4 unpack,
-# with quanto's own PyTorch implementation instead, so nothing is compiled there.)
+# Both are pure Python (py3-none-any). optimum-quanto 0.2.7 needs torch, ninja, numpy, safetensors and huggingface_hub;
+# gguf 0.19.0 needs numpy, pyyaml, requests and tqdm: the GPU image has all of them, so nothing else is fetched.
+# (ninja only serves quanto's C++/CUDA extensions; memory.py serves the one operation it needs from those, int4
+# unpack, with quanto's own PyTorch code, so nothing is compiled there.)
 #
 # On the GPU machine (see benchmarks/README.md):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p .whl
 PY=${PYTHON:-python3}
-WHEELS=("optimum-quanto==0.2.7" "$@")
+WHEELS=("optimum-quanto==0.2.7" "gguf==0.19.0" "$@")
 "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 \

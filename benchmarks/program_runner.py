@@ -1,4 +1,4 @@
-"""Run model-written Python programs in isolated subprocesses (program-aided GSM8K, ``task_accuracy.py --domain pot``).
+"""Run model-written Python programs in isolated subprocesses (program-aided GSM8K in ``quality.py``).
 
 A program is a model's untrusted text. Each one runs in a fresh interpreter:
 
@@ -44,7 +44,7 @@ ANSWER_DECIMALS = 6  # printed numbers are rounded here: 0.30000000000000004 -> 
 OK, TIMEOUT, ERROR, NO_OUTPUT, NO_NUMBER = "ok", "timeout", "error", "no_output", "no_number"
 STATUSES = (OK, TIMEOUT, ERROR, NO_OUTPUT, NO_NUMBER)
 
-# The same number syntax as gsm8k_tasks.NUMBER (thousands separators only in groups of three).
+# The same number syntax as gsm8k.NUMBER (thousands separators only in groups of three).
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"python", "python3", "py"}

@@ -1,23 +1,19 @@
-"""Carry the Qwen2.5-Coder-1.5B-Instruct GGUF to the GPU machine in pieces, and put it back together there.
+"""Carry a GGUF model (Qwen2.5-Coder-1.5B-Instruct by default) to the GPU machine in pieces, and put it back there.
 
-A device call carries at most 64 MiB (work tree included) and the machine forgets its files after ~30 s idle,
-so the 1.1 GB file goes in pieces of at most 44 MiB (the tracked tree is ~16 MiB of the 64), one per consecutive
-call, each appended to one file there. Send the data files (GSM8K, wheels) with the last, smaller piece.
+A device call carries at most 64 MiB (the work tree included) and a machine keeps its files only while it stays warm,
+so the 1.1 GB file goes in 19 pieces of at most 57 MiB, one a call, each appended to one file there. Here, once (the
+pieces go to the git-ignored ``.models/qwen_parts/``)::
 
-Here (once; the pieces go to the git-ignored ``.models/qwen_parts/``)::
+    python benchmarks/ship_model.py split          # prints the piece count and the sha256 of the whole
 
-    python benchmarks/ship_model.py split            # prints the piece count and the sha256 of the whole
-
-On the GPU machine, in each call (carry ``.models/qwen_parts/manifest.json`` and that call's piece(s))::
+On the GPU machine, every call (carry ``.models/qwen_parts/manifest.json`` and that call's piece)::
 
     python3 benchmarks/ship_model.py append .models/qwen_parts --target /tmp/qwen.gguf
 
-``append`` adds the pieces it finds that come next. The target's size says which pieces it already holds: a
-missing or shorter target than the manifest expects for the first piece found means a cold (fresh) machine
-or a skipped piece: it prints ``GAP`` and which pieces are missing and exits with status 3 (start again from
-piece 00 on a cold machine). Once complete it checks size and sha256 and prints ``COMPLETE``; ``status`` only
-reports. Exit status: 0 complete and verified (so ``append ... && python3 benchmarks/task_accuracy.py ...``
-runs only on a whole model), 2 progressing (``NEXT piece_NN``), 3 gap or cold machine, 4 checksum mismatch.
+``append`` adds the pieces that come next. A target shorter than the first piece found expects (a cold machine, or
+a skipped piece) prints ``GAP`` and the missing pieces. Exit status: 0 complete and verified (so ``append ... &&
+python3 benchmarks/quality.py ...`` runs only on a whole model), 2 progressing (``NEXT piece_NN``), 3 gap or cold
+machine, 4 checksum mismatch.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PIECE_BYTES = 44 * 2**20
+PIECE_BYTES = 57 * 2**20  # a call carries 64 MiB; the tracked tree is about 1.5 MB
 MANIFEST = "manifest.json"
 EXIT_PROGRESS, EXIT_GAP, EXIT_CHECKSUM = 2, 3, 4
 
@@ -44,11 +40,8 @@ def _sha256(path: Path) -> str:
 
 
 def _qwen_gguf() -> Path:
-    examples = str(REPO / "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    assets = importlib.import_module("offline_assets")
-    return assets.qwen25_coder_gguf_path()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    return importlib.import_module("common").find_model_file("qwen25-coder")
 
 
 def split(source: Path, out: Path, piece_bytes: int = PIECE_BYTES) -> dict:

@@ -61,9 +61,8 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from hf_ropekv import RopeKVCache
+    from hf_ropekv import FrequencyScorer, RopeKVCache, calibrate
     from hf_ropekv._compat import cache_kwarg
-    from hf_ropekv.statistics.calibration import calibrate
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.device == "cuda":
@@ -103,10 +102,9 @@ def main() -> int:
     exact = generate(RopeKVCache(model, budget=None))
     checks["budget=None equals DynamicCache"] = bool(torch.equal(exact, reference))
 
-    for name, kwargs in (("online statistics", {}), ("whole-model statistics file", {"stats": "calibrated"})):
-        if kwargs.get("stats") == "calibrated":
-            kwargs = {"stats": whole_stats}
-        cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every, **kwargs)
+    for name, scorer in (("online statistics", None), ("whole-model statistics file", "calibrated")):
+        scorer = FrequencyScorer(stats=whole_stats) if scorer == "calibrated" else None
+        cache = RopeKVCache(model, budget=args.budget, compress_every=args.compress_every, scorer=scorer)
         start = time.perf_counter()
         out = generate(cache)
         kept = cache.tokens_kept
@@ -114,20 +112,22 @@ def main() -> int:
         if world > 1:
             torch.distributed.all_gather(gathered, out)
         results[name] = {
-            "local_kv_heads": int(cache._full_layers[0].storage.keys.shape[1]),
-            "scorer_q_heads": int(cache.scorer._layer_tensors(0, device, cache._full_layers[0].storage.keys.shape[1])[0].shape[-2]),
+            "local_kv_heads": int(cache.kept_positions(0).shape[1]),
             "seconds": round(time.perf_counter() - start, 2), "tokens_seen": cache.tokens_seen, "tokens_kept": kept,
             "compactions": cache.num_compactions, "bytes_held": cache.bytes_held,
             "max_memory_allocated": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         }
-        checks[f"{name}: evicts within budget + compress_every"] = bool(cache.evicted and kept <= args.budget + args.compress_every)
+        within = kept <= args.budget + args.compress_every
+        checks[f"{name}: evicts within budget + compress_every"] = bool(cache.evicted and within)
         checks[f"{name}: same tokens on every rank"] = all(torch.equal(g, out) for g in gathered)
     # For reference (not a check: the sharded forward sums in another order): the unsharded model, same statistics.
     with torch.no_grad():
         unsharded = whole.generate(input_ids=ids.cpu(), attention_mask=mask.cpu(), max_new_tokens=args.new_tokens,
                                    do_sample=False, pad_token_id=0, **{kw: RopeKVCache(
-                                       whole, budget=args.budget, compress_every=args.compress_every, stats=whole_stats)})
-    results["whole-model statistics file"]["same tokens as the unsharded model"] = bool(torch.equal(unsharded, out.cpu()))
+                                       whole, budget=args.budget, compress_every=args.compress_every,
+                                       scorer=FrequencyScorer(stats=whole_stats))})
+    same = bool(torch.equal(unsharded, out.cpu()))
+    results["whole-model statistics file"]["same tokens as the unsharded model"] = same
     results["q_proj_output_width_rank0"] = seen_q_width[0]
     checks["attention sees its share of the heads"] = seen_q_width[0] == args.heads * args.head_dim // world
     results["checks"] = checks

@@ -1,53 +1,36 @@
-"""In-place, order-preserving compaction of KV storage (README "How it works": compaction), and its PyTorch twin.
+"""In-place, order-preserving compaction of KV storage (docs/how-it-works.md, "Storage"), and its PyTorch twin.
 
-For every tensor ``t`` [B, H, C, D], ``keep`` [B, H, K] and an optional first
-destination ``start`` [B] (0 when omitted)::
+For every tensor ``t`` [B, H, C, D], ``keep`` [B, H, K] and an optional first destination ``start`` [B] (0)::
 
     t[b, h, j, :] = t_old[b, h, keep[b, h, j], :]    for start[b] <= j < K
 
-``keep[b, h, start[b]:]`` is strictly ascending; entries before ``start[b]``
-are ignored and those slots, like slots ``>= K``, are left as they were (the
-cache masks them: they are a row's "holes"). No full-size temporary is made.
+``keep[b, h, start[b]:]`` is strictly ascending; entries before ``start[b]`` are ignored, and those slots, like
+slots ``>= K``, are left as they were (the cache masks them: a row's "holes"). No full-size temporary is made.
 
-Why this is race-free in place. With ``start = 0``, ``keep[j] >= j``: every
-move goes left (towards slot 0). A row with ``start > 0`` (its survivors are
-right-aligned behind holes) may also move tokens right. Because ``keep`` is
-strictly ascending, ``keep[j] - j`` never decreases along ``j``: the right
-movers form a prefix of ``[start, K)`` and the left movers a suffix, and the
-two sets never touch each other's sources or destinations. Left movers are
-walked in ascending blocks (a block's destinations lie below every later
-block's sources), right movers in descending blocks (the mirror argument).
-Within one Triton program the threads run out of step, hence the barrier
-between a block's loads and its stores.
+Why in place is race-free: ``keep`` strictly ascending means ``keep[j] - j`` never decreases along ``j``, so the
+right movers (only rows with ``start > 0``) form a prefix of ``[start, K)`` and the left movers a suffix, and neither
+touches the other's sources or destinations. Left movers are walked in ascending blocks (a block's destinations lie
+below every later block's sources), right movers in descending blocks; a barrier separates a block's loads from its
+stores (a program's threads run out of step).
 """
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
+import functools
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
+from ._triton import HAS_TRITON, check_device, tl, triton
 
 __all__ = ["compact_", "compact_triton_", "compact_reference_", "check_compact_args"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)  # int8: quantized codes
 
 
-def check_compact_args(
-    tensors: Sequence[torch.Tensor],
-    keep: torch.Tensor,
-    start: Optional[torch.Tensor] = None,
-    *,
-    validate_keep: bool = False,
-) -> None:
-    """Raise ``ValueError`` unless ``tensors``, ``keep`` and ``start`` fit ``compact_``'s contract.
-
-    Shape, dtype and device checks are free; ``validate_keep=True`` also checks
-    that ``keep`` is strictly ascending from ``start`` on and in range (a device
-    sync on CUDA).
-    """
+def check_compact_args(tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: Optional[torch.Tensor] = None, *,
+                       validate_keep: bool = False) -> None:
+    """Raise ``ValueError`` unless ``tensors``, ``keep`` and ``start`` fit ``compact_``'s contract; with
+    ``validate_keep=True`` also that ``keep`` is in range and strictly ascending from ``start`` on (a device sync)."""
     if keep.dim() != 3:
         raise ValueError(f"keep must be [B, H, K], got shape {tuple(keep.shape)}")
     if keep.dtype not in (torch.int32, torch.int64):
@@ -63,7 +46,7 @@ def check_compact_args(
         if keep.shape[2] > t.shape[2]:
             raise ValueError(f"keep holds {keep.shape[2]} slots but the storage has only {t.shape[2]}")
         if t.dtype not in _DTYPES:
-            raise ValueError(f"storage dtype must be float16, bfloat16 or float32, got {t.dtype}")
+            raise ValueError(f"storage dtype must be float16, bfloat16, float32 or int8, got {t.dtype}")
         if t.device != keep.device:
             raise ValueError(f"storage ({t.device}) and keep ({keep.device}) must be on one device")
         if t.numel() and t.data_ptr() in ptrs:
@@ -99,24 +82,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _compact_kernel(
-        ptrs_ptr, like_ptr, keep_ptr, start_ptr,
-        H, K, D,
-        stride_b, stride_h, stride_c,
-        stride_kb, stride_kh, stride_kk,
-        HAS_START: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        ALIGN: tl.constexpr,
+        ptrs_ptr, like_ptr, keep_ptr, start_ptr, H, K, D,
+        stride_b, stride_h, stride_c, stride_kb, stride_kh, stride_kk,
+        HAS_START: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
     ):
-        # One program owns one (row, head) of one tensor, or a column slice of it
-        # (programs of different column slices never touch the same bytes).
+        # One program owns one (row, head) of one tensor, or a column slice of it.
         pid_bh = tl.program_id(0)
         b = (pid_bh // H).to(tl.int64)
         h = (pid_bh % H).to(tl.int64)
-        # All tensors of a launch share shape, strides and dtype; their base
-        # addresses come from a table (one launch for every layer's K and V),
-        # typed like ``like_ptr`` (the group's first tensor). A loaded pointer
-        # has no known alignment: the hint (checked by the launcher) keeps the
+        # The tensors of a launch share shape, strides and dtype; their base addresses come from a table, typed
+        # like ``like_ptr``. A loaded pointer has no known alignment: the hint (checked by the launcher) keeps the
         # accesses 16 bytes wide.
         base = tl.multiple_of(tl.load(ptrs_ptr + tl.program_id(1)).to(like_ptr.dtype), ALIGN)
         base = base + b * stride_b + h * stride_h
@@ -150,52 +125,22 @@ if HAS_TRITON:
                 tl.store(base + j.to(tl.int64)[:, None] * stride_c + offs_d[None, :], vals, mask=m)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_PTR_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-
-
+@functools.lru_cache(maxsize=64)
 def _pointer_table(ptrs: Tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Device int64 tensor of base addresses, cached by content.
-
-    A cache compacts the same storages every round: reusing the table saves a
-    host-to-device copy per call and keeps the launch CUDA-graph capturable.
-    The key is the addresses themselves, so an entry can never be stale.
-    """
-    key = (device, ptrs)
-    table = _PTR_TABLES.get(key)
-    if table is None:
-        table = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        _PTR_TABLES[key] = table
-        while len(_PTR_TABLES) > 64:
-            _PTR_TABLES.popitem(last=False)
-    else:
-        _PTR_TABLES.move_to_end(key)
-    return table
+    """Device int64 tensor of base addresses, cached by content (the same storages are compacted every round: no
+    host-to-device copy per call, a CUDA-graph capturable launch; keyed by the addresses, never stale)."""
+    return torch.tensor(ptrs, dtype=torch.int64, device=device)
 
 
-def compact_triton_(
-    tensors: Sequence[torch.Tensor],
-    keep: torch.Tensor,
-    start: Optional[torch.Tensor] = None,
-    *,
-    block_k: int = 64,
-    num_warps: int = 4,
-) -> None:
-    """Compact ``tensors`` in place with the Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``).
-
-    Each tensor needs ``stride(-1) == 1``. Tensors with the same dtype, shape
-    and strides are compacted together in one launch (e.g. K and V of every
-    layer). On an H200 it moves ~3.8 TB/s (read + written), ~90 % of copy
-    bandwidth; slots with ``keep[j] == j`` (the untouched prefix) cost nothing.
-    """
+def compact_triton_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: Optional[torch.Tensor] = None, *,
+                    block_k: int = 64, num_warps: int = 4) -> None:
+    """Compact ``tensors`` (unit last stride) in place with the Triton kernel (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``); tensors of one dtype, shape and strides go in one launch. The untouched prefix
+    (``keep[j] == j``) costs nothing."""
     if not HAS_TRITON:
         raise RuntimeError("compact_triton_ needs Triton, which is not installed")
     check_compact_args(tensors, keep, start)
-    if not keep.is_cuda and not _interpreting():
-        raise RuntimeError("compact_triton_ needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    check_device("compact_triton_", keep)
     for t in tensors:
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(f"compact_triton_ needs storage with unit last stride, got strides {t.stride()}")
@@ -211,39 +156,27 @@ def compact_triton_(
     for (dtype, shape, strides), ts in groups.items():
         D = shape[3]
         ptrs = _pointer_table(tuple(t.data_ptr() for t in ts), keep.device)
-        # Split the head dim only when (row, head, tensor) programs alone would
-        # leave most SMs idle (few tensors, batch 1).
+        # Split the head dim only when (row, head, tensor) programs alone would leave most SMs idle.
         block_d = triton.next_power_of_2(D)
         while block_d > 32 and B * H * len(ts) * triton.cdiv(D, block_d) < 1024:
             block_d //= 2
         grid = (B * H, len(ts), triton.cdiv(D, block_d))
         _compact_kernel[grid](
-            ptrs, ts[0], keep, keep if start is None else start,
-            H, K, D,
-            strides[0], strides[1], strides[2],
-            keep.stride(0), keep.stride(1), keep.stride(2),
-            HAS_START=start is not None,
-            BLOCK_K=block_k,
-            BLOCK_D=block_d,
-            ALIGN=16 if all(t.data_ptr() % 16 == 0 for t in ts) else 1,
-            num_warps=num_warps,
+            ptrs, ts[0], keep, keep if start is None else start, H, K, D,
+            strides[0], strides[1], strides[2], keep.stride(0), keep.stride(1), keep.stride(2),
+            HAS_START=start is not None, BLOCK_K=block_k, BLOCK_D=block_d,
+            ALIGN=16 if all(t.data_ptr() % 16 == 0 for t in ts) else 1, num_warps=num_warps,
         )
 
 
 # --------------------------------------------------------------------------- PyTorch twin
 
 
-def compact_reference_(
-    tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: Optional[torch.Tensor] = None, *, chunk: int = 256
-) -> None:
-    """Pure-PyTorch twin of :func:`compact_triton_`, also in place.
-
-    Without ``start`` it walks ascending chunks of ``chunk`` slots: a chunk's
-    sources are gathered into a small temporary, then written; correct because
-    a chunk's destinations lie below every later chunk's sources. With
-    ``start`` (rows with holes) each row's used entries are gathered whole and
-    written back: simple, and a row's survivors are at most ``K`` slots.
-    """
+def compact_reference_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: Optional[torch.Tensor] = None, *,
+                       chunk: int = 256) -> None:
+    """Pure-PyTorch twin of :func:`compact_triton_`, also in place: ascending chunks of ``chunk`` slots gathered
+    into a small temporary, then written (a chunk's destinations lie below every later chunk's sources); with
+    ``start``, each row's used entries gathered whole."""
     check_compact_args(tensors, keep, start)
     B, H, K = keep.shape
     if start is not None:
@@ -254,8 +187,7 @@ def compact_reference_(
             t[:, :, :K] = src  # unused entries gathered their own slot: unchanged
         return
     idx_all = keep.long()
-    # Same result either way; measured: advanced indexing is ~2x faster than
-    # gather on CPU, gather ~2x faster on CUDA.
+    # Same result either way: advanced indexing is ~2x faster than gather on CPU, gather ~2x faster on CUDA.
     rows = torch.arange(B, device=keep.device)[:, None, None]
     heads = torch.arange(H, device=keep.device)[None, :, None]
     for t in tensors:
@@ -268,22 +200,14 @@ def compact_reference_(
             t[:, :, j0:j0 + idx.shape[2]] = src
 
 
-def compact_(
-    tensors: Sequence[torch.Tensor],
-    keep: torch.Tensor,
-    start: Optional[torch.Tensor] = None,
-    *,
-    backend: Optional[str] = None,
-    validate_keep: bool = False,
-) -> None:
+def compact_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: Optional[torch.Tensor] = None, *,
+             backend: Optional[str] = None, validate_keep: bool = False) -> None:
     """Compact every storage tensor in place: ``t[b, h, j] = t_old[b, h, keep[b, h, j]]`` for ``start[b] <= j < K``.
 
-    ``tensors``: [B, H, C, D] storages (fp16/bf16/fp32, unit last stride for
-    Triton); ``keep``: int32/int64 [B, H, K], strictly ascending per (b, h)
-    from ``start[b]`` on, values < C; ``start``: int [B] first destination of
-    each row (``None``: 0). ``backend``: ``"triton"``, ``"torch"`` or ``None``
-    (Triton on CUDA when installed, PyTorch elsewhere). ``validate_keep``
-    checks ordering and range first (costs a device sync).
+    ``tensors``: [B, H, C, D] storages (fp16/bf16/fp32/int8, unit last stride for Triton); ``keep``: int32/int64
+    [B, H, K], strictly ascending per (b, h) from ``start[b]`` on, values < C; ``start``: int [B] (``None``: 0).
+    ``backend``: ``"triton"``, ``"torch"`` or ``None`` (Triton on CUDA when installed, PyTorch elsewhere).
+    ``validate_keep`` checks ordering and range first (a device sync).
     """
     if validate_keep:
         check_compact_args(tensors, keep, start, validate_keep=True)

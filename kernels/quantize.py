@@ -6,13 +6,14 @@ For ``x`` [B, H, S, D] every (row, head, token) vector gets one float32 scale::
     q[b, h, s, d]  = round(x[b, h, s, d] / scale[b, h, s])
     x ~ q * scale
 
-int8 rounds half to even (``torch.round``), so ``|x - q * scale| <= scale / 2``; float8_e4m3fn keeps
-3 mantissa bits (relative error <= 2**-4). Scales are clamped at ``1e-12``: an all-zero vector
-quantizes to zeros instead of dividing by zero. Plain PyTorch: these run once per written token.
+int8 rounds half to even (``|x - q * scale| <= scale / 2``); float8_e4m3fn keeps 3 mantissa bits (relative error
+<= 2**-4). Scales are clamped at ``1e-12``, so an all-zero vector quantizes to zeros.
 """
 from __future__ import annotations
 
 import torch
+
+from ._triton import HAS_TRITON, tl, triton
 
 __all__ = ["QUANT_DTYPES", "dequantize_kv", "quantize_kv"]
 
@@ -50,7 +51,6 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
 
 
 # --------------------------------------------------------------------------- writing new tokens into an int8 arena
-from ._triton import HAS_TRITON, tl, triton  # noqa: E402  (the plain-PyTorch part above needs no Triton)
 
 if HAS_TRITON:
 

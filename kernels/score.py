@@ -1,68 +1,45 @@
-"""Key scoring kernel (TriAttention; README "How it works": the score) and its PyTorch twin.
+"""Key scoring kernel (TriAttention; docs/how-it-works.md, "The score") and its PyTorch twin.
 
-Both functions compute, for every query head ``h`` and cached slot ``s``::
+Both compute, for every query head ``h`` and cached slot ``s``, with ``k = keys[b, h // G, s]`` (``G = H_q / H_kv``)::
 
     x_f = k[f * PAIR_STRIDE],  y_f = k[f * PAIR_STRIDE + IMAG_OFFSET]      (pair f of the key)
     score[b, h, s] = sum_f (x_f w[b, h, f] + y_f w[b, h, F + f] + c[b, h, f] sqrt(x_f^2 + y_f^2))
 
-with ``k = keys[b, h // G, s]`` (``G = H_q / H_kv``, the GQA group size),
-``w = [Re q_eff, Im q_eff]`` and ``c = clamp(A - |q_mean|, 0)`` built by
-``hf_ropekv.scorers.rope_scoring.query_weights``; ``w`` and ``c`` have one row per batch row
-or a single row shared by all. The pair layout is HF's ``rotate_half``
-(``PAIR_STRIDE, IMAG_OFFSET = 1, F``) or interleaved pairs (``2, 1``; GPT-J,
-Cohere, GLM); see ``hf_ropekv.model.layouts``. Dimensions outside the pairs
-(non-rotary part of partial-rotary heads) do not enter the score and are never read.
-
-Scoring is memory-bound (one read of the keys), so the Triton kernel reads a
-tile of keys once and scores it for every query head of its GQA group.
+``w = [Re q_eff, Im q_eff]`` and ``c = clamp(A - |q_mean|, 0)`` come from ``hf_ropekv.scorers.rope_scoring``, one row
+per batch row or one shared by all. Pairs are HF's ``rotate_half`` (``PAIR_STRIDE, IMAG_OFFSET = 1, F``) or
+interleaved (``2, 1``; see ``hf_ropekv.model.layouts``); dims outside the pairs (partial rotary) are never read.
+Scoring is memory-bound: the kernel reads a tile of keys once and scores it for all query heads of its GQA group.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
+from ._triton import FLOAT_DTYPES, HAS_TRITON, check_device, tl, triton
 
-__all__ = ["score_keys_triton", "score_keys_reference", "check_score_args", "default_pair_layout", "HAS_TRITON"]
-
-KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+__all__ = ["score_keys_triton", "score_keys_reference", "check_score_args", "HAS_TRITON"]
 
 
-def default_pair_layout(pairs: int) -> tuple[int, int]:
-    """``(pair_stride, imag_offset)`` of HF's ``rotate_half`` layout: pair f is (f, f + F)."""
-    return 1, pairs
-
-
-def check_score_args(
-    keys: torch.Tensor,
-    w: torch.Tensor,
-    c: torch.Tensor,
-    pair_stride: int | None = None,
-    imag_offset: int | None = None,
-) -> tuple[torch.Tensor, int, int]:
-    """Check keys [B, H_kv, S, D], w [B or 1, H_q, 2F], c [B or 1, H_q, F] (or [H_q, F]) and the pair layout.
-
-    Returns ``(c as 3-D, pair_stride, imag_offset)``; ``None`` strides mean ``rotate_half`` (1, F).
-    Raises ``ValueError`` naming the mismatch.
-    """
+def check_score_args(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, pair_stride: int | None = None,
+                     imag_offset: int | None = None) -> tuple[torch.Tensor, int, int]:
+    """Check keys [B, H_kv, S, D], w [B or 1, H_q, 2F], c [B or 1, H_q, F] (or [H_q, F]) and the pair layout;
+    raise ``ValueError`` naming a mismatch. Returns ``(c as 3-D, pair_stride, imag_offset)`` (None: ``rotate_half``,
+    1 and F)."""
     if keys.dim() != 4:
         raise ValueError(f"keys must be 4-D [B, H_kv, S, D], got shape {tuple(keys.shape)}")
-    if keys.dtype not in KEY_DTYPES:
+    if keys.dtype not in FLOAT_DTYPES:
         raise ValueError(f"keys dtype must be float16, bfloat16 or float32, got {keys.dtype}")
     if c.dim() == 2:
         c = c.unsqueeze(0)  # one set shared by every row
     if w.dim() != 3 or c.dim() != 3:
-        raise ValueError(
-            f"w must be [B, H_q, 2F] and c [B, H_q, F] or [H_q, F], got {tuple(w.shape)} and {tuple(c.shape)}"
-        )
+        raise ValueError(f"w must be [B, H_q, 2F] and c [B, H_q, F] or [H_q, F], got {tuple(w.shape)} and "
+                         f"{tuple(c.shape)}")
     B, H_kv, _, D = keys.shape
     H_q, F = c.shape[1:]
     if tuple(w.shape[1:]) != (H_q, 2 * F):
-        raise ValueError(
-            f"w shape {tuple(w.shape)} does not match c shape {tuple(c.shape)} (expected [B, {H_q}, {2 * F}])"
-        )
+        raise ValueError(f"w shape {tuple(w.shape)} does not match c shape {tuple(c.shape)} "
+                         f"(expected [B, {H_q}, {2 * F}])")
     if w.shape[0] not in (1, B):
         raise ValueError(f"w batch {w.shape[0]} must be 1 or the keys batch {B}")
     if c.shape[0] not in (1, B):
@@ -71,17 +48,14 @@ def check_score_args(
         raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
     if F == 0:
         raise ValueError("need at least one rotary pair (F > 0)")
-    default_stride, default_offset = default_pair_layout(F)
-    pair_stride = default_stride if pair_stride is None else int(pair_stride)
-    imag_offset = default_offset if imag_offset is None else int(imag_offset)
+    pair_stride = 1 if pair_stride is None else int(pair_stride)
+    imag_offset = F if imag_offset is None else int(imag_offset)
     if pair_stride < 1 or imag_offset < 1:
         raise ValueError(f"pair_stride and imag_offset must be >= 1, got {pair_stride} and {imag_offset}")
     last = pair_stride * (F - 1) + imag_offset  # the last pair's imaginary dim
     if last >= D:
-        raise ValueError(
-            f"{F} rotary pairs with pair_stride {pair_stride} and imag_offset {imag_offset} reach dim {last}, "
-            f"beyond head_dim {D} (2F rotary dims exceed head_dim?)"
-        )
+        raise ValueError(f"{F} rotary pairs with pair_stride {pair_stride} and imag_offset {imag_offset} reach dim "
+                         f"{last}, beyond head_dim {D} (2F rotary dims exceed head_dim?)")
     if w.dtype != torch.float32 or c.dtype != torch.float32:
         raise ValueError(f"w and c must be float32, got {w.dtype} and {c.dtype}")
     if w.device != keys.device or c.device != keys.device:
@@ -95,23 +69,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _score_kernel(
-        k_ptr, w_ptr, c_ptr, out_ptr,
-        S,
-        stride_kb, stride_kh, stride_ks, stride_kd,
-        stride_wb, stride_wh,
-        stride_cb, stride_ch,
-        stride_ob, stride_oh,
-        F: tl.constexpr,
-        PAIR_STRIDE: tl.constexpr,
-        IMAG_OFFSET: tl.constexpr,
-        GROUP: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-        BLOCK_F: tl.constexpr,
-        BLOCKS_PER_PROG: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        k_ptr, w_ptr, c_ptr, out_ptr, S,
+        stride_kb, stride_kh, stride_ks, stride_kd, stride_wb, stride_wh, stride_cb, stride_ch, stride_ob, stride_oh,
+        F: tl.constexpr, PAIR_STRIDE: tl.constexpr, IMAG_OFFSET: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
-        # One program: one batch row, one KV head, BLOCKS_PER_PROG consecutive
-        # blocks of BLOCK_S slots; every key tile is read once and scored for
+        # One program: one batch row, one KV head, BLOCKS_PER_PROG consecutive blocks of BLOCK_S slots, scored for
         # all GROUP query heads of the KV head.
         pid_s = tl.program_id(0)
         hkv = tl.program_id(1).to(tl.int64)  # int64: storages may exceed 2**31 elements
@@ -120,8 +83,7 @@ if HAS_TRITON:
         mask_f = offs_f < F  # partial rotary / non-power-of-two F
         k_base = k_ptr + b * stride_kb + hkv * stride_kh
 
-        # Software-pipelined (NUM_STAGES): the next tiles' loads are in flight
-        # while this one is scored; that is what makes the kernel memory-bound.
+        # Software-pipelined: the next tiles' loads are in flight while this one is scored.
         for i in tl.range(0, BLOCKS_PER_PROG, num_stages=NUM_STAGES):
             offs_s = (pid_s * BLOCKS_PER_PROG + i) * BLOCK_S + tl.arange(0, BLOCK_S)
             mask_s = offs_s < S
@@ -142,42 +104,24 @@ if HAS_TRITON:
                 tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_s, s, mask=mask_s)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _prev_pow2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def score_keys_triton(
-    keys: torch.Tensor,
-    w: torch.Tensor,
-    c: torch.Tensor,
-    *,
-    out: Optional[torch.Tensor] = None,
-    pair_stride: Optional[int] = None,
-    imag_offset: Optional[int] = None,
-    block_s: Optional[int] = None,
-    blocks_per_program: Optional[int] = None,
-    num_warps: Optional[int] = None,
-    num_stages: Optional[int] = None,
-) -> torch.Tensor:
-    """Score ``keys`` [B, H_kv, S, D] (any strides) with the Triton kernel.
+def score_keys_triton(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                      pair_stride: Optional[int] = None, imag_offset: Optional[int] = None,
+                      block_s: Optional[int] = None, blocks_per_program: Optional[int] = None,
+                      num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+    """Score ``keys`` [B, H_kv, S, D] (any strides) with the Triton kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
-    ``w`` [B or 1, H_q, 2F] and ``c`` [B or 1, H_q, F] (or [H_q, F]) are float32;
-    ``pair_stride`` / ``imag_offset`` give the pair layout (default ``rotate_half``:
-    1, F). Returns (or fills ``out``) float32 [B, H_q, S]. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
-    Launch parameters default to what measured best on an H200 with bf16 keys
-    (Triton 3.6): ~2.9 TB/s of keys read at head_dim 128 (68 % of the 4.2 TB/s
-    copy bandwidth), 2.1-2.6 TB/s at head_dim 64 and 256. Small launches are
-    bound by Triton's host-side launch cost (~40 us), not by the GPU.
+    ``w`` [B or 1, H_q, 2F] and ``c`` [B or 1, H_q, F] (or [H_q, F]) are float32; ``pair_stride`` / ``imag_offset``
+    give the pair layout (default ``rotate_half``: 1, F). Returns (or fills ``out``) float32 [B, H_q, S]. The launch
+    defaults measured best on an H200 with bf16 keys (~2.9 TB/s of keys read at head_dim 128).
     """
     if not HAS_TRITON:
         raise RuntimeError("score_keys_triton needs Triton, which is not installed")
     c, pair_stride, imag_offset = check_score_args(keys, w, c, pair_stride, imag_offset)
-    if not keys.is_cuda and not _interpreting():
-        raise RuntimeError("score_keys_triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    check_device("score_keys_triton", keys)
     B, H_kv, S, _ = keys.shape
     H_q, F = c.shape[1:]
     if out is None:
@@ -186,40 +130,26 @@ def score_keys_triton(
         raise ValueError(f"out must be float32 [{B}, {H_q}, {S}] on {keys.device} with unit last stride")
     if B == 0 or S == 0:
         return out
-    w = w.contiguous()
-    c = c.contiguous()
+    w, c = w.contiguous(), c.contiguous()
     stride_wb = 0 if w.shape[0] == 1 else w.stride(0)  # one weight set shared by all rows
     stride_cb = 0 if c.shape[0] == 1 else c.stride(0)
 
     block_f = triton.next_power_of_2(F)
-    # 32 slots per tile; a warp covers F <= 64 pairs per row, two warps above
-    # (larger tiles per thread spill registers and collapse to ~0.5 TB/s).
+    # 32 slots per tile; a warp covers F <= 64 pairs per row, two warps above (larger tiles spill registers).
     block_s = 32 if block_s is None else block_s
     if num_warps is None:
         num_warps = 1 if block_f <= 64 else 2
     num_stages = 3 if num_stages is None else num_stages
     n_blocks = triton.cdiv(S, block_s)
     if blocks_per_program is None:
-        # Long loops amortise the pipeline prologue, but keep >= ~2K programs
-        # (about 16 one-warp programs per SM on a 132-SM GPU).
+        # Long loops amortise the pipeline prologue, but keep >= ~2K programs (~16 one-warp programs per SM).
         blocks_per_program = max(1, min(32, _prev_pow2(B * H_kv * n_blocks // 2048)))
     grid = (triton.cdiv(n_blocks, blocks_per_program), H_kv, B)
     _score_kernel[grid](
-        keys, w, c, out,
-        S,
-        keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
-        stride_wb, w.stride(1),
-        stride_cb, c.stride(1),
-        out.stride(0), out.stride(1),
-        F=F,
-        PAIR_STRIDE=pair_stride,
-        IMAG_OFFSET=imag_offset,
-        GROUP=H_q // H_kv,
-        BLOCK_S=block_s,
-        BLOCK_F=block_f,
-        BLOCKS_PER_PROG=blocks_per_program,
-        NUM_STAGES=num_stages,
-        num_warps=num_warps,
+        keys, w, c, out, S,
+        *keys.stride(), stride_wb, w.stride(1), stride_cb, c.stride(1), out.stride(0), out.stride(1),
+        F=F, PAIR_STRIDE=pair_stride, IMAG_OFFSET=imag_offset, GROUP=H_q // H_kv, BLOCK_S=block_s,
+        BLOCK_F=block_f, BLOCKS_PER_PROG=blocks_per_program, NUM_STAGES=num_stages, num_warps=num_warps,
     )
     return out
 
@@ -227,20 +157,10 @@ def score_keys_triton(
 # --------------------------------------------------------------------------- PyTorch twin
 
 
-def score_keys_reference(
-    keys: torch.Tensor,
-    w: torch.Tensor,
-    c: torch.Tensor,
-    *,
-    out: Optional[torch.Tensor] = None,
-    pair_stride: Optional[int] = None,
-    imag_offset: Optional[int] = None,
-    chunk: int = 4096,
-) -> torch.Tensor:
-    """Pure-PyTorch twin of :func:`score_keys_triton` (float32 accumulation).
-
-    Works slot-chunk by slot-chunk so the float32 temporaries stay small.
-    """
+def score_keys_reference(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                         pair_stride: Optional[int] = None, imag_offset: Optional[int] = None,
+                         chunk: int = 4096) -> torch.Tensor:
+    """Pure-PyTorch twin of :func:`score_keys_triton` (float32 accumulation), by chunks of ``chunk`` slots."""
     c, pair_stride, imag_offset = check_score_args(keys, w, c, pair_stride, imag_offset)
     B, H_kv, S, _ = keys.shape
     H_q, F = c.shape[1:]

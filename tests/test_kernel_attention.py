@@ -277,14 +277,6 @@ def test_argument_errors():
         ref(q, k, k, scale=1.0, key_scale=torch.ones(2, 2, 10))
 
 
-def test_benchmark_arguments():
-    args = kattn._parse_args(["--out", "bench.json", "--batch", "1", "4"])
-    assert args.out == "bench.json" and args.batch == [1, 4] and args.seq == 2176
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="CUDA"):
-            kattn.main(["--out", "bench.json"])
-
-
 # --------------------------------------------------------------------------- GPU (compiled kernels)
 
 GPU_SHAPE = {"H_q": 32, "H_kv": 8, "D": 128}  # Qwen3-8B

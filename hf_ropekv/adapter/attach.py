@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..model.capture import CaptureBase
 from ..model.geometry import ModelGeometry
+from ..storage.buffers import normal_tensors
 from .generate_methods import StepPreparer, with_canonical_strides
 from .graphed_step import not_capturable
 from .shared_hooks import SharedHooks
@@ -207,6 +208,7 @@ class ModelAttachment(StepPreparer):
                 for layer_idx, q in zip(layers, queries):
                     consumer.add(layer_idx, q)
 
+    @normal_tensors
     def _log_tokens(self, input_ids: torch.Tensor) -> None:
         batch, new = input_ids.shape[:2]
         end = self._num_tokens + new

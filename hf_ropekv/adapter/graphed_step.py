@@ -1,22 +1,16 @@
 """A static cache's decode step replayed from a CUDA graph of the eager forward: fast decoding with no compile.
 
-generate compiles a static cache's decode step (``torch.compile``: dynamo's trace, inductor's kernels, CUDA graphs).
-That costs a warm-up of seconds to a minute per process (README, "Warm-up"). But the step needs no compiler to be
-replayed: it reads only the cache's static buffers (arenas, step clock, statistics; ``storage.buffers``) and gets
-every per-step value through generate's inputs (ids, positions, the slot mask the cache builds before the step).
-So the first decode step of a static cache on one CUDA device runs eagerly (its real result) and
-is then captured as a CUDA graph; later steps copy their inputs into the captured ones and replay it. The graph runs
-eager's own kernels, so the tokens equal the eager static cache's. Measured on an H200
-(``benchmarks/results/graphed_step_probe_2026-12-04``): recording 0.12-0.15 s against 8-60 s of compile, steps
-about 9 % slower than compiled ones (no fusion).
+The step reads only the cache's static buffers (``storage.buffers``) and gets every per-step value through generate's
+inputs (ids, positions, the slot mask the cache builds before the step). So the first decode step of a static cache
+on one CUDA device runs eagerly (its real result) and is then captured; later steps copy their inputs into the
+captured ones and replay it. The graph runs eager's own kernels, so the tokens equal the eager static cache's
+(recording takes ~0.1 s against 8-60 s of compile; steps are ~9 % slower than compiled ones).
 
-:class:`GraphedDecodeStep` stands where generate would call its compiled forward (``hooks.generate_methods``), one per
-model. It calls ``model(...)`` with ``model.forward`` routed to the replay (for the calling thread only; another
-thread's forward meanwhile runs the real one), so the model's hooks (the cache's step preparation, a compaction every
-``compress_every`` steps) still run eagerly around every step. A graph is kept per
-cache and input signature (shapes, strides, the structure of the inputs, every other value) and the addresses of the
-tensors the cache's step reads (``RopeKVCache._recorded_step_tensors``); it goes when its cache goes. Off CUDA, for a
-model spread over devices or ranks, or when a capture fails, the steps run eagerly, with one warning.
+:class:`GraphedDecodeStep` stands where generate would call its compiled forward, one per model. It calls ``model(...)``
+with ``model.forward`` routed to the replay for the calling thread only, so the model's hooks still run eagerly around
+every step. A graph is kept per cache, input signature and address of the tensors the cache's step reads, and goes
+with its cache. Off CUDA, for a model spread over devices or ranks, or when a capture fails, steps run eagerly, with
+one warning.
 """
 
 from __future__ import annotations
@@ -40,12 +34,8 @@ MAX_GRAPHS_PER_CACHE = 8
 
 
 class _Recorded:
-    """One captured decode step: the graph, the inputs it reads from and the output it writes.
-
-    The output is kept without the cache it names (``past_key_values``): the graphs live until their cache goes,
-    so a reference to the cache from here would keep it, its buffers and its graphs alive for the model's life.
-    A replay puts the running cache back in (the graph is the cache's own: the key names it).
-    """
+    """One captured decode step: the graph, the inputs it reads and the output it writes, kept without the cache
+    it names (a reference would keep the cache and its graphs alive for the model's life); a replay puts it back."""
 
     __slots__ = ("graph", "inputs", "output_type", "fields", "cache_fields")
 
@@ -72,18 +62,15 @@ class _CacheGraphs:
 
 
 class GraphedDecodeStep:
-    """generate's decode-step forward for a static cache on one CUDA device (one per model; see the module docstring).
-
-    ``recordings`` counts the graphs captured (all caches), for tests and benchmarks.
-    """
+    """generate's decode-step forward for a static cache on one CUDA device (one per model; see the module).
+    ``recordings`` counts the graphs captured (all caches)."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model_ref = weakref.ref(model)
         self._caches: dict[int, _CacheGraphs] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.recordings = 0
-        # model.forward is routed through _route while any thread runs a step here; each thread's own step (its
-        # cache) is in _local, so another thread's forward of the model meanwhile runs the real forward.
+        # model.forward is routed through _route while any thread runs a step; each thread's cache is in _local.
         self._local = threading.local()
         self._lock = threading.Lock()
         self._recording = threading.Lock()
@@ -112,8 +99,7 @@ class GraphedDecodeStep:
                 if self._active == 1:
                     self._previous = previous = model.__dict__.get("forward", _MISSING)
                     real = previous if previous is not _MISSING else types.MethodType(type(model).forward, model)
-                    # The real forward is bound into the route: a forward that picked the route up just before it
-                    # was taken off still reaches it.
+                    # Bound in: a forward that picked the route up just before it was taken off still reaches it.
                     route = functools.partial(self._route, real)
                     route.__wrapped__ = real  # generate checks its kwargs against the forward's signature
                     model.forward = route
@@ -181,9 +167,7 @@ class GraphedDecodeStep:
             recorded_args, recorded_kwargs = pytree.tree_map(clone_tensors, (args, kwargs))
         graph = torch.cuda.CUDAGraph()
         try:
-            # hf_ropekv's static paths see the capture (storage.buffers.step_is_recorded), transformers' masks too
-            # thread_local: the capture forbids unsafe CUDA calls (a sync, a cudaMalloc) in this thread only, so
-            # another thread decoding on the same GPU meanwhile is not broken by it
+            # thread_local: the capture forbids unsafe CUDA calls (a sync, a cudaMalloc) in this thread only
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 recorded_output = inner(*recorded_args, **recorded_kwargs)
         except Exception as err:  # noqa: BLE001 - whatever the model does that a capture refuses: decode eagerly
@@ -202,9 +186,8 @@ class GraphedDecodeStep:
 
 
 def not_capturable(model: nn.Module, device: torch.device) -> str | None:
-    """Why this model's decode step cannot be captured as one CUDA graph, or None. A capture records the work of
-    one device's stream: layers on another device (``device_map``), or collectives of other ranks (tensor
-    parallelism), would run once during the capture and never again at replay."""
+    """Why this model's decode step cannot be one CUDA graph, or None: a capture records one device's stream, so
+    layers on another device or other ranks' collectives would run once and never replay."""
     if device.type != "cuda":
         return f"the model runs on {device.type}; CUDA graphs need CUDA"
     devices = {str(p.device) for p in model.parameters()}
@@ -235,8 +218,7 @@ def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def clone_tensors(value: Any) -> Any:
-    """``value`` with every tensor in it (alone or in a tuple) cloned: the inputs a graph keeps, the outputs a
-    replay hands out."""
+    """``value`` with every tensor in it (alone or in a tuple) cloned."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, tuple):

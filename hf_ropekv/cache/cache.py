@@ -1,10 +1,6 @@
-"""RopeKVCache: a budgeted, paged ``transformers.Cache`` that ``generate()`` accepts unchanged.
-
-A thin composition: ``options`` (validated once), ``rows`` (per-row bookkeeping), ``coordinator`` (the plan and the
-one prologue of every forward, the layers' only link to the cache), ``eviction.compactor`` (scoring, selection,
-compaction), the model's ``adapter`` attachment (hooks), and for a static cache the driver that prepares each
-forward before it runs (``cache.static``).
-"""
+"""RopeKVCache: a budgeted, paged ``transformers.Cache`` that ``generate()`` accepts unchanged. A thin composition of
+its options, per-row bookkeeping (``rows``), the plan and prologue of every forward (``forward``), the compactor,
+the model's attachment (hooks) and, for a static cache, the driver that prepares each forward (``static``)."""
 
 from __future__ import annotations
 
@@ -20,17 +16,15 @@ from transformers.configuration_utils import PretrainedConfig
 from ..adapter.attach import ModelAttachment
 from ..eviction.compactor import Compactor
 from ..kernels.attention import register_op
-from ..model.geometry import ModelGeometry, describe, shared_geometry
+from ..model.geometry import FULL, ModelGeometry, describe, shared_geometry
 from ..scorers.base import Scorer
 from ..storage.buffers import BufferLease, BufferPool, step_is_recorded
-from . import footprint
 from .forward import ForwardCoordinator
 from .layers import CANNOT_CROP, BudgetedLayer, make_layers
-from .masks import mask_for_forward, window_positions, with_holes
 from .model_checks import check_kv_bits, check_sliding_windows, check_static, static_unsupported
 from .options import OPTION_NAMES, SEED, CacheOptions
-from .rows import BatchRows
-from .scorer_setup import query_window, resolve_scorer
+from .rows import BatchRows, padding_holes
+from .scorer_setup import resolve_scorer
 from .static import StaticForwardDriver
 from .summary import CacheSummary
 from .window import StaticWindowLayer
@@ -43,78 +37,54 @@ class RopeKVCache(Cache):
     """A KV cache that keeps at most ``budget + compress_every`` tokens per row and full-attention layer.
 
     When a row would hold more than ``budget + compress_every`` real tokens, the cache scores its kept keys, keeps
-    the best ``budget`` per KV head and compacts them in place. Every row counts only its own real tokens (padding
-    never counts) and compacts on its own schedule, so a row's output depends on neither its padding nor its
-    batch-mates (``hf_ropekv.eviction.schedule``). Sliding-window layers stay windows. With ``budget=None`` nothing
-    is evicted and outputs equal ``DynamicCache``'s.
+    the best ``budget`` per KV head and compacts them in place. Each row counts only its own real tokens and
+    compacts on its own schedule, so its output depends on neither its padding nor its batch-mates. Sliding-window
+    layers stay windows. With ``budget=None`` nothing is evicted and outputs equal ``DynamicCache``'s.
 
     Args:
         model_or_config: the model (recommended: the cache then sees padding and gathers query statistics) or its
             ``PretrainedConfig``.
         budget: tokens kept per row, KV head and layer after a compaction (the pinned prompt included); ``None``
             never evicts.
-        scorer: the eviction policy (``hf_ropekv.scorers``); default ``FrequencyScorer()``: RoPE geometry with
-            statistics gathered online. The cache works on its own copy.
-        **options: the rest of :class:`~hf_ropekv.cache.options.CacheOptions`, which holds the defaults:
-
-            - ``compress_every`` (128): compact once this many tokens beyond the budget have accumulated;
-            - ``window`` (None: ``min(32, budget // 4)``): most recent tokens never evicted;
-            - ``sink`` (0): first tokens of each row never evicted;
-            - ``protect_prompt`` (True): pin the prompt (every token before the first decoding step); it counts
-              toward the budget and must fit in it;
-            - ``static`` ("auto"): ``True`` keeps the layers in a fixed arena whose decode steps replay a CUDA graph
-              of the eager step on one CUDA device (``generate`` compiles them where a graph cannot hold the model:
-              several devices or ranks); ``False`` grows the layers and decodes eagerly; ``"auto"`` is static where
-              graphs can run (a budget, the model on one CUDA device, a scorer that needs no query window, a
-              quantization transformers would compile) and growing elsewhere. ``cache.static`` says which.
-            - ``kv_bits`` (None): 8 stores the kept keys and values in int8 with a scale per token and head.
+        scorer: the eviction policy (``hf_ropekv.scorers``; the cache works on its own copy); default
+            ``FrequencyScorer()``: RoPE geometry with statistics gathered online.
+        **options: ``compress_every``, ``window``, ``sink``, ``protect_prompt``, ``static``, ``kv_bits``: see
+            :class:`~hf_ropekv.cache.options.CacheOptions`, which holds their defaults.
 
     Raises:
         TypeError: an unknown option (the message lists the valid ones).
         ValueError: an invalid value, or a model the cache cannot hold.
     """
 
-    def __init__(
-        self,
-        model_or_config: PreTrainedModel | PretrainedConfig,
-        budget: int | None = None,
-        *,
-        scorer: Scorer | None = None,
-        **options: Any,
-    ) -> None:
+    def __init__(self, model_or_config: PreTrainedModel | PretrainedConfig, budget: int | None = None, *,
+                 scorer: Scorer | None = None, **options: Any) -> None:
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise TypeError(f"RopeKVCache got unknown option(s) {unknown}; the options are {list(OPTION_NAMES)}.")
         self.options = options = CacheOptions(budget=budget, **options)
-        self.geometry: ModelGeometry = describe(model_or_config)
         model = model_or_config if isinstance(model_or_config, nn.Module) else None
-        if model is not None:
-            self.geometry = shared_geometry(model, self.geometry)
+        geometry = describe(model_or_config)
+        self.geometry: ModelGeometry = geometry if model is None else shared_geometry(model, geometry)
         check_sliding_windows(self.geometry, budget)
         check_kv_bits(options.kv_bits, model_or_config)
         super().__init__(layers=[])
-        self.scorer, self._online = resolve_scorer(scorer, budget, self.geometry, model)
-        self._queries = query_window(self.scorer, budget, self.geometry, model)
+        self.scorer, self._online, self._queries = resolve_scorer(scorer, budget, self.geometry, model)
         if options.static is True:
             check_static(self.geometry, budget, model_or_config, self.scorer)
-        #: Whether the layers are a fixed arena (static decode steps), settled here once.
+        #: Whether the layers are a fixed arena (static decode steps), settled once.
         self.static = options.static is True or (
             options.static == "auto" and static_unsupported(self.geometry, budget, model, self.scorer) is None)
         self.rows = BatchRows()
         compactor = Compactor(self.scorer, sink=options.sink, window=options.recent_window,
                               auto_window=options.window is None, seed=SEED, online=self._online,
                               queries=self._queries)
-        #: The plan and prologue of every forward: what the full-attention layers ask (their only link to the cache).
-        self.coordinator = ForwardCoordinator(options, [], self.rows, compactor,
-                                              None if model is None else type(model).__name__)
         self._lease = BufferLease(self, BufferPool.of(model)) if self.static else None
         self.layers = make_layers(self, self.geometry, options, self._lease, self.static)
         self._full_layers = [layer for layer in self.layers if isinstance(layer, BudgetedLayer)]
-        self.coordinator.full_layers = self._full_layers
-        self._static_driver = None
-        if self.static:
-            windows = [layer for layer in self.layers if isinstance(layer, StaticWindowLayer)]
-            self._static_driver = StaticForwardDriver(self.coordinator, self._lease, len(self.layers), windows)
+        #: The plan and prologue of every forward: the full-attention layers' only link to the cache.
+        self.coordinator = ForwardCoordinator(options, self._full_layers, self.rows, compactor,
+                                              None if model is None else type(model).__name__)
+        self._static_driver = StaticForwardDriver(self.coordinator, self._lease, self.layers) if self.static else None
         self._attachment = None
         if model is not None:
             collect = self._online is not None or self._queries is not None
@@ -134,7 +104,7 @@ class RopeKVCache(Cache):
     def tokens_kept(self) -> int:
         """Slots per row, KV head and full-attention layer currently held: the longest row's real tokens (rows
         with fewer sit behind masked holes). Bounded by ``budget + compress_every``."""
-        return self._full_layers[0].tokens_kept if self._full_layers else self.tokens_seen
+        return self._full_layers[0].storage.length if self._full_layers else self.tokens_seen
 
     @property
     def batch_size(self) -> int | None:
@@ -144,8 +114,7 @@ class RopeKVCache(Cache):
     @property
     def tokens_kept_per_row(self) -> tuple[int, ...]:
         """Real tokens each batch row holds (padding and holes excluded)."""
-        slots = self.tokens_kept
-        return tuple(slots - hole for hole in self.rows.current_holes())
+        return tuple(self.tokens_kept - hole for hole in self.rows.current_holes())
 
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """int64 ``[batch, kv_heads, kept]``: the token index (padding included, as in generate's ``input_ids``) held
@@ -156,9 +125,17 @@ class RopeKVCache(Cache):
             raise IndexError(f"layer_idx must be in [0, {len(self.layers)}); got {layer_idx}.")
         layer = self.layers[layer_idx]
         holes = self.rows.current_holes()
-        if not isinstance(layer, BudgetedLayer):
-            return window_positions(layer, self.rows.pads_host, len(holes))
-        return with_holes(layer.storage.live_positions().clone(), holes)
+        if isinstance(layer, BudgetedLayer):
+            positions = layer.storage.live_positions()
+        elif not layer.is_initialized or layer.keys is None:
+            return torch.empty(len(holes), 0, 0, dtype=torch.long)
+        else:  # a window holds the last tokens; its holes are the padding among them
+            batch, heads, kept = layer.keys.shape[:3]
+            seen = layer.get_seq_length()
+            positions = torch.arange(seen - kept, seen, device=layer.keys.device).expand(batch, heads, kept)
+            holes = padding_holes(self.rows.pads_host or (0,) * batch, seen - kept)
+        slot = torch.arange(positions.shape[-1], device=positions.device)
+        return positions.masked_fill(slot < torch.tensor(holes, device=positions.device).view(-1, 1, 1), -1)
 
     @property
     def num_compactions(self) -> int:
@@ -166,23 +143,39 @@ class RopeKVCache(Cache):
 
     @property
     def pages_in_use(self) -> int:
-        """Pages holding live tokens, summed over full-attention layers."""
+        """Pages holding live tokens, summed over full-attention layers (``pages_allocated``: all pages)."""
         return sum(layer.storage.pages_in_use for layer in self._full_layers)
 
     @property
     def pages_allocated(self) -> int:
-        """Pages allocated, summed over full-attention layers."""
         return sum(layer.storage.pages_allocated for layer in self._full_layers)
+
+    def _window_keys(self) -> list[torch.Tensor]:
+        """The keys of the sliding-window layers that hold tokens."""
+        return [layer.keys for layer in self.layers
+                if not isinstance(layer, BudgetedLayer) and layer.is_initialized and layer.keys is not None]
 
     @property
     def bytes_held(self) -> int:
         """Bytes of device memory the cache's tensors occupy (all layers, slot positions included)."""
-        return footprint.bytes_held(self.layers)
+        total = sum(layer.storage.bytes_held for layer in self._full_layers)
+        return total + sum(keys.numel() * keys.element_size() * 2 for keys in self._window_keys())
 
     @property
     def full_cache_bytes(self) -> int:
-        """Bytes a ``DynamicCache(config=...)`` would hold for the same tokens (for comparison)."""
-        return footprint.dynamic_cache_bytes(self.layers, self.geometry, self.tokens_seen)
+        """Bytes a ``DynamicCache(config=...)`` would hold for the same tokens: every full-attention layer all of
+        them, every sliding-window layer its window (0 before any layer holds keys)."""
+        stored = [layer.storage for layer in self._full_layers if layer.storage.keys is not None]
+        if stored:  # (in the model's dtype, also where the cache keeps int8 codes)
+            keys, size = stored[0].keys, torch.empty((), dtype=stored[0].dtype).element_size()
+        else:
+            keys = next(iter(self._window_keys()), None)
+            size = None if keys is None else keys.element_size()
+        if keys is None:
+            return 0
+        per_token, seen = 2 * keys.shape[1] * keys.shape[3] * size * keys.shape[0], self.tokens_seen
+        return sum(per_token * (seen if kind == FULL else min(seen, window - 1))
+                   for kind, window in zip(self.geometry.layer_types, self.geometry.sliding_windows))
 
     @property
     def evicted(self) -> bool:
@@ -199,72 +192,56 @@ class RopeKVCache(Cache):
             f"compress_every={self.options.compress_every}, scorer={type(self.scorer).__name__}, "
             f"static={self.static}, seen={self.tokens_seen}, kept={self.tokens_kept}, "
             f"pages={self.pages_in_use}/{self.pages_allocated}, bytes={self.bytes_held}, "
-            f"compactions={self.num_compactions})"
-        )
+            f"compactions={self.num_compactions})")
 
     # ------------------------------------------------------------------ transformers hooks
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> Any:
         if layer_idx >= len(self.layers):
             raise ValueError(
                 f"This RopeKVCache holds {len(self.layers)} layers ({self.geometry.model_type}) but a model with more "
-                f"layers updates layer {layer_idx}. A cache is bound to its model: build one per model."
-            )
+                f"layers updates layer {layer_idx}. A cache is bound to its model: build one per model.")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reset(self) -> None:
         super().reset()
         self.rows = self.coordinator.rows = BatchRows()
         self.coordinator.reset()
-        if self._static_driver is not None:
-            self._static_driver.reset()
-        if self._queries is not None:
-            self._queries.reset()
-        self.coordinator.rollback_expected = False
+        for part in (self._static_driver, self._queries, self._attachment):
+            if part is not None:
+                part.reset()
         if self._online is not None:
             if self._lease is not None:
                 for tensor in self._online.buffers():
                     self._lease.give_back(tensor)
             self._online.reset()
-        if self._attachment is not None:
-            self._attachment.reset()
 
     def crop(self, n: int) -> None:
-        """Roll back as transformers' ``crop(n)`` does (``n < 0`` removes ``-n`` tokens; see ``_compat.crop_target``).
-
-        Only possible until the first eviction: after it, any crop that would remove tokens raises.
-        """
+        """Roll back as transformers' ``crop(n)`` does (``n < 0`` removes ``-n`` tokens); only until the first
+        eviction: after it, any crop that would remove tokens raises."""
         super().crop(n)
-        seen = self.tokens_seen
-        coordinator = self.coordinator
+        seen, coordinator = self.tokens_seen, self.coordinator
         if coordinator.prompt_tokens is not None and coordinator.prompt_tokens > seen:
             coordinator.prompt_tokens = seen  # the rollback reached into the pinned prompt
         if self._attachment is not None:
             self._attachment.truncate(seen)
 
     def activate_past_recording(self, **kwargs: Any) -> None:
-        """Called by generate before a decoding mode that rolls the cache back (assisted/speculative decoding).
-
-        From then on the cache refuses, with the "cannot crop" error, any forward that would evict or pin more
-        than ``budget`` tokens; a cache that already evicted refuses here.
-        """
+        """Called by generate before a decoding mode that rolls the cache back (assisted/speculative decoding): from
+        then on any forward that would evict or pin more than ``budget`` tokens is refused with the "cannot crop"
+        error; a cache that already evicted refuses here."""
         if not all(layer.is_croppable for layer in self._full_layers):
             raise ValueError(CANNOT_CROP)
         super().activate_past_recording(**kwargs)  # (transformers 5.25 passes recurrent_states_to_keep=)
         self.coordinator.rollback_expected = True
 
     def __deepcopy__(self, memo: dict) -> "RopeKVCache":
-        """An independent cache that continues exactly like this one (transformers' prompt-reuse recipe).
-
-        Every attribute is deep-copied (storage, statistics, padding, scorer, RNG), so state added to the cache
-        later is copied too. Two things are rebound instead: the layers' back-references point to the copy, and
-        the copy gets its own model attachment (hooks that act only when the forward's cache is the copy).
-        """
+        """An independent cache that continues exactly like this one (transformers' prompt-reuse recipe): every
+        attribute is deep-copied, except that the layers' back-references point to the copy and the copy gets its
+        own model attachment (hooks that act only when the forward's cache is the copy)."""
         twin = type(self).__new__(type(self))
         memo[id(self)] = twin
-        for layer in self.layers:  # BudgetedLayer holds a weakref.proxy to its cache: make it the copy's
-            back = getattr(layer, "_cache", None)
-            if isinstance(back, weakref.ProxyTypes):
-                memo[id(back)] = weakref.proxy(twin)
+        for layer in self._full_layers:  # each holds a weakref.proxy to its cache: make it the copy's
+            memo[id(layer._cache)] = weakref.proxy(twin)
         for name, value in self.__dict__.items():
             if name != "_attachment":
                 setattr(twin, name, copy.deepcopy(value, memo))
@@ -274,37 +251,32 @@ class RopeKVCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self._select_rows(beam_idx)
-        if self._attachment is not None:
-            self._attachment.select_batch(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self._select_rows(indices)
-        if self._attachment is not None:
-            self._attachment.select_batch(indices)
         self.rows.batch_size = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         rows = len(self.rows.evicted) or (self.rows.batch_size or 0)
-        self._select_rows(torch.arange(rows).repeat_interleave(repeats))  # repeating rows = selecting them again
+        # Repeating rows is selecting them again (the attachment's token history is left as it is).
+        self._select_rows(torch.arange(rows).repeat_interleave(repeats), tokens=False)
         self.rows.batch_size = None
 
-    def _select_rows(self, index: torch.Tensor) -> None:
-        """Rows were reordered, selected or repeated: follow them in every per-row state of the cache."""
+    def _select_rows(self, index: torch.Tensor, tokens: bool = True) -> None:
+        """Rows were reordered, selected or repeated (``index``: the old row of each new one): follow them in every
+        per-row state of the cache (``tokens``: and in the attachment's token history)."""
         self.rows.select(index)
         self.coordinator.plan = None
-        if self._queries is not None:
-            self._queries.select_batch(index)
-        if self._online is not None:
-            self._online.select_batch(index)
+        for state in (self._queries, self._online, self._attachment if tokens else None):
+            if state is not None:
+                state.select_batch(index)
 
     # ------------------------------------------------------------------ called by the model attachment
-    def _forward_starts(
-        self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device,
-    ) -> torch.Tensor | None:
-        """Called by the model attachment before a forward with this cache: returns the mask the forward is to use
-        (None: none), or ``attention_mask`` itself."""
+    def _forward_starts(self, attention_mask: torch.Tensor | None, new: int, batch: int,
+                        device: torch.device) -> torch.Tensor | None:
+        """Before a forward with this cache: returns the mask the forward is to use (None: none)."""
         self.coordinator.announced = True
         if attention_mask is None or self.rows.appends_real_token(attention_mask.shape[-1], new, batch):
             new_token_mask = None  # a decoding step's token is real (see BatchRows.appends_real_token)
@@ -313,33 +285,30 @@ class RopeKVCache(Cache):
             # step that read it would be recompiled with dynamic strides and record a CUDA graph per step.
             new_token_mask = attention_mask[:, -new:].bool().clone(memory_format=torch.contiguous_format)
         seen = self.get_seq_length()  # before a static driver's prepare, which counts this forward's tokens
+        replaced = None
         if self._static_driver is not None:
             model = self._attachment._model_ref()
             replaced = self._static_driver.prepare(attention_mask, new, batch, device, model, self._online)
-        else:
-            replaced = None if attention_mask is None else self._mask_for(attention_mask, new)
+        elif attention_mask is not None:
+            decoding = self.rows.observe_mask(attention_mask, new)
+            plan = self.coordinator.plan_for(new, 0 if self._full_layers else seen)
+            replaced = self.rows.mask_for(attention_mask, new, plan, decoding)
         if self._online is not None:
             self._online.begin_forward(new_token_mask, new)
         if self._queries is not None:
-            self._queries.begin_forward(seen, new, self.rows.pads_on(batch, device), new_token_mask)
+            pads = self.rows.pads if self.rows.pads is not None else torch.zeros(batch, dtype=torch.long, device=device)
+            self._queries.begin_forward(seen, new, pads, new_token_mask)
         return replaced
 
-    def _mask_for(self, attention_mask: torch.Tensor, new: int) -> torch.Tensor | None:
-        """The 2-D mask a growing cache's forward must use (``masks.mask_for_forward``)."""
-        decoding = self.rows.observe_mask(attention_mask, new)
-        plan = self.coordinator.plan_for(new, 0 if self._full_layers else self.get_seq_length())
-        return mask_for_forward(attention_mask, new, plan, self.rows, decoding)
-
     def _expect_tokens(self, tokens: int | None) -> None:
-        """Called by the model attachment when a generate() call says how many tokens per row it holds at most."""
+        """A generate() call holds at most ``tokens`` tokens per row (a static cache sizes its arenas for it)."""
         if self._static_driver is not None and tokens is not None:
             self._static_driver.expected_tokens = int(tokens)
 
     def _recorded_step_tensors(self) -> list[torch.Tensor]:
         """The tensors besides its inputs that a static decode step reads, as they are now: its leased buffers, the
-        online statistics' tables and each sliding-window layer's slot index. A CUDA graph of the step holds their
-        addresses, so ``hooks.graphed_step`` keys its graphs by them (a reset or a batch reshuffle that moves one
-        records again); ``tests/test_graphed_step.py`` checks that a step reads nothing else."""
+        online statistics' tables and each sliding-window layer's slot index. ``adapter.graphed_step`` keys its
+        CUDA graphs by their addresses (``test_graphed_step.py`` checks that a step reads nothing else)."""
         tensors = [] if self._lease is None else self._lease.tensors()
         if self._online is not None:
             tensors += self._online.step_tensors()
@@ -348,7 +317,7 @@ class RopeKVCache(Cache):
         return tensors
 
     def _query_consumers(self) -> list[Any]:
-        """What the model attachment hands each forward's pre-RoPE queries to (see ``AttachedCache``)."""
+        """What the model attachment hands each forward's pre-RoPE queries to."""
         return [consumer for consumer in (self._online, self._queries) if consumer is not None]
 
     # ------------------------------------------------------------------ static: the compiled step's clock

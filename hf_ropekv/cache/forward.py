@@ -16,20 +16,14 @@ from .rows import BatchRows
 
 
 class ForwardCoordinator:
-    """What the full-attention layers of one cache ask before they store a forward's tokens (their only link to the
-    cache): the plan of the forward (``planned_slots``) and its prologue (``before_update``).
+    """What the full-attention layers of one cache ask before they store a forward's tokens: the forward's plan
+    (``planned_slots``) and its prologue (``before_update``). ``model_class``: the class name of the cache's model
+    (None: built from a config).
 
     The plan is a pure function of the cache's state, memoised per forward, so the mask (built before any layer
-    runs) and the layers agree on it. A growing cache runs the prologue at its first full-attention layer's update,
-    a static one before the forward (``hf_ropekv.cache.static``); either way every layer is compacted before any
-    of them writes, so no tensor returned in the forward aliases a compacted arena.
-
-    Args:
-        options: the cache's options.
-        full_layers: the full-attention layers, in order.
-        rows: the per-row bookkeeping.
-        compactor: scores, selects and compacts.
-        model_class: the class name of the model the cache was built from (None: built from a config).
+    runs) and the layers agree on it. The prologue runs at the first full-attention layer's update (a static cache:
+    before the forward), so every layer is compacted before any writes and no returned tensor aliases a compacted
+    arena.
     """
 
     def __init__(self, options: CacheOptions, full_layers: list, rows: BatchRows, compactor: Compactor,
@@ -40,15 +34,14 @@ class ForwardCoordinator:
         self.compactor = compactor
         self.model_class = model_class
         self.reset()
-        self.rollback_expected = False  # set once generate announced a decoding mode that rolls the cache back
 
     def reset(self) -> None:
         self.plan: Plan | None = None  # this forward's compaction plan (memoised by seen, new, slots)
         self.decode_steps = 0  # single-token forwards started: the compaction clock (hf_ropekv.eviction.schedule)
         self.prompt_tokens: int | None = None  # pinned prompt length once decoding started
         self.announced = False  # the model's forward pre-hook announced the running forward
+        self.rollback_expected = False  # generate announced a decoding mode that rolls the cache back
 
-    # -- the plan ------------------------------------------------------------------------------
     def plan_for(self, new: int, seen_without_full_layers: int = 0) -> Plan:
         """This forward's plan of ``new`` tokens (memoised)."""
         # Read from the first full-attention layer, which no update of this forward has reached yet (sliding
@@ -74,14 +67,11 @@ class ForwardCoordinator:
             return 0
         return self.prompt_tokens if self.prompt_tokens is not None else seen
 
-    # -- the prologue --------------------------------------------------------------------------
     def before_update(self, layer: Any, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        """Called by a growing full-attention layer before it writes ``key_states``: the first layer of a forward
-        runs the prologue (with the padding from the update's arguments where the model's hooks gave none)."""
+        """Called by a growing full-attention layer before it writes: the first layer of a forward runs the prologue
+        (with the padding from the update's arguments where the model's hooks gave none)."""
         rows = self.rows
-        if layer is not self.full_layers[0]:
-            # A later layer of the forward (every layer but one, every step): it follows the plan the first layer
-            # fixed, so it only checks the batch (kept to a few lookups).
+        if layer is not self.full_layers[0]:  # a later layer follows the first one's plan: only check the batch
             if key_states.shape[0] != rows.batch_size:
                 rows.check_batch(key_states.shape[0])
             return
@@ -92,12 +82,15 @@ class ForwardCoordinator:
         self.prologue(seen, new)
 
     def check_announced(self) -> None:
-        """Called at the first full-attention layer of every eager forward: refuse a model's forward that reached
-        the cache without that model's pre-hook announcing it (another model runs it), then consume the announce."""
+        """At the first full-attention layer of every eager forward: refuse a forward that reached the cache without
+        its model's pre-hook announcing it (another model runs it); consume the announce."""
         if self.model_class is not None and not self.announced:
             running = _running_model_class()  # None: update() called directly (no model forward), which is fine
             if running is not None:
-                raise ValueError(self._other_model_error(running))
+                other = f"another {running}" if running == self.model_class else f"a {running}"
+                raise ValueError(
+                    f"This RopeKVCache was built for a {self.model_class} and is bound to it, but {other} runs a "
+                    f"forward with it. Build a cache for each model: RopeKVCache(the_model, ...).")
         self.announced = False
 
     def prologue(self, seen: int, new: int) -> Plan:
@@ -117,15 +110,14 @@ class ForwardCoordinator:
         """Refusals that depend on the forward's size: eviction before a rollback, a pinned prompt over budget."""
         budget = self.options.budget
         if self.rollback_expected and budget is not None:
-            # Assisted decoding sends the prompt and then each draft as multi-token forwards; the prompt-pinning
-            # check would take them all for prompt and fail first with a misleading message.
+            # Assisted decoding sends the prompt and then each draft as multi-token forwards; the prompt check
+            # below would take them all for prompt and fail with a misleading message.
             real = seen + new - min(self.rows.pads_host)
             pins_too_much = self.prompt_tokens is None and self.options.protect_prompt and real > budget
             if pins_too_much or self.plan_for(new).compacts:
                 raise ValueError(
                     f"RopeKVCache cannot crop once it evicts, and this decoding mode rolls the cache back: this step "
-                    f"would take it to {real} tokens, past budget={budget}. {CROPPABLE_FIX}"
-                )
+                    f"would take it to {real} tokens, past budget={budget}. {CROPPABLE_FIX}")
         if self.prompt_tokens is None:
             if new == 1 and seen > 0:
                 self.prompt_tokens = seen  # first decoding step: the prompt is complete
@@ -135,16 +127,7 @@ class ForwardCoordinator:
                     raise ValueError(
                         f"The prompt has {real} tokens but budget={budget}; a pinned prompt must fit in the "
                         f"budget. Raise `budget` to at least {real} plus room for the answer, or pass "
-                        "`protect_prompt=False` to let prompt tokens be evicted too."
-                    )
-
-    def _other_model_error(self, running: str) -> str:
-        """A model's forward reached the cache without that model's pre-hook: another model runs it."""
-        other = f"another {running}" if running == self.model_class else f"a {running}"
-        return (
-            f"This RopeKVCache was built for a {self.model_class} and is bound to it, but {other} runs a forward "
-            f"with it. Build a cache for each model: RopeKVCache(the_model, ...)."
-        )
+                        "`protect_prompt=False` to let prompt tokens be evicted too.")
 
 
 def _running_model_class() -> str | None:

@@ -1,14 +1,12 @@
-"""Cache layers: one small class per storage behaviour (see transformers' ``cache_utils`` layers).
-
-Full-attention layers get a :class:`BudgetedLayer` (paged, compacted in place); sliding-window layers are
-already bounded and stay transformers' own ``DynamicSlidingWindowLayer``, or, in a static cache, its
-``StaticSlidingWindowLayer`` (:class:`~hf_ropekv.cache.window.StaticWindowLayer`).
-"""
+"""Cache layers, one small class per storage behaviour (as transformers' ``cache_utils``): full-attention layers get
+a :class:`BudgetedLayer` (paged, compacted in place) or, in a static cache, a :class:`StaticBudgetedLayer` (a fixed
+arena); sliding-window layers, already bounded, stay transformers' ``DynamicSlidingWindowLayer`` or become a
+:class:`~hf_ropekv.cache.window.StaticWindowLayer`."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
@@ -18,57 +16,34 @@ from ..model.geometry import FULL, ModelGeometry
 from ..storage.buffers import step_is_recorded
 from ..storage.paged import PagedKV
 from ..storage.static import StaticKV
-from .options import PAGE_SIZE
+from .options import PAGE_SIZE, CacheOptions
 from .window import StaticWindowLayer
-
-class Coordinator(Protocol):
-    """What a :class:`BudgetedLayer` asks before storing a forward's tokens (``ForwardCoordinator``)."""
-
-    def before_update(self, layer: "BudgetedLayer", key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        """Compact this forward's layers if its plan says so (called before the layer writes its new tokens)."""
-
-    def planned_slots(self, new: int) -> int:
-        """Slots every full-attention layer holds once this forward's compaction (if any) is done."""
-
-    full_layers: list["BudgetedLayer"]
-
-    def check_announced(self) -> None:
-        """Refuse a forward that the cache's own model did not announce (a static layer's eager check)."""
-
-
-class CoordinatedCache(Protocol):
-    """The cache a layer belongs to (``RopeKVCache``; no import of it here): it holds the coordinator."""
-
-    coordinator: Coordinator
-
 
 #: How to get a croppable cache: the end of every "cannot crop" error.
 CROPPABLE_FIX = (
     "Assisted/speculative decoding (assistant_model=, prompt_lookup_num_tokens=) and DoLa need a croppable "
-    "cache; use a plain DynamicCache for them, or a budget larger than the whole generation."
-)
+    "cache; use a plain DynamicCache for them, or a budget larger than the whole generation.")
 #: The error of a rollback after an eviction.
 CANNOT_CROP = (
-    "RopeKVCache cannot crop: tokens were already evicted, so the cache cannot be rolled back. " + CROPPABLE_FIX
-)
+    "RopeKVCache cannot crop: tokens were already evicted, so the cache cannot be rolled back. " + CROPPABLE_FIX)
 
 
 class BudgetedLayer(CacheLayerMixin):
-    """A full-attention layer whose kept tokens stay within the cache's budget.
+    """A full-attention layer whose kept tokens stay within the cache's budget; it only stores.
 
-    It reports ``tokens_seen`` as its sequence length and the geometry of a sliding-window layer to the mask
-    (``kv_length = kept + q``, ``kv_offset = seen - kept``): kept slots then line up with the rightmost columns
-    of generate's 2-D attention mask, surviving left padding first. Eviction decisions belong to the cache;
-    the layer only stores.
+    It reports the tokens seen as its sequence length and, to the mask, the geometry of a sliding-window layer
+    (``kv_length = kept + q``, ``kv_offset = seen - kept``): kept slots line up with the rightmost columns of
+    generate's 2-D attention mask. Of its cache it asks only the ``coordinator`` (``cache.forward``): the plan of
+    the forward and the compaction before it writes.
     """
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: CoordinatedCache, layer_idx: int, storage: PagedKV) -> None:
+    def __init__(self, cache: Any, layer_idx: int, storage: PagedKV) -> None:
         super().__init__()
-        # A proxy, not a reference: a cache and its layers must not form a cycle, or the arenas (and the
-        # model hooks) would wait for the cyclic garbage collector instead of going when the cache does.
+        # A proxy: a reference would make a cycle, and the arenas (and model hooks) would wait for the cyclic
+        # garbage collector instead of going when the cache does.
         self._cache = weakref.proxy(cache)
         self.layer_idx = layer_idx
         self.storage = storage
@@ -81,13 +56,8 @@ class BudgetedLayer(CacheLayerMixin):
     def is_croppable(self) -> bool:  # type: ignore[override]
         return self.tokens_seen == self.storage.length
 
-    @property
-    def tokens_kept(self) -> int:
-        return self.storage.length
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.dtype = key_states.dtype
+        self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
     def update(
@@ -121,16 +91,14 @@ class BudgetedLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.storage.select_batch(beam_idx)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.storage.select_batch(indices)
+    batch_select_indices = reorder_cache
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.storage.repeat_batch(repeats)
 
     def crop(self, n: int) -> None:
-        """Drop tokens from the end, as transformers' ``crop(n)`` does (``_compat.crop_target``: ``n < 0`` removes
-        ``-n``, ``0`` removes none). Possible only while nothing was evicted: eviction is not reversible.
-        """
+        """Drop tokens from the end as transformers' ``crop(n)`` does (``_compat.crop_target``); only while nothing
+        was evicted."""
         target = _compat.crop_target(self.tokens_seen, n)
         if target == self.tokens_seen:
             return  # nothing to undo, which an evicted layer can honour too (generate calls crop(0) often)
@@ -141,27 +109,24 @@ class BudgetedLayer(CacheLayerMixin):
 
 
 class StaticBudgetedLayer(BudgetedLayer):
-    """A budgeted full-attention layer over a fixed arena (:class:`~hf_ropekv.storage.static.StaticKV`): compileable.
+    """A budgeted layer over a fixed arena (:class:`~hf_ropekv.storage.static.StaticKV`): compileable.
 
-    Attention always reads the whole arena, ``kv_length`` slots, and the mask hides what is not a live token of a
-    row (``get_mask_sizes`` reports ``(kv_length, 0)`` and the cache hands the model a slot-validity mask). Every
-    decision (compaction, where the new tokens go, the counters) is taken before the forward (``prepare_forward``), so
-    ``update`` only writes: a compiled decode step reads no host counter and is the same graph at every step.
+    Attention reads the whole arena (``get_mask_sizes`` reports ``(kv_length, 0)``) and the cache hands the model a
+    slot-validity mask. Every decision is taken before the forward (``prepare_forward``), so ``update`` only writes:
+    a compiled decode step reads no host counter and is the same graph at every step.
     """
 
     is_compileable = True
 
-    def __init__(self, cache: CoordinatedCache, layer_idx: int, storage: StaticKV) -> None:
+    def __init__(self, cache: Any, layer_idx: int, storage: StaticKV) -> None:
         super().__init__(cache, layer_idx, storage)
-        self.kv_length = storage.static_capacity  # slots attention reads in the coming forward (prepare_forward)
+        self.kv_length = storage.static_capacity  # slots attention reads in the coming forward
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # A forward the cache's model did not announce (another model runs it) is refused here, eagerly: a compiled
-        # step skips the check (is_compiling() folds to a constant, so it adds no guard on the flag), and the
-        # model's pre-hook, which runs eagerly before every compiled step, announced that one. (A step recorded as a
-        # CUDA graph skips it too: the hook announced it, and its eager run consumed the announce.)
+        # Refuse, eagerly, a forward the cache's model did not announce. A compiled or graphed step skips the check
+        # (is_compiling() folds to a constant, adding no guard): the model's pre-hook announced it.
         if not step_is_recorded() and self._cache.coordinator.full_layers[0] is self:
             self._cache.coordinator.check_announced()
         if not self.is_initialized:  # the cache could not allocate before the forward: the arena's shape is known now
@@ -172,15 +137,15 @@ class StaticBudgetedLayer(BudgetedLayer):
 
     def prepare_forward(self, first_slot: int, new: int, seen: int, kv_length: int,
                         write_index: torch.Tensor | None) -> None:
-        """Before a forward (the static driver): its ``new`` tokens go to ``write_index`` (slots from
-        ``first_slot``; None: decided at the first write) and attention reads ``kv_length`` slots."""
+        """Before a forward: its ``new`` tokens go to ``write_index`` (slots from ``first_slot``; None: decided at
+        the first write) and attention reads ``kv_length`` slots."""
         self.storage.plan_write(first_slot, new, seen, write_index)
         self.kv_length = kv_length
         self.tokens_seen = seen + new
 
     def initialize(self, key_like: torch.Tensor, value_like: torch.Tensor, kv_length: int) -> None:
-        """Allocate the arena for keys and values shaped like these (any length: only batch, heads, head dim,
-        dtype and device count), with room for the coming forward's ``kv_length`` slots."""
+        """Allocate the arena for keys and values shaped like these (only batch, heads, head dim, dtype and device
+        count), with room for the coming forward's ``kv_length`` slots."""
         self.kv_length = kv_length
         self.lazy_initialization(key_like, value_like)
         self.storage.allocate(key_like, value_like, kv_length)
@@ -189,18 +154,17 @@ class StaticBudgetedLayer(BudgetedLayer):
         return self.kv_length, 0
 
 
-def make_layers(cache: CoordinatedCache, geometry: ModelGeometry, options: Any, lease: Any,
+def make_layers(cache: Any, geometry: ModelGeometry, options: CacheOptions, lease: Any,
                 static: bool) -> list[CacheLayerMixin]:
-    """One layer per model layer: budgeted (static or growing) for full attention, transformers' own window (static
-    or growing) for sliding-window layers. ``options``: the cache's ``CacheOptions``; ``lease``: a static cache's buffers;
-    ``static``: whether the full-attention layers are static (``options.static`` may be ``"auto"``)."""
-    hint, page_size = options.steady_slots, PAGE_SIZE
+    """One layer per model layer; ``lease``: a static cache's buffers; ``static``: whether the layers are static
+    (``options.static`` may be ``"auto"``)."""
+    hint, bits = options.steady_slots, options.kv_bits
     layers: list[CacheLayerMixin] = []
     for idx, (kind, sliding_window) in enumerate(zip(geometry.layer_types, geometry.sliding_windows)):
         if kind == FULL and static:
-            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, page_size, idx, lease, options.kv_bits)))
+            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, PAGE_SIZE, idx, lease, bits)))
         elif kind == FULL:
-            layers.append(BudgetedLayer(cache, idx, PagedKV(page_size, capacity_hint=hint, bits=options.kv_bits)))
+            layers.append(BudgetedLayer(cache, idx, PagedKV(PAGE_SIZE, capacity_hint=hint, bits=bits)))
         elif static:
             layers.append(StaticWindowLayer(sliding_window, idx, lease))
         else:

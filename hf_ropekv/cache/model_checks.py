@@ -8,83 +8,51 @@ import torch
 from torch import nn
 
 from ..adapter.graphed_step import not_capturable
+from ..model.attention import GROUPED_SDPA, dispatches_by_name
 from ..model.geometry import FULL, SLIDING, ModelGeometry
 from ..warnings import warn
 
 
 def check_sliding_windows(geometry: ModelGeometry, budget: int | None) -> None:
-    """Sliding layers read the last ``window`` columns of the same mask as the full layers, where rows with
-    fewer real tokens than the longest have holes; a budget of at least the window keeps them out of reach.
-    A budget on a model with sliding-window layers only bounds nothing: they are bounded already."""
+    """Sliding layers read the last ``window`` columns of the mask the full layers read, where shorter rows have
+    holes: a budget of at least the window keeps those out of reach. On a model with sliding layers only, a budget
+    bounds nothing (they are bounded already)."""
     windows = [w for kind, w in zip(geometry.layer_types, geometry.sliding_windows) if kind == SLIDING and w]
     if budget is not None and windows and FULL not in geometry.layer_types:
         warn(
             f"budget={budget} evicts nothing on '{geometry.model_type}': all its layers are sliding-window layers, "
             f"already bounded by their window ({max(windows)} tokens), which RopeKVCache leaves as they are. "
-            "Use a DynamicCache, or budget=None to silence this."
-        )
+            "Use a DynamicCache, or budget=None to silence this.")
     if budget is not None and windows and FULL in geometry.layer_types and budget < max(windows):
         raise ValueError(
             f"budget={budget} is smaller than the sliding window ({max(windows)}) of '{geometry.model_type}''s "
             f"sliding-window layers. Use budget >= {max(windows)}: the full-attention layers then always keep at "
-            "least as many tokens as a window holds."
-        )
-
-
-def static_scorer_error(scorer: Any) -> str | None:
-    """Why ``static=True`` cannot run ``scorer`` (a scorer that ranks keys by attention weights), else None."""
-    if getattr(scorer, "query_window", None) is None:
-        return None
-    name = type(scorer).__name__
-    return (
-        f"static=True cannot run {name}: it ranks keys by attention weights, recomputed from a window of the "
-        "model's recent queries that the cache gathers and keeps growing on the eager path; a static cache's "
-        "compiled decode step (fixed shapes, every decision taken before the forward) cannot hold or hand over "
-        f"those queries. Use static=False with {name}, or keep static=True with a RoPE or query-free scorer (the "
-        "default RoPE FrequencyScorer, RecencyScorer, KeyNormScorer, RandomScorer)."
-    )
+            "least as many tokens as a window holds.")
 
 
 def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: Any, scorer: Any = None) -> str | None:
-    """Why a cache cannot be static, or None. What ``static=True`` needs: a budget (the arena's size), the model
-    (its hooks prepare each forward), no scorer that recomputes attention, and one window for every sliding-window
-    layer (transformers builds one sliding-window mask for them all)."""
+    """Why a cache cannot be static, or None. ``static=True`` needs a budget (the arena's size), the model (its hooks
+    prepare each forward), no scorer that recomputes attention, and one window for every sliding-window layer
+    (transformers builds one sliding-window mask for them all)."""
     if budget is None:
         return "static=True needs a budget: the fixed arena holds budget + compress_every slots per layer."
     if not isinstance(model_or_config, nn.Module):
         return (
             "static=True needs the model, not its config: RopeKVCache(model, budget=..., static=True). The cache "
-            "prepares every forward (compaction, slots, mask) from the model's hooks before the compiled step runs."
-        )
-    error = static_scorer_error(scorer)
-    if error is not None:
-        return error
+            "prepares every forward (compaction, slots, mask) from the model's hooks before the compiled step runs.")
+    if getattr(scorer, "query_window", None) is not None:
+        name = type(scorer).__name__
+        return (
+            f"static=True cannot run {name}: it ranks keys by attention weights, recomputed from a window of the "
+            "model's recent queries that the cache gathers and keeps growing on the eager path; a static cache's "
+            "compiled decode step (fixed shapes, every decision taken before the forward) cannot hold or hand over "
+            f"those queries. Use static=False with {name}, or keep static=True with a RoPE or query-free scorer "
+            "(the default RoPE FrequencyScorer, RecencyScorer, KeyNormScorer, RandomScorer).")
     windows = {w for kind, w in zip(geometry.layer_types, geometry.sliding_windows) if kind == SLIDING}
     if None in windows or len(windows) > 1:
         return (
             f"static=True does not support '{geometry.model_type}': its sliding-window layers have windows "
-            f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False."
-        )
-    return None
-
-
-def static_unsupported(geometry: ModelGeometry, budget: int | None, model: nn.Module | None,
-                       scorer: Any) -> str | None:
-    """Why ``static="auto"`` leaves this cache growing, or None: it goes static. A static cache pays only where its
-    decode steps replay CUDA graphs (the model on one CUDA device and one rank) and transformers would hand them
-    over (``generate`` asks for a compiled forward unless the quantization refuses it); elsewhere its eager steps
-    would be slower than a growing cache's."""
-    if model is None:
-        return "built from a config"
-    error = static_error(geometry, budget, model, scorer)
-    if error is not None:
-        return error
-    reason = not_capturable(model, getattr(model, "device", torch.device("cpu")))
-    if reason is not None:
-        return reason
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
-        return f"transformers does not compile {type(quantizer).__name__} models"
+            f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False.")
     return None
 
 
@@ -95,13 +63,27 @@ def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: A
         raise ValueError(error)
 
 
+def static_unsupported(geometry: ModelGeometry, budget: int | None, model: nn.Module | None,
+                       scorer: Any) -> str | None:
+    """Why ``static="auto"`` leaves this cache growing, or None. Static pays only where its decode steps replay CUDA
+    graphs (the model on one CUDA device and rank) and ``generate`` would ask for a compiled forward (the
+    quantization allows it); elsewhere its eager steps are slower than a growing cache's."""
+    if model is None:
+        return "built from a config"
+    reason = static_error(geometry, budget, model, scorer)
+    if reason is None:
+        reason = not_capturable(model, getattr(model, "device", torch.device("cpu")))
+    quantizer = getattr(model, "hf_quantizer", None)
+    if reason is None and quantizer is not None and not getattr(quantizer, "is_compileable", False):
+        return f"transformers does not compile {type(quantizer).__name__} models"
+    return reason
+
+
 def check_kv_bits(kv_bits: int | None, model_or_config: Any) -> None:
-    """``kv_bits=8`` stores int8 codes, which only hf_ropekv's attention can read: it needs the model, on sdpa
-    attention that transformers dispatches by name (``hf_ropekv.model.attention``)."""
+    """``kv_bits=8`` stores int8 codes, which only hf_ropekv's attention reads: it needs the model, on sdpa attention
+    that transformers dispatches by name (``hf_ropekv.model.attention``)."""
     if kv_bits is None:
         return
-    from ..model.attention import GROUPED_SDPA, dispatches_by_name
-
     if not isinstance(model_or_config, nn.Module):
         raise ValueError("kv_bits=8 needs the model, not its config: RopeKVCache(model, budget=..., kv_bits=8). The "
                          "cache switches the model's attention to one that reads int8 keys and values.")
@@ -110,5 +92,4 @@ def check_kv_bits(kv_bits: int | None, model_or_config: Any) -> None:
         raise ValueError(
             f"kv_bits=8 needs a model on sdpa attention that transformers dispatches by name; this "
             f"{type(model_or_config).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa', "
-            "or use kv_bits=None."
-        )
+            "or use kv_bits=None.")

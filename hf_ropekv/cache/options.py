@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-#: Slots per storage page: capacity grows in whole pages (not an option: no measurement asked for another).
+#: Slots per storage page: capacity grows in whole pages.
 PAGE_SIZE = 64
-#: The seed of the tie-break noise (the noise depends on the token and head only, never on the batch).
+#: The seed of the tie-break noise (which depends on the token and head only, never on the batch).
 SEED = 0
 #: The default recent window, capped at a quarter of the budget: what measured best on GSM8K.
 DEFAULT_WINDOW = 32
@@ -16,18 +16,18 @@ DEFAULT_WINDOW = 32
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """Every plain option of ``RopeKVCache`` (the scorer is an object, resolved by the cache).
+    """Every plain option of ``RopeKVCache`` (the scorer is an object, resolved by the cache). A wrong value gets a
+    ``ValueError`` naming the option and the fix."""
 
-    Construction validates all of them, so a wrong value gets a ``ValueError`` naming the option and the fix.
-    """
-
-    budget: int | None = None
-    compress_every: int = 128
-    window: int | None = None  # None: min(DEFAULT_WINDOW, budget // 4), yielding to a long pinned prompt
-    sink: int = 0
-    protect_prompt: bool = True
+    budget: int | None = None  # tokens kept per row, KV head and layer after a compaction; None: never evict
+    compress_every: int = 128  # compact once this many tokens beyond the budget have accumulated
+    window: int | None = None  # recent tokens never evicted; None: min(32, budget // 4), less for a long prompt
+    sink: int = 0  # first tokens of each row never evicted
+    protect_prompt: bool = True  # pin the prompt (every token before the first decoding step) within the budget
+    # True: a fixed arena whose decode steps replay a CUDA graph on one CUDA device (generate compiles them on
+    # several devices or ranks); False: growing layers, eager steps; "auto": static where graphs can run.
     static: bool | str = "auto"
-    kv_bits: int | None = None
+    kv_bits: int | None = None  # 8: the kept keys and values in int8 with a scale per token and head
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -42,23 +42,20 @@ class CacheOptions:
         if budget is not None and self.recent_window + self.sink >= budget:
             raise ValueError(
                 f"window ({self.recent_window}) + sink ({self.sink}) must be smaller than budget ({budget}), or "
-                "nothing is left to choose."
-            )
+                "nothing is left to choose.")
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"protect_prompt must be True or False; got {self.protect_prompt!r}.")
         if not (isinstance(self.static, bool) or self.static == "auto"):
             raise ValueError(
                 f"static must be \"auto\" (the default: a fixed arena replaying CUDA graphs on one CUDA device, "
-                f"else growing), True (always the fixed arena) or False (always growing, eager); got {self.static!r}."
-            )
+                f"else growing), True (always the fixed arena) or False (always growing, eager); got {self.static!r}.")
         if self.kv_bits not in (None, 8):
             raise ValueError(f"kv_bits must be None (16-bit keys and values) or 8 (int8 with scales); got "
                              f"{self.kv_bits!r}.")
 
     @property
     def recent_window(self) -> int:
-        """The recent window the cache protects: ``window`` if given, else ``min(32, budget // 4)`` (0 without a
-        budget)."""
+        """``window`` if given, else ``min(32, budget // 4)`` (0 without a budget)."""
         if self.window is not None:
             return self.window
         return 0 if self.budget is None else min(DEFAULT_WINDOW, self.budget // 4)

@@ -1,4 +1,5 @@
-"""What the cache knows about each batch row: its left padding, its holes, whether it evicted."""
+"""What the cache knows about each batch row: its left padding, its holes, whether it evicted; the mask that hides
+the holes."""
 
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ def padding_holes(pads: tuple[int, ...], dropped: int) -> tuple[int, ...]:
 
 class BatchRows:
     """Per-row bookkeeping of one cache: the batch size, each row's left padding (on the device and on the host),
-    the slots in front of its real tokens (holes) and whether it evicted a real token.
-
-    Planning reads the host copies only (``pads_host``, ``holes``), so it never synchronises; the host copy of
-    the padding is refreshed only by forwards whose new tokens may be padding (multi-token ones).
+    the slots in front of its real tokens (holes) and whether it evicted a real token. Planning reads the host
+    copies only, so it never synchronises; they are refreshed only by multi-token forwards (which may hold padding).
     """
 
     def __init__(self) -> None:
@@ -32,7 +31,6 @@ class BatchRows:
         self.evicted: list[bool] = []
         self._on_device: tuple[tuple[int, ...], torch.Tensor] | None = None  # see `on_device`
 
-    # -- reads ---------------------------------------------------------------------------------
     def current_holes(self) -> tuple[int, ...]:
         """Slots in front of each row's real tokens now: its left padding until the first compaction."""
         if self.holes is not None:
@@ -43,8 +41,7 @@ class BatchRows:
         return (0,) * (self.batch_size or 1)
 
     def on_device(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """``values`` as a device tensor, copied from the host only when they change (holes change at compactions;
-        the mask needs them at every decoding step)."""
+        """``values`` as a device tensor, copied from the host only when they change (at compactions, for holes)."""
         cached = self._on_device
         if cached is None or cached[0] != values or cached[1].device != device:
             cached = (values, torch.tensor(values, device=device))
@@ -52,23 +49,12 @@ class BatchRows:
         return cached[1]
 
     def appends_real_token(self, total: int, new: int, batch: int) -> bool:
-        """Whether this forward is a decoding step right after a forward whose padding was recorded.
+        """Whether this forward is a decoding step right after a forward whose padding was recorded: its token is
+        real (``generate`` appends a one to its mask), so the padding is the known one and the step skips the ops
+        on generate's full-length mask (or on the positions)."""
+        return (new == 1 and self.pads_total == total - 1 and self.pads is not None and self.pads.shape[0] == batch
+                and self.pads_host is not None and len(self.pads_host) == batch)
 
-        A single-token forward appends a real token at the next position: ``generate`` appends a one to its mask
-        and one to its positions, and ``pads_host`` is only ever taken from multi-token forwards. The padding of
-        every row is then the one already recorded, which saves each decoding step the ops on generate's
-        full-length mask (or on the positions).
-        """
-        return (
-            new == 1
-            and self.pads_total == total - 1
-            and self.pads is not None
-            and self.pads.shape[0] == batch
-            and self.pads_host is not None
-            and len(self.pads_host) == batch
-        )
-
-    # -- writes --------------------------------------------------------------------------------
     def check_batch(self, batch: int) -> None:
         """Fix the batch size at the first forward; refuse another one later."""
         if self.batch_size is None:
@@ -78,22 +64,20 @@ class BatchRows:
         elif batch != self.batch_size:
             raise ValueError(
                 f"This RopeKVCache holds a batch of {self.batch_size} rows but got {batch}. A cache belongs to one "
-                "batch: create a fresh RopeKVCache for every generate() call (or use hf_ropekv.enable(model, ...))."
-            )
+                "batch: create a fresh RopeKVCache for every generate() call (or use hf_ropekv.enable(model, ...)).")
 
     def observe_mask(self, attention_mask: torch.Tensor, new: int) -> bool:
-        """Record left padding from generate's 2-D attention mask (covers tokens seen + new); returns whether this
-        forward is a decoding step appending a real token, whose padding is the known one."""
-        self.check_batch(attention_mask.shape[0])
-        total = attention_mask.shape[-1]
-        if self.appends_real_token(total, new, attention_mask.shape[0]):
-            self.pads_total = total
-            return True
-        self.pads = (attention_mask == 0).sum(-1)
+        """Record left padding from generate's 2-D attention mask (tokens seen + new); returns whether this forward
+        is a decoding step appending a real token (``appends_real_token``)."""
+        batch, total = attention_mask.shape[0], attention_mask.shape[-1]
+        self.check_batch(batch)
+        decoding = self.appends_real_token(total, new, batch)
+        if not decoding:
+            self.pads = (attention_mask == 0).sum(-1)
+            if self.pads_host is None or new > 1 or len(self.pads_host) != batch:
+                self.pads_host = tuple(self.pads.tolist())
         self.pads_total = total
-        if self.pads_host is None or new > 1 or len(self.pads_host) != attention_mask.shape[0]:
-            self.pads_host = tuple(self.pads.tolist())
-        return False
+        return decoding
 
     def observe_update(self, total: int, new: int, device: torch.device, args: tuple, kwargs: dict,
                        from_model: bool) -> None:
@@ -115,29 +99,22 @@ class BatchRows:
                 raise ValueError(
                     "RopeKVCache was built from a config and this transformers version does not tell the cache "
                     "where the left padding of a batch is. Build it from the model instead: "
-                    "RopeKVCache(model, ...)."
-                )
+                    "RopeKVCache(model, ...).")
             self.assume_no_padding(self.batch_size, device)
         self.pads_total = total
 
     def assume_no_padding(self, batch: int, device: torch.device) -> None:
-        """No padding is known for these rows: none (the one place that default is written)."""
+        """No padding is known for these rows: none."""
         self.pads = torch.zeros(batch, dtype=torch.long, device=device)
         self.pads_host = (0,) * batch
 
-    def pads_on(self, batch: int, device: torch.device) -> torch.Tensor:
-        """The rows' padding on the device, zeros while none is known (read, never recorded)."""
-        return self.pads if self.pads is not None else torch.zeros(batch, dtype=torch.long, device=device)
-
     def record_compaction(self, plan: Plan, from_model: bool) -> None:
         """A compaction moved each row's real tokens behind ``plan.holes_after`` holes (host only)."""
-        if not from_model and any(self.pads_host or ()):
-            if plan.holes_after != padding_holes(self.pads_host, plan.seen - plan.slots_after):
-                # the unmodified mask could not hide these holes
-                raise ValueError(
-                    "RopeKVCache was built from a config, so it cannot hide the rows' evicted slots in the "
-                    "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...)."
-                )
+        if (not from_model and any(self.pads_host or ())
+                and plan.holes_after != padding_holes(self.pads_host, plan.seen - plan.slots_after)):
+            raise ValueError(  # the unmodified mask cannot hide these holes
+                "RopeKVCache was built from a config, so it cannot hide the rows' evicted slots in the "
+                "attention mask of a padded batch. Build it from the model instead: RopeKVCache(model, ...).")
         for row in plan.evicting_rows:
             self.evicted[row] = True
         self.holes = plan.holes_after
@@ -150,12 +127,32 @@ class BatchRows:
         per_row = (self.pads_host, self.holes, self.holes_pads, tuple(self.evicted))
         if any(rows and len(set(rows)) > 1 for rows in per_row):  # rows differ: where each goes matters (syncs)
             order = index.tolist()
-            self.pads_host, self.holes, holes_pads, evicted = (
-                None if not rows else tuple(rows[i] for i in order) for rows in per_row
-            )
-            self.holes_pads, self.evicted = holes_pads or (), list(evicted or ())
-        elif len(index) != len(self.evicted):  # a selection of uniform rows: only the count changes
-            self.pads_host, self.holes, holes_pads, evicted = (
-                None if not rows else (rows[0],) * len(index) for rows in per_row
-            )
-            self.holes_pads, self.evicted = holes_pads or (), list(evicted or ())
+        elif len(index) != len(self.evicted):  # uniform rows: only the count changes
+            order = [0] * len(index)
+        else:
+            return
+        self.pads_host, self.holes, holes_pads, evicted = (
+            None if not rows else tuple(rows[i] for i in order) for rows in per_row
+        )
+        self.holes_pads, self.evicted = holes_pads or (), list(evicted or ())
+
+    def mask_for(self, attention_mask: torch.Tensor, new: int, plan: Plan, decoding: bool) -> torch.Tensor | None:
+        """The 2-D mask a growing cache's forward must use: generate's own, with each row's holes hidden once they
+        differ from its left padding; or None at a decoding step (``decoding``) with no padded or evicted slot.
+
+        The full-attention layers read the mask's last ``slots + new`` columns (what ``get_mask_sizes`` reports),
+        where left padding hides the first ``max(0, pad - (seen - slots))``: where that is each row's holes (always
+        before the first compaction), generate's mask is already the one to use.
+        """
+        if decoding and not any(self.pads_host) and not any(plan.holes_after):
+            # No mask needed (newer generates drop an all-ones one). Given one, transformers 5.17 gathers its kept
+            # columns every step (three kernels DynamicCache's steps do not run) and synchronises on their all().
+            return None
+        if (self.holes is None and not plan.compacts
+                or plan.holes_after == padding_holes(self.pads_host, plan.seen - plan.slots_after)):
+            return attention_mask
+        holes = self.on_device(plan.holes_after, attention_mask.device)
+        region = torch.arange(plan.slots_after + new, device=attention_mask.device)[None, :] >= holes[:, None]
+        mask = attention_mask.clone()
+        mask[:, mask.shape[1] - region.shape[1] :] = region.to(mask.dtype)
+        return mask

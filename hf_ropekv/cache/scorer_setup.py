@@ -10,6 +10,10 @@ from torch import nn
 from ..model.geometry import ModelGeometry
 from ..scorers.base import Scorer
 from ..scorers.frequency import FrequencyScorer
+from ..scorers.prompt_window import PromptWindow
+from ..scorers.query_window import QueryWindow
+from ..statistics.frequency_stats import FrequencyStats
+from ..statistics.online import OnlineStatistics
 
 
 def check_scorer(scorer: Any) -> None:
@@ -18,55 +22,36 @@ def check_scorer(scorer: Any) -> None:
         raise TypeError(f"scorer must be a scorer object, not the class {scorer.__name__}: pass {scorer.__name__}().")
     if scorer is not None and not callable(getattr(scorer, "score", None)):
         raise TypeError(
-            f"scorer must have a `score(keys, ctx)` method (see hf_ropekv.scorers); got {type(scorer).__name__}."
-        )
+            f"scorer must have a `score(keys, ctx)` method (see hf_ropekv.scorers); got {type(scorer).__name__}.")
 
 
 def resolve_scorer(scorer: Scorer | None, budget: int | None, geometry: ModelGeometry,
-                   model: nn.Module | None) -> tuple[Scorer, Any]:
-    """The cache's own copy of ``scorer`` (default: ``FrequencyScorer()``) and the online statistics it gathers for
-    it (None when it gathers none: calibrated statistics, another scorer, or no budget).
-
-    A dataclass scorer is copied, so one scorer object may configure many caches (``hf_ropekv.enable``)."""
+                   model: nn.Module | None) -> tuple[Scorer, Any, Any]:
+    """The cache's own copy of ``scorer`` (default ``FrequencyScorer()``; a dataclass is copied, so one scorer may
+    configure many caches) and what the cache gathers for it: online statistics (None: calibrated statistics,
+    another scorer, or no budget) and recent queries (a scorer's ``query_window``, the default scorer's prompt
+    window, or None). Nothing is gathered without a budget: the scorer is then never called."""
     check_scorer(scorer)
     scorer = FrequencyScorer() if scorer is None else scorer
     if dataclasses.is_dataclass(scorer):
         scorer = dataclasses.replace(scorer)
-    if not isinstance(scorer, FrequencyScorer):
-        return scorer, None
-    if scorer.stats is not None:
-        from ..statistics.frequency_stats import FrequencyStats
-
+    frequency, online = isinstance(scorer, FrequencyScorer), None
+    if frequency and scorer.stats is not None:
         scorer.stats = FrequencyStats.resolve(scorer.stats, geometry, model)
-        return scorer, None
-    if budget is None:
-        return scorer, None  # never called: nothing is evicted
-    if model is None:
-        raise ValueError(
-            "The default RoPE scorer needs query statistics: pass the model (RopeKVCache(model, ...)) so they are "
-            "gathered online, or scorer=FrequencyScorer(stats=path) with a file from hf_ropekv.calibrate, or another "
-            "scorer (hf_ropekv.scorers)."
-        )
-    from ..statistics.online import OnlineStatistics
-
-    return scorer, OnlineStatistics(geometry, half_life=scorer.half_life, head_shrink=scorer.head_shrink)
-
-
-def query_window(scorer: Scorer, budget: int | None, geometry: ModelGeometry, model: nn.Module | None) -> Any:
-    """Recent queries for a scorer that asks for them (``query_window``; they need the model's hooks), the default
-    scorer's prompt window, or None."""
-    if isinstance(scorer, FrequencyScorer) and scorer.prompt_window and budget is not None and model is not None:
-        from ..scorers.prompt_window import PromptWindow
-
-        return PromptWindow(geometry, scorer.prompt_window)
+    elif frequency and budget is not None:
+        if model is None:
+            raise ValueError(
+                "The default RoPE scorer needs query statistics: pass the model (RopeKVCache(model, ...)) so they "
+                "are gathered online, or scorer=FrequencyScorer(stats=path) with a file from hf_ropekv.calibrate, or "
+                "another scorer (hf_ropekv.scorers).")
+        online = OnlineStatistics(geometry, half_life=scorer.half_life, head_shrink=scorer.head_shrink)
+    if frequency and scorer.prompt_window and budget is not None and model is not None:
+        return scorer, online, PromptWindow(geometry, scorer.prompt_window)
     window = getattr(scorer, "query_window", None)
     if window is None or budget is None:
-        return None
+        return scorer, online, None
     if model is None:
         raise ValueError(
             f"{type(scorer).__name__} recomputes attention from the model's queries: build the cache from "
-            "the model (RopeKVCache(model, ...)), not from its config."
-        )
-    from ..scorers.query_window import QueryWindow
-
-    return QueryWindow(geometry, window)
+            "the model (RopeKVCache(model, ...)), not from its config.")
+    return scorer, online, QueryWindow(geometry, window)

@@ -1,10 +1,8 @@
 """A snapshot of what a :class:`RopeKVCache` kept, in numbers and in one line of text.
 
-    summary = CacheSummary.from_cache(cache)
-    print(summary)  # RopeKVCache: kept 318 of 702 tokens (bound: budget 256 + compress_every 64 = 320), ...
+    print(cache.summary())  # RopeKVCache: kept 318 of 702 tokens (bound: budget 256 + compress_every 64 = 320), ...
 
-``cache.summary()`` takes one; ``hf_ropekv.last_summary(model)`` gives the one taken when a ``generate()`` call of an
-enabled model returned. This module only reads a cache's public properties.
+``hf_ropekv.last_summary(model)`` gives the one taken when a ``generate()`` call of an enabled model returned.
 """
 
 from __future__ import annotations
@@ -17,25 +15,14 @@ __all__ = ["CacheSummary"]
 
 @dataclass(frozen=True)
 class CacheSummary:
-    """What a :class:`RopeKVCache` held at one moment (all counts per row; bytes for the whole batch).
-
-    Attributes:
-        tokens_seen: tokens per row the model processed (``cache.tokens_seen``).
-        tokens_kept: tokens per row, KV head and full-attention layer held (``cache.tokens_kept``).
-        num_compactions: compactions so far (``cache.num_compactions``).
-        bytes_held: bytes of the cache's tensors (``cache.bytes_held``): its arenas, which are sized in whole
-            pages, and the slot positions.
-        full_cache_bytes: bytes a ``DynamicCache`` would hold for the same tokens (``cache.full_cache_bytes``).
-        budget: the cache's budget (``None``: nothing is evicted).
-        compress_every: tokens allowed beyond the budget before a compaction.
-        static: whether the cache's layers were a fixed arena (``cache.static``).
-    """
+    """What a :class:`RopeKVCache` held at one moment: the cache properties of the same names (counts per row,
+    bytes for the whole batch), its ``budget`` and ``compress_every``, and whether it was ``static``."""
 
     tokens_seen: int
     tokens_kept: int
     num_compactions: int
-    bytes_held: int
-    full_cache_bytes: int
+    bytes_held: int  # the arenas (sized in whole pages) and the slot positions
+    full_cache_bytes: int  # what a DynamicCache would hold for the same tokens
     budget: int | None
     compress_every: int
     static: bool = False
@@ -46,18 +33,10 @@ class CacheSummary:
         if not hasattr(cache, "num_compactions"):
             raise TypeError(
                 f"CacheSummary.from_cache needs a RopeKVCache, got {type(cache).__name__}. For a DynamicCache, "
-                "sum the bytes of its layers' keys and values."
-            )
-        return cls(
-            tokens_seen=cache.tokens_seen,
-            tokens_kept=cache.tokens_kept,
-            num_compactions=cache.num_compactions,
-            bytes_held=cache.bytes_held,
-            full_cache_bytes=cache.full_cache_bytes,
-            budget=cache.options.budget,
-            compress_every=cache.options.compress_every,
-            static=cache.static,
-        )
+                "sum the bytes of its layers' keys and values.")
+        same = ("tokens_seen", "tokens_kept", "num_compactions", "bytes_held", "full_cache_bytes", "static")
+        return cls(budget=cache.options.budget, compress_every=cache.options.compress_every,
+                   **{name: getattr(cache, name) for name in same})
 
     @property
     def bound(self) -> int | None:
@@ -70,23 +49,17 @@ class CacheSummary:
         return self.bytes_held / self.full_cache_bytes if self.full_cache_bytes else None
 
     def __str__(self) -> str:
-        if self.budget is None:
-            bound = "no budget: nothing is evicted"
-        else:
-            bound = f"bound: budget {self.budget} + compress_every {self.compress_every} = {self.bound}"
+        bound = ("no budget: nothing is evicted" if self.budget is None
+                 else f"bound: budget {self.budget} + compress_every {self.compress_every} = {self.bound}")
         compactions = f"{self.num_compactions} compaction{'' if self.num_compactions == 1 else 's'}"
         share = "" if self.bytes_fraction is None else f" ({self.bytes_fraction:.0%})"
         return (
             f"RopeKVCache: kept {self.tokens_kept:,} of {self.tokens_seen:,} tokens ({bound}), {compactions}; "
             f"KV {format_bytes(self.bytes_held)} held vs {format_bytes(self.full_cache_bytes)} for a "
-            f"DynamicCache{share}"
-        )
+            f"DynamicCache{share}")
 
 
 def format_bytes(count: int) -> str:
     """``count`` bytes in the largest binary unit up to GiB that keeps the number at or above 1 (``"3.25 MiB"``)."""
-    units = ("B", "KiB", "MiB", "GiB")
-    power = 0
-    while power < len(units) - 1 and count >= 1024 ** (power + 1):
-        power += 1
-    return f"{count} B" if power == 0 else f"{count / 1024**power:.2f} {units[power]}"
+    power = next((p for p in (3, 2, 1) if count >= 1024**p), 0)
+    return f"{count} B" if power == 0 else f"{count / 1024**power:.2f} {('KiB', 'MiB', 'GiB')[power - 1]}"

@@ -1,55 +1,37 @@
 """A static cache's sliding-window layers: transformers' own ``StaticSlidingWindowLayer``, prepared before the forward.
 
-transformers' ``StaticSlidingWindowLayer`` branches, inside ``update``, on a Python counter of the tokens it has
-seen (filling the window, becoming full, full): compiled, each value of that counter is a guard, and the decode
-step is recompiled until the window is full. :class:`StaticWindowLayer` keeps its storage (``keys``/``values`` of
-``[batch, kv_heads, window, head_dim]`` at a static address) but lays the window out *right-aligned*: slot ``j``
-holds token ``seen - window + j`` (a slot before the first token is zero and masked). Then every decoding step
-does the same thing, filling or full: roll left by one and write the new token in the last slot. The counter is
-advanced by the static driver before the forward (:meth:`prepare_forward`), like the budgeted layers' counters,
-so a compiled step reads no host value that changes from step to step: one graph.
+transformers' layer branches in ``update`` on a Python counter of the tokens seen, which a compiled step guards on
+(recompiling until the window is full). :class:`StaticWindowLayer` keeps its storage (``[batch, kv_heads, window,
+head_dim]`` at a static address) but lays the window out right-aligned: slot ``j`` holds token ``seen - window + j``
+(zero and masked before the first token). Every decoding step then rolls left by one and writes the last slot,
+and the counter is advanced before the forward by the static driver: one graph.
 
-Mask. A forward of ``q`` tokens attends over ``window - 1 + q`` slots of this layer (the last ``window - 1`` kept
-tokens and the new ones). The 2-D mask the static cache hands the model is made of two parts: first the
-budgeted full-attention layers' slot mask (``kv_length`` columns, what they report), then this layer's window
-(``hf_ropekv.cache.masks.window_mask_part``). A window layer reports ``(window - 1 + q, kv_length)`` as its
-mask sizes and ``kv_length + window - 1`` as its query offset, so transformers' sliding-window mask (causal,
-``kv > q - window``, padding from the 2-D mask) reads exactly its own part.
+Mask: a forward of ``q`` tokens attends over ``window - 1 + q`` slots of this layer. The static cache's 2-D mask
+holds the full-attention layers' slot mask (``kv_length`` columns) and then this part; the layer reports
+``(window - 1 + q, kv_length)`` as its mask sizes and ``kv_length + window - 1`` as its query offset, so
+transformers' sliding-window mask reads exactly its own part.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from .. import _compat
-from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, mark_static, normal_tensors, static_buffer
-
-if TYPE_CHECKING:
-    from ..storage.buffers import BufferLease
+from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, BufferLease, mark_static, normal_tensors, static_buffer
 
 #: The error of a rollback that reaches past the window (tokens already rolled out of it).
 CANNOT_CROP_WINDOW = (
     "RopeKVCache cannot crop a static sliding-window layer that has rolled tokens out of its window: they are gone. "
-    "Use a plain DynamicCache for assisted/speculative decoding and DoLa on this model."
-)
+    "Use a plain DynamicCache for assisted/speculative decoding and DoLa on this model.")
 
 
 class StaticWindowLayer(StaticSlidingWindowLayer):
-    """A sliding-window layer of a static :class:`~hf_ropekv.RopeKVCache`: compileable, one decode graph.
+    """A sliding-window layer of a static cache: ``sliding_window`` tokens a query attends to (itself included),
+    ``layer_idx`` names its buffers in ``lease`` (the static cache's buffers; None: its own). Compileable and
+    sliding, as transformers' layer; ``get_seq_length`` is its ``cumulative_length_int``, which the driver advances."""
 
-    Args:
-        sliding_window: the layer's window (tokens a query attends to, itself included).
-        layer_idx: the model layer it caches (names its leased buffers).
-        lease: the static cache's buffers (``hf_ropekv.storage.buffers``); None: buffers of its own.
-    """
-
-    is_compileable = True
-    is_sliding = True
-
-    def __init__(self, sliding_window: int, layer_idx: int, lease: "BufferLease | None" = None) -> None:
+    def __init__(self, sliding_window: int, layer_idx: int, lease: BufferLease | None = None) -> None:
         _compat.init_static_sliding_layer(self, sliding_window)
         self.window = sliding_window
         self.layer_idx = layer_idx
@@ -59,7 +41,6 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
     def __repr__(self) -> str:
         return f"StaticWindowLayer(window={self.window}, seen={self.cumulative_length_int})"
 
-    # ------------------------------------------------------------------ storage
     @normal_tensors
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate the window for these keys' batch, heads, dtype and device (zeroed: a masked slot still multiplies
@@ -67,27 +48,18 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
-        shape = (self.batch_size, self.num_heads, self.window)
-        self.keys = self._buffer(WINDOW_KEYS, (*shape, self.k_head_dim), key_states.dtype)
-        self.values = self._buffer(WINDOW_VALUES, (*shape, self.v_head_dim), value_states.dtype)
+        self.keys, self.values = (
+            static_buffer(self._lease, (purpose, self.layer_idx, self.device),
+                          (self.batch_size, self.num_heads, self.window, like.shape[-1]), like.dtype, self.device)
+            for purpose, like in ((WINDOW_KEYS, key_states), (WINDOW_VALUES, value_states)))
         self.cumulative_length = torch.tensor(self.cumulative_length_int, dtype=torch.int64, device=self.device)
-        # The last slot as a tensor index, made once: made in the step, it is a host-to-device copy each step,
-        # which a CUDA graph of the eager step (benchmarks/graphed_step_probe.py) cannot capture.
+        # The last slot as a tensor index made once: made in the step, it is a host-to-device copy a CUDA graph
+        # cannot capture.
         self._last_slot = torch.tensor([-1], dtype=torch.int64, device=self.device)
         self.is_initialized = True
 
-    def _buffer(self, purpose: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return static_buffer(self._lease, (purpose, self.layer_idx, self.device), shape, dtype, self.device)
-
-    def initialize(self, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
-        """Allocate before the first forward (the static driver), from tensors shaped like the keys and values."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_like, value_like)
-
-    # ------------------------------------------------------------------ the forward
     def prepare_forward(self, seen: int, new: int, mask_offset: int) -> None:
-        """Before a forward of ``new`` tokens (the static driver): count them, and note where this layer's part of
-        the forward's 2-D mask starts (after the full-attention layers' ``mask_offset`` columns)."""
+        """Before a forward of ``new`` tokens: count them; this layer's part of the mask starts at ``mask_offset``."""
         self.cumulative_length_int = seen + new
         self.mask_offset = mask_offset
         if self.is_initialized:
@@ -96,8 +68,8 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens as the window's last slots; return what this forward attends over: the window itself
-        for one token, the last ``window - 1`` kept tokens and the new ones for several. Reads no counter."""
+        """Store the new tokens as the window's last slots; return what this forward attends over: the window for one
+        token, the last ``window - 1`` kept tokens and the new ones for several. Reads no counter."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[-2] == 1:
@@ -123,16 +95,12 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         """The first new token's column in the forward's 2-D mask (see the module docstring)."""
         return self.mask_offset + self.window - 1
 
-    def get_seq_length(self) -> int:
-        return self.cumulative_length_int
-
     def get_max_length(self) -> int:
         return -1  # the sequence is not bounded (the window is: it rolls)
 
-    # ------------------------------------------------------------------ bookkeeping
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]
-        """Whether no token has rolled out of the window yet (a rollback can then be honoured)."""
+        """Whether no token has rolled out of the window yet."""
         return self.cumulative_length_int <= self.window
 
     def crop(self, n: int) -> None:
@@ -151,20 +119,10 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
             self.cumulative_length.fill_(target)
         self.cumulative_length_int = target
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder rows in place (the window keeps its address); another row count reallocates."""
-        if self.is_initialized:
-            self._select(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._select(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._select(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
-
-    def _select(self, index: torch.Tensor) -> None:
+    def reorder_cache(self, index: torch.Tensor) -> None:
+        """Select rows in place (the window keeps its address); another row count reallocates."""
+        if not self.is_initialized:
+            return
         index = index.to(self.keys.device)
         if index.numel() == self.keys.shape[0]:
             for tensor in (self.keys, self.values):
@@ -173,6 +131,12 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
         self.batch_size = self.keys.shape[0]
         mark_static(self.keys, self.values)
+
+    batch_select_indices = reorder_cache
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.reorder_cache(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
 
     def reset(self) -> None:
         """Forget every token; the window's buffers go back to the lease (the next cache of the model takes them)."""

@@ -1,29 +1,15 @@
 """The attention a RopeKVCache's model runs: the Triton decode kernel over the kept arena, else sdpa.
 
-A decoding step (one query token, on CUDA) whose cache is quantized (int8 codes carrying their scales, see
-``storage.paged.SCALES``) or has evicted tokens (``DECODE``, set by the cache) attends with
-``hf_ropekv.kernels.attention.decode_attention``: split-KV over the kept slots, the mask of each row's holes, fp32
-accumulation, int8 dequantized in registers. Before any eviction the cache keeps sdpa, so its tokens equal
-``DynamicCache``'s bit for bit (the kernel sums in another order). Every other call is sdpa, as below.
+A decoding step (one query token, on CUDA) whose cache is quantized (``storage.paged.SCALES``) or has evicted tokens
+(``DECODE``) attends with ``hf_ropekv.kernels.attention.decode_attention``. Before any eviction the cache keeps sdpa,
+so its tokens equal ``DynamicCache``'s bit for bit (the kernel sums in another order).
 
-Grouped-query attention over a static arena without copying the key/value heads.
-
-A static cache attends over its whole arena with a slot-validity mask. transformers' sdpa integration hands a
-masked grouped-query attention to ``torch.nn.functional.scaled_dot_product_attention`` only after ``repeat_kv``
-has copied every key/value head ``num_key_value_groups`` times (a mask rules out ``enable_gqa``'s fast kernels).
-For one decoding token that copy costs more than the attention itself: at batch 16 and 2,176 slots it writes
-about 0.6 GB per layer of a Qwen3-8B-shaped model. Newer transformers (5.24) avoid it in eager mode by folding
-each key/value head's group of query heads into the query axis; under ``torch.compile``, which is where a static
-cache runs, they still copy.
-
-:func:`grouped_sdpa` is transformers' sdpa with that fold applied in every mode: for masked queries, the
-``groups`` query heads that share a key/value head become ``groups`` blocks of query rows of that head. Each row
-sees the same keys, values and mask as before, so the result is the same attention. A decoding token's mask is
-shared by its group as it is; several query tokens (a prefill chunk) need their mask rows repeated per group,
-which is done only while it is smaller than the key/value copy it saves (at batch 180 and 2,176 slots a prefill
-chunk's ``repeat_kv`` needs 3 GiB per key or value tensor). Every other call goes to transformers' own sdpa
-function unchanged. It is registered as the attention implementation
-``"hf_ropekv_sdpa"``, which a static or quantized cache selects on an sdpa model (:func:`use_grouped_sdpa`).
+Over a static arena (a masked grouped-query attention) transformers' sdpa copies every key/value head per query head
+(``repeat_kv``; under ``torch.compile`` even in 5.24), which for one decoding token costs more than the attention.
+:func:`grouped_sdpa` folds the ``groups`` query heads of a key/value head into its query rows instead: the same keys,
+values and mask per row, so the same attention, with no copy (a prefill chunk's mask rows are repeated per group
+only while that is smaller than the copy it saves). It is registered as ``"hf_ropekv_sdpa"``
+(:func:`use_grouped_sdpa`).
 """
 
 from __future__ import annotations
@@ -63,27 +49,16 @@ def ropekv_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                                               scaling=scaling, is_causal=is_causal, **kwargs)
     return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
+
 #: The attention implementation name under which :func:`grouped_sdpa` is registered with transformers.
 GROUPED_SDPA = "hf_ropekv_sdpa"
 
 
-def grouped_sdpa(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, with masked queries attending per key/value head (no key/value copy).
-
-    Same arguments and result as ``transformers.integrations.sdpa_attention.sdpa_attention_forward``: ``query``
-    ``[B, H, q, D]``, ``key``/``value`` ``[B, H_kv, S, D]``, ``attention_mask`` ``[B or 1, 1 or H, q or 1, S]``;
-    returns ``([B, q, H, D], None)``.
-    """
+def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa_attention_forward`` (same arguments and result), with masked queries attending per
+    key/value head (no key/value copy); ``attention_mask`` ``[B or 1, 1 or H, q or 1, S]``."""
     groups = getattr(module, "num_key_value_groups", 1)
     foldable = (
         groups > 1
@@ -130,11 +105,8 @@ def _fold_is_cheaper(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor,
 
 
 def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
-    """Make an sdpa ``model`` attend with :func:`ropekv_attention`; return the implementation it had.
-
-    Returns ``None`` and changes nothing when the model does not use sdpa or does not look its attention function
-    up by name. The change sets ``model.config._attn_implementation``, so ``restore_attention`` can undo it.
-    """
+    """Make an sdpa ``model`` attend with :func:`ropekv_attention` (through ``config._attn_implementation``); return
+    the implementation it had, or ``None`` (nothing changed) when it does not use sdpa or dispatch by name."""
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "_attn_implementation", None) == GROUPED_SDPA:
         return "sdpa"  # switched already (by this model's hooks, or, for a copy of a model, by the original's)
@@ -148,9 +120,8 @@ def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
 
 
 def dispatches_by_name(model: nn.Module) -> bool:
-    """Whether the model's attention looks its function up by the implementation's name (transformers'
-    ``ALL_ATTENTION_FUNCTIONS``). Some do not: Falcon on transformers 5.17 tests ``_attn_implementation == "sdpa"``
-    itself, and under another name takes its eager path, which adds the boolean sdpa mask to its scores."""
+    """Whether the model's attention looks its function up by name (``ALL_ATTENTION_FUNCTIONS``); Falcon on
+    transformers 5.17 tests ``_attn_implementation == "sdpa"`` itself, and under another name runs eager attention."""
     from .capture import find_attention_modules
 
     try:

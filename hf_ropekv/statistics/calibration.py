@@ -2,16 +2,11 @@
 
     stats = hf_ropekv.calibrate(model, tokenizer, [open("book.txt").read()])
     stats = hf_ropekv.calibrate(model, tokenizer, prompts=["Solve: ...", ...], max_new_tokens=256)
-    stats.save("model.ropekv.safetensors")   # or: python -m hf_ropekv calibrate --model ... --text ... --out ...
+    stats.save("model.ropekv.safetensors")
 """
 
 from __future__ import annotations
 
-import argparse
-import logging as pylogging
-import os
-import sys
-from pathlib import Path
 from typing import Any, Sequence, Union
 
 import torch
@@ -20,7 +15,6 @@ from transformers.utils import logging
 
 from ..model.query_hooks import query_capture
 from ..model.geometry import describe
-from ..warnings import warn
 from .fingerprint import calibration_metadata
 from .frequency_stats import FrequencyAccumulator, FrequencyStats
 
@@ -244,56 +238,3 @@ def _input_device(model: nn.Module) -> torch.device:
     if embeddings is not None and getattr(embeddings, "weight", None) is not None:
         return embeddings.weight.device
     return next(model.parameters()).device
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_ropekv calibrate",
-        description="Calibrate hf_ropekv query statistics (per layer and query head) for one model.",
-    )
-    parser.add_argument("--model", required=True, help="model name or directory (or a .gguf file path)")
-    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --model's directory")
-    parser.add_argument("--text", nargs="+", required=True, help="plain-text file(s) to calibrate on")
-    parser.add_argument("--out", required=True, help="output statistics file (.safetensors)")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    parser.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="model dtype (default: float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    args = parser.parse_args(argv)
-    if not logger.handlers:
-        handler = pylogging.StreamHandler(sys.stderr)
-        handler.setFormatter(pylogging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(pylogging.INFO)
-
-    model_path, gguf_file = args.model, args.gguf_file
-    if gguf_file is None and model_path.endswith(".gguf") and os.path.isfile(model_path):
-        model_path, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
-    dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-
-    texts = []
-    for name in args.text:
-        path = Path(name)
-        if not path.is_file():
-            raise SystemExit(f"--text: no file {path}")
-        texts.append(path.read_text(encoding="utf-8", errors="replace"))
-    if not args.out.endswith(".safetensors"):
-        warn(f"--out {args.out}: statistics are written in safetensors format; name the file *.safetensors.")
-
-    logger.info("Loading %s%s", model_path, f" ({gguf_file})" if gguf_file else "")
-    tokenizer = AutoTokenizer.from_pretrained(model_path, **extra)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype_name), **extra)
-    model.to(args.device)
-    source = "text files: " + ", ".join(Path(n).name for n in args.text)
-    stats = calibrate(model, tokenizer, texts, max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens,
-                      source=source, progress=not args.no_progress)
-    stats.save(args.out)
-    logger.info("Wrote %s: %d layers x %d query heads, %d tokens.", args.out, *stats.q_mean.shape[:2], stats.tokens)
-    return 0
-

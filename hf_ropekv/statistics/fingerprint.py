@@ -89,7 +89,7 @@ def warn_if_other_weights(metadata: Mapping[str, Any], model: nn.Module, where: 
             f"{origin}these query statistics were calibrated on weights with fingerprint {theirs} ({calibrated_on}; "
             f"text: {source}), but this model ({here}) has fingerprint {ours}. Same geometry, other weights (a "
             "fine-tune or another checkpoint?): eviction would rank keys by another model's queries. Recalibrate "
-            "with hf_ropekv.calibrate / python -m hf_ropekv calibrate on this model. (A quantized copy of the "
+            "with hf_ropekv.calibrate(model, tokenizer, texts).save(path) on this model. (A quantized copy of the "
             "calibrated model also has another fingerprint; statistics of the unquantized model are then still a "
             "good fit.)")
     return True

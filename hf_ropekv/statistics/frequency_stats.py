@@ -26,7 +26,7 @@ from .query_sums import complex_means, masked_parts, query_parts
 
 FORMAT_VERSION = 1
 _HEADER_KEY = "hf_ropekv"
-_FIX = "recalibrate with hf_ropekv.calibrate / python -m hf_ropekv calibrate for this model"
+_FIX = "recalibrate with hf_ropekv.calibrate(model, tokenizer, texts).save(path) for this model"
 _EXPECTED_SAFETENSORS = "a safetensors file of hf_ropekv query statistics (written by FrequencyStats.save)"
 _IDENTITY_FIELDS = {  # metadata key -> its name in messages
     "model_type": "model type", "num_layers": "layers", "num_q_heads": "query heads", "num_kv_heads": "KV heads",
@@ -98,13 +98,13 @@ class FrequencyStats:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(
-                f"No statistics file at {path}; create one with hf_ropekv.calibrate / python -m hf_ropekv calibrate.")
+                f"No statistics file at {path}; create one with hf_ropekv.calibrate(model, tokenizer, texts).save(path).")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 header = f.metadata() or {}
                 tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # not a map of the file
         except Exception as err:  # safetensors raises its own error types for corrupt or foreign files
-            fix = "recalibrate: hf_ropekv.calibrate / python -m hf_ropekv calibrate"
+            fix = "recalibrate: hf_ropekv.calibrate(model, tokenizer, texts).save(path)"
             raise ValueError(f"{path} could not be read as {_EXPECTED_SAFETENSORS} ({err}); {fix}.") from None
         if _HEADER_KEY not in header:
             raise ValueError(

@@ -1,17 +1,11 @@
-"""The device buffers a compiled decode step captures, handed from one static cache of a model to the next.
+"""The device buffers a recorded decode step captures, handed from one static cache of a model to the next.
 
-CUDA graphs replay at fixed addresses. A static cache's compiled step captures the addresses of its arenas, its
-step clock and its online statistics; a new cache (a new ``generate()`` call) at new addresses makes inductor's
-CUDA-graph trees record again at every step (measured on an H200: 255 recordings in 256 steps, and the step
-slower by a quarter). So a model keeps the buffers of a static cache that is gone, and the next static cache of
-the same shapes takes them over: same addresses, the recorded graph replays.
-
-A buffer belongs to one live cache at a time (its :class:`BufferLease`); it goes back to the model's pool when
-that cache is freed or reset. The pool keeps one free buffer per purpose (an arena's keys of layer 3, the step
-clock, ...) and goes with the model (``hf_ropekv.detach`` frees it earlier). A cache that needs another
-shape for a purpose (another batch size, budget or dtype) lets the pooled buffer go before allocating its own,
-so a model never holds the arenas of a configuration that no longer runs beside the new one's (at a batch of
-160 on a Qwen3-8B shape, those are 49 GiB).
+CUDA graphs replay at fixed addresses, so a model keeps the buffers (arenas, step clock, statistics) of a static cache
+that is gone, and its next static cache of the same shapes takes them over: same addresses, the recorded graph
+replays (at new addresses inductor's CUDA-graph trees record again at every step). A buffer belongs to one live cache
+at a time (its :class:`BufferLease`) and goes back to the model's pool, one free buffer per purpose, when that cache is
+freed or reset (``hf_ropekv.detach`` frees the pool). A buffer of another shape is let go before a new one is made, so
+a model never holds the arenas of a configuration that no longer runs.
 """
 
 from __future__ import annotations
@@ -28,9 +22,8 @@ Make = Callable[[], torch.Tensor]
 
 
 def normal_tensors(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``function`` with inference mode off: the tensors it makes outlive the forward that made them (a cache
-    filled under ``torch.inference_mode()`` is continued outside it, as a DynamicCache can be), and an inference
-    tensor would refuse those later in-place writes."""
+    """Run ``function`` with inference mode off: the tensors it makes outlive the forward (a cache filled under
+    ``torch.inference_mode()`` is continued outside it), and an inference tensor would refuse later in-place writes."""
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         with torch.inference_mode(False):
@@ -73,8 +66,8 @@ class BufferLease:
         weakref.finalize(owner, _give_all_back, pool, self._held)
 
     def __deepcopy__(self, memo: dict) -> "BufferLease":
-        """A copied cache's lease: the copies of this lease's buffers, on the same pool, given back to it when
-        the copied owner goes (the owner's ``__deepcopy__`` must have put its copy in ``memo`` first)."""
+        """A copied cache's lease: copies of these buffers, given back to the same pool when the copied owner goes
+        (the owner's ``__deepcopy__`` must have put its copy in ``memo`` first)."""
         owner = memo.get(self._owner_id)
         if owner is None:
             raise RuntimeError("A BufferLease is copied only with the cache that owns it (copy.deepcopy(cache)).")
@@ -116,9 +109,7 @@ def static_buffer(lease: BufferLease | None, purpose: Hashable, shape: tuple[int
                   device: torch.device) -> torch.Tensor:
     """A zeroed buffer at a static address: from ``lease`` (the pool of the model's previous static cache) when the
     layer has one, else a new one marked static."""
-    def make() -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
-
+    make = functools.partial(torch.zeros, shape, dtype=dtype, device=device)
     if lease is not None:
         return lease.take(purpose, shape, dtype, make)
     tensor = make()
@@ -130,17 +121,16 @@ _CUDA_BUILT = torch.backends.cuda.is_built()  # a CPU-only torch has no capture 
 
 
 def step_is_recorded() -> bool:
-    """Whether the running forward is recorded to be replayed, not run once: traced by ``torch.compile``, or
-    captured into a CUDA graph. Such a step must read its per-step values from the static buffers (a host int
-    would be baked in) and skip the eager checks of host state. Asks about a capture only where CUDA is in use."""
+    """Whether the running forward is recorded to be replayed (traced by ``torch.compile`` or captured into a CUDA
+    graph): it must then read per-step values from the static buffers (a host int would be baked in)."""
     if torch.compiler.is_compiling():
         return True
     return _CUDA_BUILT and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def mark_static(*tensors: torch.Tensor) -> None:
-    """Mark tensors that a compiled step mutates in place as static addresses: CUDA graphs are used only when
-    every tensor a step mutates is one (marking is an eager-time act; inside a trace it is skipped)."""
+    """Mark tensors a compiled step mutates in place as static addresses (inductor's CUDA graphs need every one
+    marked); skipped inside a trace."""
     if not torch.compiler.is_compiling():
         for tensor in tensors:
             torch._dynamo.mark_static_address(tensor)

@@ -1,11 +1,9 @@
 """Paged key/value storage of one attention layer, compacted in place.
 
-A layer's slots live in *planes* ``[batch, kv_heads, capacity, *]``: keys and values, and with ``kv_bits=8`` their
-int8 codes plus a float32 scale per token and head (``keys = codes * scale``). Live slots are the prefix
-``[0, length)`` of every (row, head), so attention reads a view of the arena (no copy), appending ``q`` tokens writes
-``q`` slots, and compaction moves survivors forward in place (``hf_ropekv.kernels.compact``). Capacity grows in
-whole pages up to the steady-state bound (``budget + compress_every``); a fixed arena (static caches) is in
-``storage/static.py``.
+A layer's slots live in *planes* ``[batch, kv_heads, capacity, *]``: keys and values, or with ``kv_bits=8`` their
+int8 codes plus a float32 scale per token and head. Live slots are the prefix ``[0, length)`` of every (row, head):
+attention reads a view (no copy), and compaction moves survivors forward in place (``kernels.compact``). Capacity
+grows in whole pages up to the steady state (``budget + compress_every``); ``static.py`` has the fixed arena.
 """
 
 from __future__ import annotations
@@ -16,23 +14,15 @@ from ..kernels.compact import compact_
 from ..kernels.quantize import dequantize_kv, quantize_kv
 from .buffers import normal_tensors
 
-# Attributes of the keys a layer hands the model's attention, read by ``hf_ropekv.model.attention``:
-#: the int8 codes' scales ``(key_scale, value_scale)``, float32 ``[B, H, S]``;
-SCALES = "_hf_ropekv_scales"
-#: whether to attend with the decode kernel (set once the layer compacted: before, sdpa equals DynamicCache's tokens);
-DECODE = "_hf_ropekv_decode"
-#: whether they are a static cache's fixed arena (sdpa then folds the query heads instead of copying key heads).
-FIXED = "_hf_ropekv_fixed"
+# Attributes of the keys a layer hands the model's attention (read by ``hf_ropekv.model.attention``): the int8
+# codes' float32 [B, H, S] scales ``(key_scale, value_scale)``; whether to attend with the decode kernel (once the
+# layer compacted: before, sdpa keeps DynamicCache's tokens); whether they are a static cache's fixed arena.
+SCALES, DECODE, FIXED = "_hf_ropekv_scales", "_hf_ropekv_decode", "_hf_ropekv_fixed"
 
 
 class PagedKV:
-    """Keys, values (int8 codes and scales with ``bits=8``) and slot positions of one layer.
-
-    Args:
-        page_size: slots per page; capacity grows in whole pages up to ``capacity_hint``.
-        capacity_hint: slots the arena holds in steady state (``budget + compress_every``).
-        bits: ``None`` (keys and values in the model's dtype) or 8 (int8 codes with a scale per token and head).
-    """
+    """Keys, values (int8 codes and scales with ``bits=8``; ``None``: the model's dtype) and slot positions of one
+    layer, in pages of ``page_size`` slots up to ``capacity_hint`` (the steady state, ``budget + compress_every``)."""
 
     def __init__(self, page_size: int, capacity_hint: int | None = None, bits: int | None = None) -> None:
         self.page_size = page_size
@@ -40,12 +30,10 @@ class PagedKV:
         self.bits = bits
         self.planes: list[torch.Tensor] | None = None  # keys, values[, key scales, value scales] [B, H, C, *]
         self.dtype: torch.dtype | None = None  # what keys and values come in (and are dequantized to)
-        # int64 [B, H, capacity]: the token index of each slot, made when first read (scoring, compaction): a cache
-        # that never evicts holds no more than a DynamicCache, plus at most one page.
+        # int64 [B, H, capacity]: the token index of each slot, made when first read (scoring, compaction).
         self.positions: torch.Tensor | None = None
         self.length = 0
-        # Appends are consecutive tokens, so positions are written lazily: slots from `_positions_valid` on hold
-        # tokens `_pending_position`, `_pending_position + 1`, ...
+        # Written lazily: slots from `_positions_valid` on hold tokens `_pending_position`, `_pending_position + 1`...
         self._positions_valid = 0
         self._pending_position = 0
         self.num_compactions = 0
@@ -86,9 +74,8 @@ class PagedKV:
         value_codes, value_scale = quantize_kv(value_states)
         return [key_codes, value_codes, key_scale.unsqueeze(-1), value_scale.unsqueeze(-1)]
 
-    def append(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, first_position: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               first_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``q`` new tokens after the live slots; return views of all live slots (keys, values)."""
         q = key_states.shape[2]
         end = self.length + q
@@ -187,8 +174,7 @@ class PagedKV:
     @normal_tensors
     def _reserve(self, like: list[torch.Tensor], needed: int) -> None:
         """Room for ``needed`` slots, planes shaped like ``like``: whole pages, never past the steady-state bound
-        unless one forward needs more (a cache that never evicts holds at most a page more than a DynamicCache, and
-        copies its layer once a page where a DynamicCache copies it every step)."""
+        unless one forward needs more."""
         if self.planes is not None and needed <= self.capacity:
             return
         capacity = -(-needed // self.page_size) * self.page_size
@@ -217,12 +203,8 @@ def attention_view(planes: list[torch.Tensor], decode: bool, fixed: bool = False
 
 
 class _StepViews:
-    """Views of one arena for single-token appends, made once per live length and reused under ``no_grad``.
-
-    A steady-state decoding step appends at one of the ``compress_every`` or so lengths the compaction cycle goes
-    through, every cycle; slicing the planes anew each step is the same host work over again. The views belong to
-    the planes they were cut from (checked by identity) and are never copied.
-    """
+    """Views of one arena for single-token appends, made once per live length (a compaction cycle goes through the
+    same lengths every cycle) and reused under ``no_grad``; they belong to the planes they were cut from."""
 
     LIMIT = 512  #: lengths remembered per arena: a whole compaction cycle for ``compress_every`` up to this
 
@@ -251,8 +233,8 @@ class _StepViews:
 
 
 def compact_arenas(arenas: list[PagedKV], keep: torch.Tensor, start: torch.Tensor | None = None) -> None:
-    """Compact arenas that keep the same slots, in place: each keeps slots ``keep[b, :, start[b]:]`` (ascending per
-    row and head), moved in order to ``[start[b], K')``; slots before ``start[b]`` become holes (position -1)."""
+    """Compact arenas in place: each keeps slots ``keep[b, :, start[b]:]`` (ascending), moved in order to
+    ``[start[b], K)``; slots before ``start[b]`` become holes (position -1)."""
     for arena in arenas:
         keep_here = keep.to(arena.keys.device)
         start_here = None if start is None else start.to(keep_here.device)

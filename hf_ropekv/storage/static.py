@@ -2,32 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .buffers import mark_static, normal_tensors, static_buffer
 from ..kernels.quantize import quantize_into_
+from .buffers import BufferLease, mark_static, normal_tensors, static_buffer
 from .paged import PagedKV, attention_view
-
-if TYPE_CHECKING:
-    from .buffers import BufferLease
 
 
 class StaticKV(PagedKV):
     """A layer's planes (``PagedKV``) in a fixed arena that a recorded (graphed or compiled) decode step holds on to.
 
-    The arena holds ``budget + compress_every`` slots in whole pages, or fewer for a generation known to be shorter
-    (:meth:`fit`: no more than a ``DynamicCache`` would hold, plus a page). It is allocated once, zeroed (a masked
-    slot still multiplies its zero weight, so it must be finite) and marked as a static address. The cache decides
-    everything on the host before a forward (:meth:`plan_write`); the forward only writes at ``write_index``
-    (:meth:`write`), so a recorded step reads no host counter.
-
-    A forward longer than the arena (a long prompt that is not pinned, sent in one piece) spills into a temporary
-    larger arena; the compaction that brings the layer back within it moves the survivors back.
+    The arena holds ``budget + compress_every`` slots in whole pages, or fewer for a shorter generation (:meth:`fit`).
+    It is allocated once, zeroed and marked as a static address. The cache plans each forward on the host
+    (:meth:`plan_write`); the forward only writes at ``write_index`` (:meth:`write`), so a recorded step reads no host
+    counter. A forward longer than the arena spills into a temporary larger one until a compaction brings it back.
     """
 
-    def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: "BufferLease | None" = None,
+    def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: BufferLease | None = None,
                  bits: int | None = None) -> None:
         super().__init__(page_size, capacity_hint=capacity, bits=bits)
         self.layer_idx = layer_idx
@@ -39,8 +30,8 @@ class StaticKV(PagedKV):
 
     @normal_tensors
     def fit(self, tokens: int) -> None:
-        """Size the fixed arena for a generation of at most ``tokens`` tokens per row (whole pages, never past the
-        steady-state bound). An arena allocated already only grows, its live slots copied."""
+        """Size the fixed arena for at most ``tokens`` tokens per row (whole pages, at most the steady state); an
+        allocated arena only grows, its live slots copied."""
         capacity = min(self.steady_capacity, -(-tokens // self.page_size) * self.page_size)
         if self._arena is None or capacity <= self.static_capacity:
             self.static_capacity = max(capacity, self.static_capacity) if self._arena is not None else capacity
@@ -67,8 +58,8 @@ class StaticKV(PagedKV):
         self.planned_write = (first_slot, new)
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        """Allocate the fixed arena for these keys' batch, heads, dtype and device (the layer's first write), and a
-        temporary one when the first forward needs ``needed`` slots, more than the fixed arena holds."""
+        """Allocate the fixed arena like these keys (the layer's first write), and a temporary one when the first
+        forward needs ``needed`` slots, more than it holds."""
         self.dtype = key_states.dtype
         like = self.encode(key_states[:, :, :0], value_states[:, :, :0])
         self.planes = self._new_arena(like)
@@ -93,8 +84,7 @@ class StaticKV(PagedKV):
             self._zero_from(self.length)
 
     def _zero_from(self, slot: int) -> None:
-        # Attention reads the whole arena and the mask hides the slots past the live ones; a hidden slot still
-        # multiplies its zero weight, so it must hold a finite value, not the garbage of torch.empty (NaN * 0).
+        # Attention reads the whole arena: a masked slot still multiplies its zero weight, so it must be finite.
         for plane in self.planes:
             plane[:, :, slot:].zero_()
 
@@ -106,7 +96,7 @@ class StaticKV(PagedKV):
         if self.bits is None:
             self.keys.index_copy_(2, self.write_index, key_states)
             self.values.index_copy_(2, self.write_index, value_states)
-        else:  # codes and scales in one launch per tensor (a recorded step would run a dozen kernels a layer)
+        else:  # codes and scales in one launch per tensor
             quantize_into_(self.planes[0], self.planes[2], key_states, self.write_index)
             quantize_into_(self.planes[1], self.planes[3], value_states, self.write_index)
         return self.keys, self.values  # marked for attention outside the step (see _mark), so it traces no setattr
@@ -141,12 +131,10 @@ class StaticKV(PagedKV):
             return
         super().select_batch(index)
         self._adopt_as_arena()
-        self._mark()
 
     def repeat_batch(self, repeats: int) -> None:
         super().repeat_batch(repeats)
         self._adopt_as_arena()
-        self._mark()
 
     def clear(self) -> None:
         self._give_back_arena()
@@ -165,6 +153,7 @@ class StaticKV(PagedKV):
         if self.planes is not None and self.capacity == self.static_capacity:
             self._arena = self.planes
             mark_static(*self._arena)
+        self._mark()
 
     @normal_tensors
     def _shrink_to_hint(self) -> None:

@@ -159,11 +159,6 @@ def test_default_window_yields_to_a_long_pinned_prompt_but_an_explicit_one_is_ke
                        pad_token_id=0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (left after 44b43c3, which made the storage's tensors outside inference mode): the model "
-    "attachment's record of the token ids seen (adapter/attach.py, the continuation check's `_tokens`) is made under "
-    "torch.inference_mode() by the first turn and written in place by the next: a second turn outside inference "
-    "mode raises 'Inplace update to inference tensor outside InferenceMode'; DynamicCache continues fine"))
 def test_a_cache_filled_under_inference_mode_continues_outside_it() -> None:
     """A first turn under torch.inference_mode(), a second without (what DynamicCache allows): the tokens of the
     same two turns both run without inference mode, and the kept positions readable."""

@@ -189,7 +189,7 @@ def test_cli_main_writes_statistics(tmp_path):
 
 
 def test_documented_entry_points():
-    # The README and docstrings call hf_ropekv.calibrate(...) (the function) and `python -m hf_ropekv calibrate`
+    # The README and docstrings call hf_ropekv.calibrate(...) (the function)
     # (the package's command line). No module is named like the function, so runpy has nothing to warn about.
     import subprocess
     import sys

@@ -136,5 +136,5 @@ def test_statistics_from_a_file_are_loaded_and_checked(tmp_path) -> None:
         assert torch.equal(cache.scorer.stats.q_mean, random_stats(0).q_mean)
     with pytest.raises(ValueError, match="model type"):
         RopeKVCache(tiny_model("qwen3", num_hidden_layers=3), budget=32, scorer=FrequencyScorer(stats=path))
-    with pytest.raises(FileNotFoundError, match="python -m hf_ropekv calibrate"):
+    with pytest.raises(FileNotFoundError, match="hf_ropekv.calibrate"):
         RopeKVCache(model, budget=32, scorer=FrequencyScorer(stats=tmp_path / "missing.safetensors"))

@@ -138,7 +138,7 @@ def test_mismatched_statistics_are_refused_with_the_mismatch_named(tmp_path, oth
     message = str(err.value)
     for name in expected:
         assert name in message
-    assert "python -m hf_ropekv calibrate" in message
+    assert "hf_ropekv.calibrate" in message
 
 
 def test_load_refuses_files_that_are_not_statistics(tmp_path):
@@ -246,7 +246,7 @@ def _whole_report(err: BaseException) -> str:
 def _assert_refused_safely(err: BaseException, path) -> None:
     report = _whole_report(err)
     assert str(path) in str(err), "the message names the file"
-    assert "python -m hf_ropekv calibrate" in str(err), "the message says how to make a good file"
+    assert "hf_ropekv.calibrate" in str(err), "the message says how to make a good file"
     assert "weights_only=False" not in report, "never advise unpickling a file of unknown origin"
 
 
@@ -290,7 +290,7 @@ def test_missing_statistics_file_is_named_everywhere(tmp_path):
             lambda: FrequencyStats.load(path),
             lambda: FrequencyStats.resolve(path, geometry),
         ):
-            with pytest.raises(FileNotFoundError, match="python -m hf_ropekv calibrate") as err:
+            with pytest.raises(FileNotFoundError, match="hf_ropekv.calibrate") as err:
                 read()
             assert str(path) in str(err.value)
 
@@ -301,7 +301,7 @@ def test_statistics_of_another_model_are_refused_naming_the_mismatch(tmp_path):
     _random_stats(describe(_qwen3_config(num_attention_heads=8, num_key_value_heads=2, head_dim=16))).save(path)
     with pytest.raises(ValueError, match="query heads: statistics have 8, the model has 4") as err:
         FrequencyStats.resolve(path, describe(_qwen3_config()))
-    assert "python -m hf_ropekv calibrate" in str(err.value)
+    assert "hf_ropekv.calibrate" in str(err.value)
 
 
 def test_loaded_statistics_do_not_change_with_the_file(tmp_path):
