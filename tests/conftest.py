@@ -547,25 +547,6 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(one_gpu)
 
 
-def pytest_ignore_collect(collection_path, config):
-    """``tests/test_quality_harness.py`` (the benchmarks' own; the benchmarks rework replaces it) imports
-    ``benchmarks/perplexity.py``, which still imports names hf_ropekv no longer exports: while that import fails,
-    the module is left out of collection (its import error would stop the whole run), with a line saying so."""
-    if collection_path.name != "test_quality_harness.py" or collection_path.parent != ROOT / "tests":
-        return None
-    import importlib
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        importlib.import_module("perplexity")
-    except ImportError as err:
-        print(f"\ntests/test_quality_harness.py not collected (replaced by the benchmarks rework): {err}")
-        return True
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return None
-
-
 @pytest.fixture
 def deterministic_sdpa():
     """torch's cuDNN sdpa backend off for one test. On an H200 it did not give the same logits twice, even for
