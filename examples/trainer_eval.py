@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
         t_full = time.perf_counter() - t0
         ours = generated_rows(budgeted.predictions, data, args.batch_size, pad_id)
         theirs = generated_rows(full.predictions, data, args.batch_size, pad_id)
-        agree = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(ours, theirs))
+        agree = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                    for x, y in zip(ours, theirs))
         total = sum(len(y) for y in theirs)
         print(f"full DynamicCache: {t_full:.1f} s; tokens identical up to the first divergence: {agree}/{total}")
         report.update(agree=agree, total=total)

@@ -8,8 +8,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+    triton = tl = None
 
 HAS_TRITON = triton is not None
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -23,6 +22,8 @@ def interpreting() -> bool:
 
 
 def check_device(name: str, tensor: torch.Tensor) -> None:
-    """Raise ``RuntimeError`` unless the kernel ``name`` can run on ``tensor``'s device."""
+    """Raise ``RuntimeError`` unless the kernel ``name`` can run: Triton installed, ``tensor`` on its device."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{name} needs Triton, which is not installed (use its plain-PyTorch *_reference twin)")
     if not tensor.is_cuda and not interpreting():
         raise RuntimeError(f"{name} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")

@@ -284,13 +284,11 @@ def _decode_impl(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         # float32 dots (IEEE, not TF32) for float32 queries, and in the interpreter, whose tl.dot multiplies
         # bf16 bit patterns as integers (Triton 3.9); the products are the same: bf16 x bf16 is exact in fp32.
         F32_DOT=query.dtype == torch.float32 or interpreting(),
-        DIRECT=direct, NUM_STAGES=2, num_warps=4,
-    )
+        DIRECT=direct, NUM_STAGES=2, num_warps=4)
     if not direct:
         _for_compile(_decode_combine_kernel)[(H_q, B)](
             ws, out, num_splits, ml_offset, *out.stride(),
-            DV=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=min(64, _next_pow2(num_splits)), num_warps=4,
-        )
+            DV=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=min(64, _next_pow2(num_splits)), num_warps=4)
 
 
 #: The torch op ``hf_ropekv::decode_attention``, once :func:`register_op` made it (registering imports inductor,
@@ -325,8 +323,6 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     Returns (or fills ``out``, any strides) [B, H_q, Dv] in the query's dtype and rank. ``num_splits`` (None: fill
     the GPU) is the chunks per (row, KV head). Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
     """
-    if not HAS_TRITON:
-        raise RuntimeError("decode_attention needs Triton, which is not installed (use decode_attention_reference)")
     check_decode_args(query, keys, values, mask, key_scale, value_scale, out, softcap, num_splits)
     check_device("decode_attention", query)
     B, H_q, D = query.shape[0], query.shape[1], query.shape[-1]
@@ -342,8 +338,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     (_OP or _decode_impl)(
         query[:, :, 0] if squeeze else query, keys, values, mask, float(scale),
         None if softcap is None else float(softcap), key_scale, value_scale,
-        out[:, :, 0] if squeeze else out, int(num_splits),
-    )
+        out[:, :, 0] if squeeze else out, int(num_splits))
     return out
 
 
@@ -379,7 +374,4 @@ def decode_attention_reference(query: torch.Tensor, keys: torch.Tensor, values: 
         total = p.sum(dim=-1, keepdim=True)
         result = torch.matmul(p, v) / torch.where(total > 0, total, 1.0)
     result = result.reshape(out.shape if out is not None else (B, H_q, Dv) if query.dim() == 3 else (B, H_q, 1, Dv))
-    if out is None:
-        return result.to(query.dtype)
-    out.copy_(result)
-    return out
+    return result.to(query.dtype) if out is None else out.copy_(result)

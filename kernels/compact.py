@@ -137,8 +137,6 @@ def compact_triton_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: 
     """Compact ``tensors`` (unit last stride) in place with the Triton kernel (CUDA, or CPU under
     ``TRITON_INTERPRET=1``); tensors of one dtype, shape and strides go in one launch. The untouched prefix
     (``keep[j] == j``) costs nothing."""
-    if not HAS_TRITON:
-        raise RuntimeError("compact_triton_ needs Triton, which is not installed")
     check_compact_args(tensors, keep, start)
     check_device("compact_triton_", keep)
     for t in tensors:
@@ -165,8 +163,7 @@ def compact_triton_(tensors: Sequence[torch.Tensor], keep: torch.Tensor, start: 
             ptrs, ts[0], keep, keep if start is None else start, H, K, D,
             strides[0], strides[1], strides[2], keep.stride(0), keep.stride(1), keep.stride(2),
             HAS_START=start is not None, BLOCK_K=block_k, BLOCK_D=block_d,
-            ALIGN=16 if all(t.data_ptr() % 16 == 0 for t in ts) else 1, num_warps=num_warps,
-        )
+            ALIGN=16 if all(t.data_ptr() % 16 == 0 for t in ts) else 1, num_warps=num_warps)
 
 
 # --------------------------------------------------------------------------- PyTorch twin

@@ -46,7 +46,6 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale[..., None]`` computed in float32, returned as ``dtype``."""
     return (q.float() * scale[..., None].float()).to(dtype)
 
 
@@ -91,8 +90,7 @@ def quantize_into_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, in
         x.stride(0), x.stride(1), x.stride(2),
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
-        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1,
-    )
+        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
 
 
 def quantize_into_reference_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, index: torch.Tensor) -> None:

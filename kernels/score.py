@@ -40,10 +40,9 @@ def check_score_args(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, pair_
     if tuple(w.shape[1:]) != (H_q, 2 * F):
         raise ValueError(f"w shape {tuple(w.shape)} does not match c shape {tuple(c.shape)} "
                          f"(expected [B, {H_q}, {2 * F}])")
-    if w.shape[0] not in (1, B):
-        raise ValueError(f"w batch {w.shape[0]} must be 1 or the keys batch {B}")
-    if c.shape[0] not in (1, B):
-        raise ValueError(f"c batch {c.shape[0]} must be 1 or the keys batch {B}")
+    for name, t in (("w", w), ("c", c)):
+        if t.shape[0] not in (1, B):
+            raise ValueError(f"{name} batch {t.shape[0]} must be 1 or the keys batch {B}")
     if H_kv == 0 or H_q % H_kv != 0:
         raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
     if F == 0:
@@ -104,10 +103,6 @@ if HAS_TRITON:
                 tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_s, s, mask=mask_s)
 
 
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
 def score_keys_triton(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                       pair_stride: Optional[int] = None, imag_offset: Optional[int] = None,
                       block_s: Optional[int] = None, blocks_per_program: Optional[int] = None,
@@ -118,8 +113,6 @@ def score_keys_triton(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, o
     give the pair layout (default ``rotate_half``: 1, F). Returns (or fills ``out``) float32 [B, H_q, S]. The launch
     defaults measured best on an H200 with bf16 keys (~2.9 TB/s of keys read at head_dim 128).
     """
-    if not HAS_TRITON:
-        raise RuntimeError("score_keys_triton needs Triton, which is not installed")
     c, pair_stride, imag_offset = check_score_args(keys, w, c, pair_stride, imag_offset)
     check_device("score_keys_triton", keys)
     B, H_kv, S, _ = keys.shape
@@ -143,14 +136,13 @@ def score_keys_triton(keys: torch.Tensor, w: torch.Tensor, c: torch.Tensor, *, o
     n_blocks = triton.cdiv(S, block_s)
     if blocks_per_program is None:
         # Long loops amortise the pipeline prologue, but keep >= ~2K programs (~16 one-warp programs per SM).
-        blocks_per_program = max(1, min(32, _prev_pow2(B * H_kv * n_blocks // 2048)))
+        blocks_per_program = max(1, min(32, 1 << (max(B * H_kv * n_blocks // 2048, 1).bit_length() - 1)))
     grid = (triton.cdiv(n_blocks, blocks_per_program), H_kv, B)
     _score_kernel[grid](
         keys, w, c, out, S,
         *keys.stride(), stride_wb, w.stride(1), stride_cb, c.stride(1), out.stride(0), out.stride(1),
         F=F, PAIR_STRIDE=pair_stride, IMAG_OFFSET=imag_offset, GROUP=H_q // H_kv, BLOCK_S=block_s,
-        BLOCK_F=block_f, BLOCKS_PER_PROG=blocks_per_program, NUM_STAGES=num_stages, num_warps=num_warps,
-    )
+        BLOCK_F=block_f, BLOCKS_PER_PROG=blocks_per_program, NUM_STAGES=num_stages, num_warps=num_warps)
     return out
 
 

@@ -8,7 +8,8 @@ Layout of the suite::
     tests/integration/   tiny random models built from configs: exactness against DynamicCache, recorded tokens,
                          row/batch/padding invariance, every RoPE family, enable/Trainer/pipeline, copies, lifetime,
                          threads, static caches on the CPU, quantized models, calibration, crop, device_map on CPU.
-    tests/*.py           the benchmark and notebook checks (owned with benchmarks/ and examples/).
+    tests/*.py           the benchmark, example and notebook checks (owned with benchmarks/ and examples/), and
+                         the decode-attention kernel's (tests/test_kernel_attention.py).
 
 Markers (declared in setup.cfg): ``gpu`` (needs CUDA; skipped here without it), ``multi_gpu`` (2 CUDA devices),
 ``slow`` (real weights: SmolLM2 from the offline package; long runs), ``compile`` (runs torch.compile: dynamo on
@@ -544,25 +545,6 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(no_gpu)
         elif "multi_gpu" in item.keywords and gpus < 2:
             item.add_marker(one_gpu)
-
-
-def pytest_ignore_collect(collection_path, config):
-    """``tests/test_quality_harness.py`` (the benchmarks' own; the benchmarks rework replaces it) imports
-    ``benchmarks/perplexity.py``, which still imports names hf_ropekv no longer exports: while that import fails,
-    the module is left out of collection (its import error would stop the whole run), with a line saying so."""
-    if collection_path.name != "test_quality_harness.py" or collection_path.parent != ROOT / "tests":
-        return None
-    import importlib
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        importlib.import_module("perplexity")
-    except ImportError as err:
-        print(f"\ntests/test_quality_harness.py not collected (replaced by the benchmarks rework): {err}")
-        return True
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return None
 
 
 @pytest.fixture

@@ -86,7 +86,8 @@ def _poison_holes(t: torch.Tensor, mask) -> None:
 
 
 def _sdpa(q, k, v, mask, scale):
-    """Independent float32 oracle: transformers' path (repeat_kv + boolean mask + sdpa), NaN rows where none is valid."""
+    """Independent float32 oracle: transformers' path (repeat_kv + boolean mask + sdpa), NaN rows where none is
+    valid."""
     G = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(G, dim=1)
     v = v.float().repeat_interleave(G, dim=1)

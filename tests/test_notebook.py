@@ -67,5 +67,6 @@ def test_quickstart_notebook_executes(monkeypatch) -> None:
 
     text = "".join(texts)
     # One INFO line from the enabled pipeline call (the logger's name is hf_ropekv's module path, not checked here).
-    assert len(re.findall(r"INFO hf_ropekv[.\w]*: hf_ropekv, LlamaForCausalLM\.generate\(\): RopeKVCache: kept", text)) == 1
+    line = r"INFO hf_ropekv[.\w]*: hf_ropekv, LlamaForCausalLM\.generate\(\): RopeKVCache: kept"
+    assert len(re.findall(line, text)) == 1
     assert any(text.startswith("RopeKVCache: kept") for text in texts), "the summary was printed"

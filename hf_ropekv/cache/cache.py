@@ -75,9 +75,8 @@ class RopeKVCache(Cache):
         self.static = options.static is True or (
             options.static == "auto" and static_unsupported(self.geometry, budget, model, self.scorer) is None)
         self.rows = BatchRows()
-        compactor = Compactor(self.scorer, sink=options.sink, window=options.recent_window,
-                              auto_window=options.window is None, seed=SEED, online=self._online,
-                              queries=self._queries)
+        compactor = Compactor(self.scorer, sink=options.sink, window=options.recent_window, seed=SEED,
+                              auto_window=options.window is None, online=self._online, queries=self._queries)
         self._lease = BufferLease(self, BufferPool.of(model)) if self.static else None
         self.layers = make_layers(self, self.geometry, options, self._lease, self.static)
         self._full_layers = [layer for layer in self.layers if isinstance(layer, BudgetedLayer)]
@@ -151,7 +150,6 @@ class RopeKVCache(Cache):
         return sum(layer.storage.pages_allocated for layer in self._full_layers)
 
     def _window_keys(self) -> list[torch.Tensor]:
-        """The keys of the sliding-window layers that hold tokens."""
         return [layer.keys for layer in self.layers
                 if not isinstance(layer, BudgetedLayer) and layer.is_initialized and layer.keys is not None]
 
@@ -187,12 +185,11 @@ class RopeKVCache(Cache):
         return CacheSummary.from_cache(self)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(model_type={self.geometry.model_type!r}, budget={self.options.budget}, "
-            f"compress_every={self.options.compress_every}, scorer={type(self.scorer).__name__}, "
-            f"static={self.static}, seen={self.tokens_seen}, kept={self.tokens_kept}, "
-            f"pages={self.pages_in_use}/{self.pages_allocated}, bytes={self.bytes_held}, "
-            f"compactions={self.num_compactions})")
+        return (f"{type(self).__name__}(model_type={self.geometry.model_type!r}, budget={self.options.budget}, "
+                f"compress_every={self.options.compress_every}, scorer={type(self.scorer).__name__}, "
+                f"static={self.static}, seen={self.tokens_seen}, kept={self.tokens_kept}, "
+                f"pages={self.pages_in_use}/{self.pages_allocated}, bytes={self.bytes_held}, "
+                f"compactions={self.num_compactions})")
 
     # ------------------------------------------------------------------ transformers hooks
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> Any:

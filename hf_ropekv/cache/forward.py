@@ -57,10 +57,6 @@ class ForwardCoordinator:
             self.plan = plan
         return plan
 
-    def planned_slots(self, new: int) -> int:
-        """Slots every full-attention layer holds once this forward's compaction (if any) is done."""
-        return self.plan_for(new).slots_after
-
     def pinned_tokens(self, seen: int) -> int:
         """Tokens of each row (padding included) that are never evicted: the prompt, when pinned."""
         if not self.options.protect_prompt:
@@ -88,15 +84,31 @@ class ForwardCoordinator:
             running = _running_model_class()  # None: update() called directly (no model forward), which is fine
             if running is not None:
                 other = f"another {running}" if running == self.model_class else f"a {running}"
-                raise ValueError(
-                    f"This RopeKVCache was built for a {self.model_class} and is bound to it, but {other} runs a "
-                    f"forward with it. Build a cache for each model: RopeKVCache(the_model, ...).")
+                raise ValueError(f"This RopeKVCache was built for a {self.model_class} and is bound to it, but {other} "
+                                 "runs a forward with it. Build a cache for each model: RopeKVCache(the_model, ...).")
         self.announced = False
 
     def prologue(self, seen: int, new: int) -> Plan:
         """The start of every forward of ``new`` tokens once its padding is known: refuse what cannot be done, fix
         the plan, advance the decode clock and compact every full-attention layer if the plan says so."""
-        self._check_forward(seen, new)
+        budget = self.options.budget
+        if self.rollback_expected and budget is not None:
+            # Assisted decoding sends the prompt and then each draft as multi-token forwards; the prompt check
+            # below would take them all for prompt and fail with a misleading message.
+            real = seen + new - min(self.rows.pads_host)
+            pins_too_much = self.prompt_tokens is None and self.options.protect_prompt and real > budget
+            if pins_too_much or self.plan_for(new).compacts:
+                raise ValueError("RopeKVCache cannot crop once it evicts, and this decoding mode rolls the cache back: "
+                                 f"this step would take it to {real} tokens, past budget={budget}. {CROPPABLE_FIX}")
+        if self.prompt_tokens is None:
+            if new == 1 and seen > 0:
+                self.prompt_tokens = seen  # first decoding step: the prompt is complete
+            elif self.options.protect_prompt and budget is not None:
+                real = seen + new - min(self.rows.pads_host)
+                if real > budget:
+                    raise ValueError(f"The prompt has {real} tokens but budget={budget}; a pinned prompt must fit in "
+                                     f"the budget. Raise `budget` to at least {real} plus room for the answer, or pass "
+                                     "`protect_prompt=False` to let prompt tokens be evicted too.")
         plan = self.plan_for(new)
         if new == 1:
             self.decode_steps += 1
@@ -105,29 +117,6 @@ class ForwardCoordinator:
             self.compactor.compact(self.full_layers, plan, self.rows.pads, self.rows.pads_host,
                                    self.pinned_tokens(seen))
         return plan
-
-    def _check_forward(self, seen: int, new: int) -> None:
-        """Refusals that depend on the forward's size: eviction before a rollback, a pinned prompt over budget."""
-        budget = self.options.budget
-        if self.rollback_expected and budget is not None:
-            # Assisted decoding sends the prompt and then each draft as multi-token forwards; the prompt check
-            # below would take them all for prompt and fail with a misleading message.
-            real = seen + new - min(self.rows.pads_host)
-            pins_too_much = self.prompt_tokens is None and self.options.protect_prompt and real > budget
-            if pins_too_much or self.plan_for(new).compacts:
-                raise ValueError(
-                    f"RopeKVCache cannot crop once it evicts, and this decoding mode rolls the cache back: this step "
-                    f"would take it to {real} tokens, past budget={budget}. {CROPPABLE_FIX}")
-        if self.prompt_tokens is None:
-            if new == 1 and seen > 0:
-                self.prompt_tokens = seen  # first decoding step: the prompt is complete
-            elif self.options.protect_prompt and budget is not None:
-                real = seen + new - min(self.rows.pads_host)
-                if real > budget:
-                    raise ValueError(
-                        f"The prompt has {real} tokens but budget={budget}; a pinned prompt must fit in the "
-                        f"budget. Raise `budget` to at least {real} plus room for the answer, or pass "
-                        "`protect_prompt=False` to let prompt tokens be evicted too.")
 
 
 def _running_model_class() -> str | None:

@@ -20,9 +20,8 @@ from .options import PAGE_SIZE, CacheOptions
 from .window import StaticWindowLayer
 
 #: How to get a croppable cache: the end of every "cannot crop" error.
-CROPPABLE_FIX = (
-    "Assisted/speculative decoding (assistant_model=, prompt_lookup_num_tokens=) and DoLa need a croppable "
-    "cache; use a plain DynamicCache for them, or a budget larger than the whole generation.")
+CROPPABLE_FIX = ("Assisted/speculative decoding (assistant_model=, prompt_lookup_num_tokens=) and DoLa need a "
+                 "croppable cache; use a plain DynamicCache for them, or a budget larger than the whole generation.")
 #: The error of a rollback after an eviction.
 CANNOT_CROP = (
     "RopeKVCache cannot crop: tokens were already evicted, so the cache cannot be rolled back. " + CROPPABLE_FIX)
@@ -60,20 +59,18 @@ class BudgetedLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         # Compaction happens here, before writing: no tensor this forward returned still aliases the arena.
         self._cache.coordinator.before_update(self, key_states, args, kwargs)
-        keys, values = self.storage.append(key_states, value_states, first_position=self.tokens_seen)
+        self.keys, self.values = self.storage.append(key_states, value_states, first_position=self.tokens_seen)
         self.tokens_seen += key_states.shape[-2]
-        self.keys, self.values = keys, values
-        return keys, values
+        return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kept = self._cache.coordinator.planned_slots(query_length)
+        kept = self._cache.coordinator.plan_for(query_length).slots_after  # once this forward's compaction is done
         return kept + query_length, self.tokens_seen - kept
 
     def get_seq_length(self) -> int:
@@ -122,18 +119,16 @@ class StaticBudgetedLayer(BudgetedLayer):
         super().__init__(cache, layer_idx, storage)
         self.kv_length = storage.static_capacity  # slots attention reads in the coming forward
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         # Refuse, eagerly, a forward the cache's model did not announce. A compiled or graphed step skips the check
         # (is_compiling() folds to a constant, adding no guard): the model's pre-hook announced it.
         if not step_is_recorded() and self._cache.coordinator.full_layers[0] is self:
             self._cache.coordinator.check_announced()
         if not self.is_initialized:  # the cache could not allocate before the forward: the arena's shape is known now
             self.initialize(key_states, value_states, self.kv_length)
-        keys, values = self.storage.write(key_states, value_states)
-        self.keys, self.values = keys, values
-        return keys, values
+        self.keys, self.values = self.storage.write(key_states, value_states)
+        return self.keys, self.values
 
     def prepare_forward(self, first_slot: int, new: int, seen: int, kv_length: int,
                         write_index: torch.Tensor | None) -> None:

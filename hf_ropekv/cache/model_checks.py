@@ -19,15 +19,13 @@ def check_sliding_windows(geometry: ModelGeometry, budget: int | None) -> None:
     bounds nothing (they are bounded already)."""
     windows = [w for kind, w in zip(geometry.layer_types, geometry.sliding_windows) if kind == SLIDING and w]
     if budget is not None and windows and FULL not in geometry.layer_types:
-        warn(
-            f"budget={budget} evicts nothing on '{geometry.model_type}': all its layers are sliding-window layers, "
-            f"already bounded by their window ({max(windows)} tokens), which RopeKVCache leaves as they are. "
-            "Use a DynamicCache, or budget=None to silence this.")
+        warn(f"budget={budget} evicts nothing on '{geometry.model_type}': all its layers are sliding-window layers, "
+             f"already bounded by their window ({max(windows)} tokens), which RopeKVCache leaves as they are. Use a "
+             "DynamicCache, or budget=None to silence this.")
     if budget is not None and windows and FULL in geometry.layer_types and budget < max(windows):
-        raise ValueError(
-            f"budget={budget} is smaller than the sliding window ({max(windows)}) of '{geometry.model_type}''s "
-            f"sliding-window layers. Use budget >= {max(windows)}: the full-attention layers then always keep at "
-            "least as many tokens as a window holds.")
+        raise ValueError(f"budget={budget} is smaller than the sliding window ({max(windows)}) of "
+                         f"'{geometry.model_type}''s sliding-window layers. Use budget >= {max(windows)}: the "
+                         "full-attention layers then always keep at least as many tokens as a window holds.")
 
 
 def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: Any, scorer: Any = None) -> str | None:
@@ -42,17 +40,15 @@ def static_error(geometry: ModelGeometry, budget: int | None, model_or_config: A
             "prepares every forward (compaction, slots, mask) from the model's hooks before the compiled step runs.")
     if getattr(scorer, "query_window", None) is not None:
         name = type(scorer).__name__
-        return (
-            f"static=True cannot run {name}: it ranks keys by attention weights, recomputed from a window of the "
-            "model's recent queries that the cache gathers and keeps growing on the eager path; a static cache's "
-            "compiled decode step (fixed shapes, every decision taken before the forward) cannot hold or hand over "
-            f"those queries. Use static=False with {name}, or keep static=True with a RoPE or query-free scorer "
-            "(the default RoPE FrequencyScorer, RecencyScorer, KeyNormScorer, RandomScorer).")
+        return (f"static=True cannot run {name}: it ranks keys by attention weights, recomputed from a window of the "
+                "model's recent queries that the cache gathers and keeps growing on the eager path; a static cache's "
+                "compiled decode step (fixed shapes, every decision taken before the forward) cannot hold or hand over "
+                f"those queries. Use static=False with {name}, or keep static=True with a RoPE or query-free scorer "
+                "(the default RoPE FrequencyScorer, RecencyScorer, KeyNormScorer, RandomScorer).")
     windows = {w for kind, w in zip(geometry.layer_types, geometry.sliding_windows) if kind == SLIDING}
     if None in windows or len(windows) > 1:
-        return (
-            f"static=True does not support '{geometry.model_type}': its sliding-window layers have windows "
-            f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False.")
+        return (f"static=True does not support '{geometry.model_type}': its sliding-window layers have windows "
+                f"{sorted(windows, key=str)}; a static cache needs one window size for all of them. Use static=False.")
     return None
 
 
@@ -63,16 +59,14 @@ def check_static(geometry: ModelGeometry, budget: int | None, model_or_config: A
         raise ValueError(error)
 
 
-def static_unsupported(geometry: ModelGeometry, budget: int | None, model: nn.Module | None,
-                       scorer: Any) -> str | None:
+def static_unsupported(geometry: ModelGeometry, budget: int | None, model: nn.Module | None, scorer: Any) -> str | None:
     """Why ``static="auto"`` leaves this cache growing, or None. Static pays only where its decode steps replay CUDA
     graphs (the model on one CUDA device and rank) and ``generate`` would ask for a compiled forward (the
     quantization allows it); elsewhere its eager steps are slower than a growing cache's."""
     if model is None:
         return "built from a config"
-    reason = static_error(geometry, budget, model, scorer)
-    if reason is None:
-        reason = not_capturable(model, getattr(model, "device", torch.device("cpu")))
+    device = getattr(model, "device", torch.device("cpu"))
+    reason = static_error(geometry, budget, model, scorer) or not_capturable(model, device)
     quantizer = getattr(model, "hf_quantizer", None)
     if reason is None and quantizer is not None and not getattr(quantizer, "is_compileable", False):
         return f"transformers does not compile {type(quantizer).__name__} models"
@@ -89,7 +83,6 @@ def check_kv_bits(kv_bits: int | None, model_or_config: Any) -> None:
                          "cache switches the model's attention to one that reads int8 keys and values.")
     implementation = getattr(getattr(model_or_config, "config", None), "_attn_implementation", None)
     if implementation not in ("sdpa", GROUPED_SDPA) or not dispatches_by_name(model_or_config):
-        raise ValueError(
-            f"kv_bits=8 needs a model on sdpa attention that transformers dispatches by name; this "
-            f"{type(model_or_config).__name__} uses {implementation!r}. Load it with attn_implementation='sdpa', "
-            "or use kv_bits=None.")
+        raise ValueError("kv_bits=8 needs a model on sdpa attention that transformers dispatches by name; this "
+                         f"{type(model_or_config).__name__} uses {implementation!r}. Load it with "
+                         "attn_implementation='sdpa', or use kv_bits=None.")

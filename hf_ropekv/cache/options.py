@@ -40,9 +40,8 @@ class CacheOptions:
         if not _is_int(self.sink) or self.sink < 0:
             raise ValueError(f"sink must be an int >= 0; got {self.sink!r}.")
         if budget is not None and self.recent_window + self.sink >= budget:
-            raise ValueError(
-                f"window ({self.recent_window}) + sink ({self.sink}) must be smaller than budget ({budget}), or "
-                "nothing is left to choose.")
+            raise ValueError(f"window ({self.recent_window}) + sink ({self.sink}) must be smaller than budget "
+                             f"({budget}), or nothing is left to choose.")
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"protect_prompt must be True or False; got {self.protect_prompt!r}.")
         if not (isinstance(self.static, bool) or self.static == "auto"):

@@ -42,11 +42,9 @@ class BatchRows:
 
     def on_device(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """``values`` as a device tensor, copied from the host only when they change (at compactions, for holes)."""
-        cached = self._on_device
-        if cached is None or cached[0] != values or cached[1].device != device:
-            cached = (values, torch.tensor(values, device=device))
-            self._on_device = cached
-        return cached[1]
+        if self._on_device is None or self._on_device[0] != values or self._on_device[1].device != device:
+            self._on_device = (values, torch.tensor(values, device=device))
+        return self._on_device[1]
 
     def appends_real_token(self, total: int, new: int, batch: int) -> bool:
         """Whether this forward is a decoding step right after a forward whose padding was recorded: its token is
@@ -96,15 +94,13 @@ class BatchRows:
                 self.pads_host = tuple(self.pads.tolist())
         elif self.pads is None or self.pads.shape[0] != self.batch_size:
             if self.batch_size > 1 and not from_model:
-                raise ValueError(
-                    "RopeKVCache was built from a config and this transformers version does not tell the cache "
-                    "where the left padding of a batch is. Build it from the model instead: "
-                    "RopeKVCache(model, ...).")
+                raise ValueError("RopeKVCache was built from a config and this transformers version does not tell the "
+                                 "cache where the left padding of a batch is. Build it from the model instead: "
+                                 "RopeKVCache(model, ...).")
             self.assume_no_padding(self.batch_size, device)
         self.pads_total = total
 
     def assume_no_padding(self, batch: int, device: torch.device) -> None:
-        """No padding is known for these rows: none."""
         self.pads = torch.zeros(batch, dtype=torch.long, device=device)
         self.pads_host = (0,) * batch
 
@@ -131,9 +127,8 @@ class BatchRows:
             order = [0] * len(index)
         else:
             return
-        self.pads_host, self.holes, holes_pads, evicted = (
-            None if not rows else tuple(rows[i] for i in order) for rows in per_row
-        )
+        self.pads_host, self.holes, holes_pads, evicted = (None if not rows else tuple(rows[i] for i in order)
+                                                           for rows in per_row)
         self.holes_pads, self.evicted = holes_pads or (), list(evicted or ())
 
     def mask_for(self, attention_mask: torch.Tensor, new: int, plan: Plan, decoding: bool) -> torch.Tensor | None:

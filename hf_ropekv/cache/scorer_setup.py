@@ -40,10 +40,9 @@ def resolve_scorer(scorer: Scorer | None, budget: int | None, geometry: ModelGeo
         scorer.stats = FrequencyStats.resolve(scorer.stats, geometry, model)
     elif frequency and budget is not None:
         if model is None:
-            raise ValueError(
-                "The default RoPE scorer needs query statistics: pass the model (RopeKVCache(model, ...)) so they "
-                "are gathered online, or scorer=FrequencyScorer(stats=path) with a file from hf_ropekv.calibrate, or "
-                "another scorer (hf_ropekv.scorers).")
+            raise ValueError("The default RoPE scorer needs query statistics: pass the model (RopeKVCache(model, ...)) "
+                             "so they are gathered online, or scorer=FrequencyScorer(stats=path) with a file from "
+                             "hf_ropekv.calibrate, or another scorer (hf_ropekv.scorers).")
         online = OnlineStatistics(geometry, half_life=scorer.half_life, head_shrink=scorer.head_shrink)
     if frequency and scorer.prompt_window and budget is not None and model is not None:
         return scorer, online, PromptWindow(geometry, scorer.prompt_window)
@@ -51,7 +50,6 @@ def resolve_scorer(scorer: Scorer | None, budget: int | None, geometry: ModelGeo
     if window is None or budget is None:
         return scorer, online, None
     if model is None:
-        raise ValueError(
-            f"{type(scorer).__name__} recomputes attention from the model's queries: build the cache from "
-            "the model (RopeKVCache(model, ...)), not from its config.")
+        raise ValueError(f"{type(scorer).__name__} recomputes attention from the model's queries: build the cache from "
+                         "the model (RopeKVCache(model, ...)), not from its config.")
     return scorer, online, QueryWindow(geometry, window)

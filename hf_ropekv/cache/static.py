@@ -40,8 +40,7 @@ class StaticForwardDriver:
                 model: nn.Module | None, online: Any) -> torch.Tensor:
         """Take every decision of a forward of ``new`` tokens; return its 2-D mask: ``[B, kv_length]`` (each row's
         live slots, right-aligned after its holes), then the sliding-window layers' part."""
-        coordinator, rows = self.coordinator, self.coordinator.rows
-        layers = coordinator.full_layers
+        coordinator, rows, layers = self.coordinator, self.coordinator.rows, self.coordinator.full_layers
         rows.check_batch(batch)
         if attention_mask is not None:
             rows.observe_mask(attention_mask, new)
@@ -55,8 +54,7 @@ class StaticForwardDriver:
             self._write_indices(seen, new, seen, device, online)
             mask = self._prepare_windows(attention_mask, seen, new, batch, device, 0)
             return mask if attention_mask is None else mask.to(attention_mask.dtype)
-        first = layers[0]
-        seen = first.tokens_seen
+        first, seen = layers[0], layers[0].tokens_seen
         plan = coordinator.prologue(seen, new)
         needed = plan.slots_after + new
         for layer in layers:
@@ -126,8 +124,7 @@ class StaticForwardDriver:
                 self.clock[device] = tuple(
                     self.lease.take(("clock", i, device), shape, torch.int64,
                                     lambda shape=shape: torch.zeros(shape, dtype=torch.int64, device=device))
-                    for i, shape in enumerate(((1,), ()))
-                )
+                    for i, shape in enumerate(((1,), ())))
             first_slot, seen_before = self.clock[device]
             first_slot.fill_(slots)
             seen_before.fill_(seen)

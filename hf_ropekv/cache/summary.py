@@ -29,11 +29,9 @@ class CacheSummary:
 
     @classmethod
     def from_cache(cls, cache: Any) -> "CacheSummary":
-        """Read the public properties of ``cache`` (a :class:`RopeKVCache`) now."""
         if not hasattr(cache, "num_compactions"):
-            raise TypeError(
-                f"CacheSummary.from_cache needs a RopeKVCache, got {type(cache).__name__}. For a DynamicCache, "
-                "sum the bytes of its layers' keys and values.")
+            raise TypeError(f"CacheSummary.from_cache needs a RopeKVCache, got {type(cache).__name__}. For a "
+                            "DynamicCache, sum the bytes of its layers' keys and values.")
         same = ("tokens_seen", "tokens_kept", "num_compactions", "bytes_held", "full_cache_bytes", "static")
         return cls(budget=cache.options.budget, compress_every=cache.options.compress_every,
                    **{name: getattr(cache, name) for name in same})
@@ -53,10 +51,9 @@ class CacheSummary:
                  else f"bound: budget {self.budget} + compress_every {self.compress_every} = {self.bound}")
         compactions = f"{self.num_compactions} compaction{'' if self.num_compactions == 1 else 's'}"
         share = "" if self.bytes_fraction is None else f" ({self.bytes_fraction:.0%})"
-        return (
-            f"RopeKVCache: kept {self.tokens_kept:,} of {self.tokens_seen:,} tokens ({bound}), {compactions}; "
-            f"KV {format_bytes(self.bytes_held)} held vs {format_bytes(self.full_cache_bytes)} for a "
-            f"DynamicCache{share}")
+        return (f"RopeKVCache: kept {self.tokens_kept:,} of {self.tokens_seen:,} tokens ({bound}), {compactions}; KV "
+                f"{format_bytes(self.bytes_held)} held vs {format_bytes(self.full_cache_bytes)} for a "
+                f"DynamicCache{share}")
 
 
 def format_bytes(count: int) -> str:

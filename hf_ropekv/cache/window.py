@@ -65,9 +65,8 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         if self.is_initialized:
             self.cumulative_length.fill_(seen + new)
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens as the window's last slots; return what this forward attends over: the window for one
         token, the last ``window - 1`` kept tokens and the new ones for several. Reads no counter."""
         if not self.is_initialized:

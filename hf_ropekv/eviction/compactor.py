@@ -56,26 +56,19 @@ class Compactor:
                 for layer, layer_keep in zip(group, keep):
                     compact_arenas([layer.storage], layer_keep, start)
 
-    def window_for(self, plan: Plan, pads_host: tuple[int, ...] | None, pinned: int,
-                   device: torch.device) -> int | torch.Tensor:
-        """The recent window each row protects: the one asked for, or the default cut per row (``[B]``) to what the
-        budget leaves beside its pinned prompt and sink."""
-        if not self.auto_window or not self.window:
-            return self.window
-        pads = pads_host or (0,) * len(plan.kept_after)
-        room = [max(0, target - max(0, pinned - pad) - self.sink) for target, pad in zip(plan.kept_after, pads)]
-        return torch.tensor([min(self.window, int(r * RECENT_SHARE)) for r in room], device=device)
-
     def _select(self, layers: Sequence[StoredLayer], plan: Plan, pads: torch.Tensor, pads_host: tuple[int, ...],
                 pinned: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Score ``layers`` and pick each row's survivors: ``(keep [L, B, H, K], start [B])`` (row ``b`` keeps
         ``plan.kept_after[b]`` real slots, right-aligned from ``start[b]``)."""
-        first = layers[0].storage
-        device = first.keys.device
+        device = layers[0].storage.keys.device
         seen = plan.seen
         pads = pads.to(device)
         holes = torch.tensor([plan.slots_before - k for k in plan.kept_before], device=device)
-        window = self.window_for(plan, pads_host, pinned, device)
+        window = self.window
+        if self.auto_window and self.window:  # the default, cut per row to the room beside its pinned prompt and sink
+            pads_host = pads_host or (0,) * len(plan.kept_after)
+            room = [max(0, kept - max(0, pinned - pad) - self.sink) for kept, pad in zip(plan.kept_after, pads_host)]
+            window = torch.tensor([min(self.window, int(r * RECENT_SHARE)) for r in room], device=device)
         slot_positions = torch.stack([layer.storage.live_positions() for layer in layers])  # [L, B, H, S]
         rows = slot_positions.shape[0]  # layers ranked side by side
         flat_positions = slot_positions.flatten(0, 1)
@@ -95,8 +88,7 @@ class Compactor:
         targets = torch.tensor(plan.kept_after, device=device).clamp_min(0)
         keep, start = select_keep(scores.flatten(0, 1), is_hole, protected, targets.repeat(rows), plan.slots_after,
                                   noise)
-        keep = keep.view(rows, *slot_positions.shape[1:3], keep.shape[-1])
-        return keep, start[: targets.shape[0]]
+        return keep.view(rows, *slot_positions.shape[1:3], keep.shape[-1]), start[: targets.shape[0]]
 
     def _score(self, layers: Sequence[StoredLayer], position: torch.Tensor, seen: int, candidates: torch.Tensor,
                is_hole: torch.Tensor) -> torch.Tensor:
@@ -105,16 +97,13 @@ class Compactor:
         device = layers[0].storage.keys.device
         contexts = []
         for i, layer in enumerate(layers):
-            storage = layer.storage
-            layer_device = storage.keys.device
-            contexts.append(ScoreContext(
-                layer_idx=layer.layer_idx,
-                position=position.to(layer_device),
-                tokens_seen=seen,
-                slot_positions=storage.live_positions(),
-                candidates=candidates[i].to(layer_device),
-                **self._query_fields(layer.layer_idx, is_hole[i], layer_device),
-            ))
+            idx, layer_device, fields = layer.layer_idx, layer.storage.keys.device, {}
+            if self.queries is not None:  # an attention-based scorer's fields
+                queries, positions, new = self.queries.take(idx)
+                fields = dict(queries=queries, query_positions=positions, new_queries=new,
+                              valid=~is_hole[i].to(layer_device), attention_scale=self.queries.scales[idx])
+            contexts.append(ScoreContext(idx, position.to(layer_device), seen, layer.storage.live_positions(),
+                                         candidates[i].to(layer_device), **fields))
         keys = [layer.storage.live_keys() for layer in layers]
         score_layers = getattr(self.scorer, "score_layers", None)
         if score_layers is not None and len(keys) > 1 and all(k.device == device for k in keys):
@@ -126,13 +115,3 @@ class Compactor:
             for layer in layers:
                 self.queries.compacted(layer.layer_idx)
         return scores.float()
-
-    def _query_fields(self, layer_idx: int, is_hole: torch.Tensor, device: torch.device) -> dict[str, Any]:
-        """The ``ScoreContext`` fields of an attention-based scorer (empty for the others)."""
-        if self.queries is None:
-            return {}
-        queries, positions, new = self.queries.take(layer_idx)
-        return dict(
-            queries=queries, query_positions=positions, new_queries=new, valid=~is_hole.to(device),
-            attention_scale=self.queries.scales[layer_idx],
-        )

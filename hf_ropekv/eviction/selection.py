@@ -48,10 +48,9 @@ def select_keep(scores: torch.Tensor, is_hole: torch.Tensor, protected: torch.Te
     num_protected = protected.sum(-1)  # [B, H]
     if bool((num_protected > targets[:, None]).any()):
         row = int((num_protected > targets[:, None]).any(-1).nonzero()[0, 0])
-        raise ValueError(
-            f"{int(num_protected[row].max())} tokens of row {row} are protected (pinned prompt, sink and window) but "
-            f"only {int(targets[row])} can be kept. Raise `budget`, shrink `window`/`sink`, or pass "
-            "`protect_prompt=False`.")
+        raise ValueError(f"{int(num_protected[row].max())} tokens of row {row} are protected (pinned prompt, sink and "
+                         f"window) but only {int(targets[row])} can be kept. Raise `budget`, shrink `window`/`sink`, "
+                         "or pass `protect_prompt=False`.")
     ranked = scores.float() + TIE_BREAK_NOISE * noise
     ranked = ranked.masked_fill(protected, float("inf")).masked_fill(is_hole, float("-inf"))
     order = ranked.argsort(dim=-1, descending=True, stable=True)
@@ -61,6 +60,4 @@ def select_keep(scores: torch.Tensor, is_hole: torch.Tensor, protected: torch.Te
     slot = torch.arange(scores.shape[-1], device=scores.device).expand_as(rank)
     # Unchosen slots sort to the front as -1; the last `slots_after` entries are the row's survivors, ascending.
     ordered = torch.where(chosen, slot, torch.full_like(slot, -1)).sort(dim=-1).values
-    keep = ordered[..., ordered.shape[-1] - slots_after :]
-    start = slots_after - targets
-    return keep, start
+    return ordered[..., ordered.shape[-1] - slots_after :], slots_after - targets

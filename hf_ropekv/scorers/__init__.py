@@ -10,16 +10,5 @@ from .recency import RecencyScorer
 from .rkv import RKVScorer
 from .snapkv import SnapKVScorer
 
-__all__ = [
-    "FrequencyScorer",
-    "H2OScorer",
-    "KeyNormScorer",
-    "RKVScorer",
-    "RandomScorer",
-    "RecencyScorer",
-    "ScoreContext",
-    "Scorer",
-    "SnapKVScorer",
-    "attention_from_queries",
-    "standardize",
-]
+__all__ = ["FrequencyScorer", "H2OScorer", "KeyNormScorer", "RKVScorer", "RandomScorer", "RecencyScorer",
+           "ScoreContext", "Scorer", "SnapKVScorer", "attention_from_queries", "standardize"]

@@ -74,7 +74,6 @@ def require_queries(ctx: ScoreContext, scorer: str) -> tuple[torch.Tensor, torch
 
 
 def context_scale(ctx: ScoreContext, head_dim: int) -> float:
-    """The model's attention scale from the context, ``head_dim ** -0.5`` when not given."""
     return ctx.attention_scale if ctx.attention_scale is not None else head_dim**-0.5
 
 
@@ -98,9 +97,8 @@ def _chunk_probabilities(queries: torch.Tensor, keys: torch.Tensor, query_positi
 def _check_shapes(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
                   slot_positions: torch.Tensor, valid: torch.Tensor | None) -> None:
     if queries.dim() != 4 or keys.dim() != 4:
-        raise ValueError(
-            f"queries must be [B, H_q, N, D] and keys [B, H_kv, S, D]; got {tuple(queries.shape)} and "
-            f"{tuple(keys.shape)}.")
+        raise ValueError(f"queries must be [B, H_q, N, D] and keys [B, H_kv, S, D]; got {tuple(queries.shape)} and "
+                         f"{tuple(keys.shape)}.")
     batch, q_heads, n_queries, dim = queries.shape
     k_batch, kv_heads, slots, k_dim = keys.shape
     if batch != k_batch or dim != k_dim:
@@ -117,9 +115,8 @@ def _check_shapes(queries: torch.Tensor, keys: torch.Tensor, query_positions: to
         raise ValueError(f"valid must be [B, H_kv, S] = {(batch, kv_heads, slots)}; got {tuple(valid.shape)}.")
 
 
-def window_attention(
-    keys: torch.Tensor, ctx: ScoreContext, window: int, scorer: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def window_attention(keys: torch.Tensor, ctx: ScoreContext, window: int,
+                     scorer: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The observation-window vote of SnapKV and R-KV: ``(mass [B, H_kv, S], positions [B, N])``, the attention the
     last ``window`` queries put on each slot, averaged over each GQA group."""
     queries, positions = require_queries(ctx, scorer)
@@ -129,9 +126,8 @@ def window_attention(
     return group_mean(mass, keys.shape[1]), positions
 
 
-def pool_along_tokens(
-    scores: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None, kernel_size: int, mode: str
-) -> torch.Tensor:
+def pool_along_tokens(scores: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None, kernel_size: int,
+                      mode: str) -> torch.Tensor:
     """1-D pooling (``mode`` ``"avgpool"`` or ``"maxpool"``, stride 1, same length) of ``[B, H, S]`` scores over
     neighbouring tokens in token order; invalid slots are zeroed and sorted last."""
     if kernel_size == 1:
@@ -149,8 +145,10 @@ def pool_along_tokens(
     return torch.empty_like(pooled).scatter_(-1, order, pooled)
 
 
-def check_pooling(kernel_size: int, pooling: str) -> None:
-    """Validate a (kernel_size, pooling) pair of SnapKV / R-KV."""
+def check_window(window: int, kernel_size: int, pooling: str) -> None:
+    """Validate the observation ``window`` and the (kernel_size, pooling) pair of SnapKV / R-KV."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (queries); got {window!r}.")
     if not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be a positive odd int (pooling keeps the length); got {kernel_size!r}.")
     if pooling not in ("avgpool", "maxpool"):

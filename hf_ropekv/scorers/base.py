@@ -53,8 +53,7 @@ def standardize(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     weight = candidates.to(scores.dtype).expand_as(scores)
     count = weight.sum(-1, keepdim=True).clamp_min(1.0)
     mean = (scores * weight).sum(-1, keepdim=True) / count
-    var = (((scores - mean) ** 2) * weight).sum(-1, keepdim=True) / count
-    std = var.sqrt()
+    std = ((((scores - mean) ** 2) * weight).sum(-1, keepdim=True) / count).sqrt()
     return (scores - mean) / torch.where(std > 0, std, torch.ones_like(std))
 
 

@@ -79,8 +79,7 @@ class FrequencyScorer:
             q_mean, q_abs_mean = (t.reshape(1, layers * q_heads, pairs) for t in (q_mean, q_abs_mean))
         w, c = query_weights(q_mean, q_abs_mean, inv_freq, ctx.position, self.offsets)
         # [B', L * H_q, *] -> [L, B', H_q, *]: each layer's weights contiguous, as the kernel reads them.
-        w = w.view(w.shape[0], layers, q_heads, -1).transpose(0, 1).contiguous().to(first.device)
-        c = c.view(c.shape[0], layers, q_heads, -1).transpose(0, 1).contiguous().to(first.device)
+        w, c = (t.view(t.shape[0], layers, q_heads, -1).transpose(0, 1).contiguous().to(first.device) for t in (w, c))
         layout = self.stats.metadata.get("rotary_layout", ROTATE_HALF)
         raw = torch.empty(layers, batch, q_heads, slots, dtype=torch.float32, device=first.device)
         for i, layer_keys in enumerate(keys):
@@ -106,9 +105,8 @@ class FrequencyScorer:
         return self._device_cache[key]
 
 
-def _heads_of_this_rank(
-    q_mean: torch.Tensor, q_abs_mean: torch.Tensor, kv_heads: int, metadata: dict
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _heads_of_this_rank(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, kv_heads: int,
+                        metadata: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The query heads that go with ``kv_heads`` local KV heads: under tensor parallelism, statistics of the whole
     model (a file) are sliced to this rank's contiguous share (online statistics already have it)."""
     total_q, total_kv = metadata.get("num_q_heads"), metadata.get("num_kv_heads")
@@ -116,9 +114,8 @@ def _heads_of_this_rank(
     if not total_q or not total_kv or kv_heads == total_kv or heads == kv_heads * (total_q // total_kv):
         return q_mean, q_abs_mean
     if heads != total_q or total_kv % kv_heads:
-        raise ValueError(
-            f"Query statistics of {heads} heads do not fit {kv_heads} KV heads (the model has {total_q} query and "
-            f"{total_kv} KV heads).")
+        raise ValueError(f"Query statistics of {heads} heads do not fit {kv_heads} KV heads (the model has {total_q} "
+                         f"query and {total_kv} KV heads).")
     shards = total_kv // kv_heads
     rank = torch.distributed.get_rank() % shards if torch.distributed.is_initialized() else 0
     per = total_q // shards

@@ -34,7 +34,6 @@ class H2OScorer:
     _layers: dict[int, _LayerAccumulator] = field(default_factory=dict, init=False, repr=False)
 
     def reset(self) -> None:
-        """Forget every layer's totals."""
         self._layers.clear()
 
     def score(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
@@ -44,9 +43,8 @@ class H2OScorer:
             raise ValueError(f"ctx.new_queries={new} must lie in [0, {queries.shape[2]}] (the queries provided).")
         state = self._state_for(keys, ctx, new)
         if ctx.tokens_seen != state.tokens_seen and new > 0:
-            scale = context_scale(ctx, keys.shape[-1])
-            fresh_queries, fresh_positions = queries[:, :, -new:], positions[:, -new:]
-            mass = summed_attention(fresh_queries, keys, fresh_positions, ctx.slot_positions, ctx.valid, scale)
+            mass = summed_attention(queries[:, :, -new:], keys, positions[:, -new:], ctx.slot_positions, ctx.valid,
+                                    context_scale(ctx, keys.shape[-1]))
             self._add(state, group_mean(mass, keys.shape[1]), ctx)
         state.tokens_seen = ctx.tokens_seen
         index = ctx.slot_positions.clamp(0, state.totals.shape[-1] - 1)
@@ -55,13 +53,8 @@ class H2OScorer:
     def _state_for(self, keys: torch.Tensor, ctx: ScoreContext, new: int) -> _LayerAccumulator:
         state = self._layers.get(ctx.layer_idx)
         batch, kv_heads = keys.shape[:2]
-        fresh = (
-            state is None
-            or new >= ctx.tokens_seen
-            or ctx.tokens_seen < state.tokens_seen
-            or state.totals.shape[:2] != (batch, kv_heads)
-            or state.totals.device != keys.device)
-        if fresh:
+        if (state is None or new >= ctx.tokens_seen or ctx.tokens_seen < state.tokens_seen
+                or state.totals.shape[:2] != (batch, kv_heads) or state.totals.device != keys.device):
             totals = torch.zeros(batch, kv_heads, max(ctx.tokens_seen, 1), dtype=torch.float32, device=keys.device)
             state = _LayerAccumulator(totals=totals, tokens_seen=-1)
             self._layers[ctx.layer_idx] = state

@@ -12,9 +12,8 @@ from ..model.layouts import ROTATE_HALF, pair_strides
 from ..model.geometry import ModelGeometry
 
 
-def rotate(
-    queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, layout: str = ROTATE_HALF
-) -> torch.Tensor:
+def rotate(queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+           layout: str = ROTATE_HALF) -> torch.Tensor:
     """RoPE of ``layout`` applied to ``queries [B, S, H, D]`` at ``positions [B, S]`` (float64 phases; dims beyond
     ``2F`` pass through)."""
     pairs = inv_freq.numel()
@@ -30,8 +29,7 @@ def rotate(
 
 
 class QueryWindow:
-    """Per-layer post-RoPE queries ``[B, H_q, N, D]`` and their token indices ``[B, N]`` (-1: no query);
-    ``window`` queries are kept after a compaction."""
+    """Per-layer post-RoPE queries ``[B, H_q, N, D]`` and their token indices ``[B, N]`` (-1: no query)."""
 
     def __init__(self, geometry: ModelGeometry, window: int) -> None:
         if not isinstance(window, int) or window < 1:
@@ -61,13 +59,11 @@ class QueryWindow:
         """One layer's pre-RoPE queries ``[B, S, H, D]`` of the running forward."""
         if self._forward is None:
             return
-        index, rope = self._forward
-        geometry = self.geometry
+        geometry, rope = self.geometry, self._forward[1]
         rotated = rotate(queries.detach(), rope.to(queries.device), geometry.inv_freq, geometry.rotary_layout)
         self._pending[layer_idx] = rotated.to(queries.dtype).transpose(1, 2)  # [B, H, S, D]
 
     def end_forward(self) -> None:
-        """The forward finished: its queries now count."""
         if self._forward is None:
             return
         index = self._forward[0]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import check_pooling, pool_along_tokens, window_attention
+from .attention import check_window, pool_along_tokens, window_attention
 from .base import ScoreContext, standardize
 
 
@@ -30,13 +30,11 @@ class RKVScorer:
     threshold: float = 0.5
 
     def __post_init__(self) -> None:
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be a positive int (queries); got {self.window!r}.")
         if not 0.0 <= self.mix_lambda <= 1.0:
             raise ValueError(f"mix_lambda must lie in [0, 1]; got {self.mix_lambda!r}.")
         if not -1.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold is a cosine similarity in [-1, 1]; got {self.threshold!r}.")
-        check_pooling(self.kernel_size, "maxpool")
+        check_window(self.window, self.kernel_size, "maxpool")
 
     @property
     def query_window(self) -> int:
@@ -52,14 +50,9 @@ class RKVScorer:
         return standardize(joint, ctx.candidates)
 
 
-def key_redundancy(
-    keys: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None, threshold: float
-) -> torch.Tensor:
-    """R-KV's redundancy ``R`` of each slot, float32 ``[B, H_kv, S]`` (a distribution over the valid slots).
-
-    See ``RKVScorer``: mean cosine similarity to the other valid keys, with each token's pair to its most
-    recent later copy exempted, softmaxed over the valid slots; invalid slots get 0.
-    """
+def key_redundancy(keys: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None,
+                   threshold: float) -> torch.Tensor:
+    """R-KV's redundancy ``R`` of each slot (see ``RKVScorer``), float32 ``[B, H_kv, S]``; invalid slots get 0."""
     batch, kv_heads, slots, _ = keys.shape
     if valid is None:
         valid = torch.ones(batch, kv_heads, slots, dtype=torch.bool, device=keys.device)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..kernels.score import HAS_TRITON, check_score_args, score_keys_reference, score_keys_triton
+from ..kernels.score import HAS_TRITON, score_keys_reference, score_keys_triton
 from ..model.layouts import ROTATE_HALF, pair_strides
 
 __all__ = ["DEFAULT_OFFSETS", "query_weights", "score_keys", "score_keys_weighted"]
@@ -29,9 +29,8 @@ def _check_stats(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch
         raise ValueError(
             f"q_mean must be a complex tensor [H_q, F] or [B, H_q, F], got {getattr(q_mean, 'dtype', type(q_mean))}")
     if q_mean.dim() not in (2, 3) or q_mean.shape[-1] == 0:
-        raise ValueError(
-            f"q_mean must be [H_q, F] (shared by all rows) or [B, H_q, F] (one set per row) with F > 0, "
-            f"got shape {tuple(q_mean.shape)}")
+        raise ValueError("q_mean must be [H_q, F] (shared by all rows) or [B, H_q, F] (one set per row) with F > 0, "
+                         f"got shape {tuple(q_mean.shape)}")
     if q_abs_mean.is_complex() or not q_abs_mean.is_floating_point():
         raise ValueError(f"q_abs_mean must be a real floating tensor, got {q_abs_mean.dtype}")
     if q_abs_mean.shape != q_mean.shape:
@@ -43,9 +42,7 @@ def _check_stats(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, inv_freq: torch
 
 def _positions(position: Position, device: torch.device) -> torch.Tensor:
     """Absolute next-query positions as float64 [B] (exact for integers below 2**53)."""
-    if isinstance(position, bool):
-        raise ValueError("position must be an int or an integer tensor [B], got a bool")
-    if isinstance(position, int):
+    if isinstance(position, int) and not isinstance(position, bool):
         return torch.tensor([position], dtype=torch.float64, device=device)
     if torch.is_tensor(position):
         if position.is_floating_point() or position.is_complex() or position.dtype == torch.bool:
@@ -110,17 +107,11 @@ def score_keys(keys: torch.Tensor, q_mean: torch.Tensor, q_abs_mean: torch.Tenso
     if not torch.is_tensor(keys) or keys.dim() != 4:
         raise ValueError(f"keys must be a 4-D tensor [B, H_kv, S, D], got {getattr(keys, 'shape', type(keys))}")
     _check_stats(q_mean, q_abs_mean, inv_freq)
-    B, H_kv, _, D = keys.shape
-    H_q, F = q_mean.shape[-2:]
-    if H_q % H_kv != 0:
-        raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
-    if 2 * F > D:
-        raise ValueError(f"2F = {2 * F} rotary dims exceed head_dim {D}")
+    B = keys.shape[0]
     if torch.is_tensor(position) and position.numel() not in (1, B):
         raise ValueError(f"position tensor has {position.numel()} entries, keys have batch {B}")
     if q_mean.dim() == 3 and q_mean.shape[0] not in (1, B):
         raise ValueError(f"per-row statistics have {q_mean.shape[0]} rows, keys have batch {B}")
     w, c = query_weights(q_mean, q_abs_mean, inv_freq, position, offsets)
-    w, c = w.to(keys.device), c.to(keys.device)
-    check_score_args(keys, w, c, *pair_strides(layout, F))
-    return score_keys_weighted(keys, w, c, backend=backend, layout=layout)
+    # Head counts, head_dim and dtypes are checked by the kernel launcher's check_score_args.
+    return score_keys_weighted(keys, w.to(keys.device), c.to(keys.device), backend=backend, layout=layout)

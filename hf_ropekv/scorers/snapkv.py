@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import check_pooling, pool_along_tokens, window_attention
+from .attention import check_window, pool_along_tokens, window_attention
 from .base import ScoreContext, standardize
 
 
@@ -25,9 +25,7 @@ class SnapKVScorer:
     pooling: str = "avgpool"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be a positive int (queries); got {self.window!r}.")
-        check_pooling(self.kernel_size, self.pooling)
+        check_window(self.window, self.kernel_size, self.pooling)
 
     @property
     def query_window(self) -> int:

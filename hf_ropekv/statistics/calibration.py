@@ -15,7 +15,7 @@ from transformers.utils import logging
 
 from ..model.query_hooks import query_capture
 from ..model.geometry import describe
-from .fingerprint import calibration_metadata
+from .fingerprint import model_source, weights_fingerprint
 from .frequency_stats import FrequencyAccumulator, FrequencyStats
 
 logger = logging.get_logger(__name__)
@@ -64,32 +64,26 @@ def calibrate(model: nn.Module, tokenizer: Any, texts: Texts | None = None, max_
     total = sum(len(p) for p in pieces)
     if total == 0:
         raise ValueError("calibrate() got no tokens: pass non-empty text (or input_ids).")
-    pad_id = getattr(tokenizer, "pad_token_id", None)
-    pad_id = 0 if pad_id is None else int(pad_id)
+    pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
     device = _input_device(model)
-
-    accumulator = FrequencyAccumulator(geometry)
-    current_mask: dict[str, torch.Tensor] = {}
-
-    def on_query(layer_idx: int, queries: torch.Tensor) -> None:
-        accumulator.add(layer_idx, queries, current_mask.get("mask"))
-
+    accumulator, current_mask = FrequencyAccumulator(geometry), {}
     was_training = model.training
     model.eval()  # dropout off: the statistics are those of inference
     try:
-        with torch.no_grad(), query_capture(model, geometry, on_query), logging.tqdm(
-            total=total, unit="tok", desc="hf_ropekv calibration", disable=not progress
-        ) as bar:
+        with torch.no_grad(), query_capture(
+            model, geometry, lambda layer_idx, q: accumulator.add(layer_idx, q, current_mask.get("mask"))
+        ), logging.tqdm(total=total, unit="tok", desc="hf_ropekv calibration", disable=not progress) as bar:
             for input_ids, attention_mask in _batches(pieces, chunk_tokens, pad_id):
                 current_mask["mask"] = attention_mask.bool() if not bool(attention_mask.all()) else None
                 model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
                 bar.update(int(attention_mask.sum()))
     finally:
         model.train(was_training)
-    if source is None:
-        source = f"{kind}, {total} tokens"
+    source = f"{kind}, {total} tokens" if source is None else source
     stats = accumulator.to_stats(source=source)
-    stats.metadata.update(calibration_metadata(model))  # which weights: checked when the statistics are loaded
+    fingerprint = weights_fingerprint(model)
+    if fingerprint is not None:  # which weights: checked when the statistics are loaded
+        stats.metadata.update(weights_fingerprint=fingerprint, weights_source=model_source(model))
     logger.info("hf_ropekv: calibrated %s on %d tokens (%s).", geometry.model_type, stats.tokens, source)
     return stats
 
@@ -109,8 +103,7 @@ def answered_prompts(model: nn.Module, tokenizer: Any, prompts: Sequence[str], m
             raise ValueError(f"{name} must be a positive int; got {value!r}.")
     chat = getattr(tokenizer, "chat_template", None) is not None
     pad_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_id is None:
-        pad_id = getattr(tokenizer, "eos_token_id", None)
+    pad_id = getattr(tokenizer, "eos_token_id", None) if pad_id is None else pad_id
     eos_ids = _eos_ids(model, tokenizer)
     device = _input_device(model)
     sequences, seen = [], 0
@@ -123,7 +116,8 @@ def answered_prompts(model: nn.Module, tokenizer: Any, prompts: Sequence[str], m
                     break
                 batch = [_prompt_ids(tokenizer, prompt, chat) for prompt in prompts[first : first + batch_size]]
                 for prompt_ids, answer in zip(batch, _answer(model, batch, max_new_tokens, pad_id, eos_ids, device)):
-                    sequences.append(prompt_ids + _cut_after_eos(answer, eos_ids))
+                    end = next((i + 1 for i, token in enumerate(answer) if token in eos_ids), len(answer))
+                    sequences.append(prompt_ids + answer[:end])  # what follows its end is a finished row's filler
                     seen += len(sequences[-1])
                 bar.update(len(batch))
     finally:
@@ -150,7 +144,7 @@ def _answer(model: nn.Module, batch: list[list[int]], max_new_tokens: int, pad_i
     input_ids, attention_mask = _padded(batch, 0 if pad_id is None else int(pad_id), left=True)
     # An explicit DynamicCache: an hf_ropekv-enabled model must not answer with an evicting cache.
     kwargs: dict[str, Any] = {cache_kwarg(model): DynamicCache(config=model.config)}
-    if eos_ids:  # stop where _cut_after_eos cuts
+    if eos_ids:  # stop where answered_prompts cuts
         kwargs["eos_token_id"] = eos_ids
     with torch.no_grad():
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
@@ -168,11 +162,6 @@ def _eos_ids(model: nn.Module, tokenizer: Any) -> list[int]:
             if isinstance(token, int) and not isinstance(token, bool) and token not in found:
                 found.append(token)
     return found
-
-
-def _cut_after_eos(answer: list[int], eos_ids: list[int]) -> list[int]:
-    """``answer`` up to and including its first end-of-sequence token (what follows is a finished row's filler)."""
-    return next((answer[: i + 1] for i, token in enumerate(answer) if token in eos_ids), answer)
 
 
 def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[list[list[int]], str]:
@@ -196,9 +185,8 @@ def _token_sequences(tokenizer: Any, texts: Texts, max_tokens: int) -> tuple[lis
     elif isinstance(texts, Sequence) and texts and isinstance(texts[0], (Sequence, torch.Tensor)):
         rows, kind = [list(row) for row in texts], "input_ids"
     else:
-        raise TypeError(
-            "texts must be a non-empty string, list of strings, input_ids tensor, list of ids or list of id lists; "
-            f"got {type(texts).__name__}.")
+        raise TypeError("texts must be a non-empty string, list of strings, input_ids tensor, list of ids or list of "
+                        f"id lists; got {type(texts).__name__}.")
     sequences, budget = [], max_tokens
     for row in rows:
         row = [int(t) for t in row[:budget]]

@@ -62,14 +62,6 @@ def model_source(model: nn.Module) -> str:
     return str(name) if name else type(model).__name__
 
 
-def calibration_metadata(model: nn.Module) -> dict[str, Any]:
-    """Metadata ``calibrate`` records about the weights: ``weights_fingerprint`` and ``weights_source``."""
-    fingerprint = weights_fingerprint(model)
-    if fingerprint is None:
-        return {}
-    return {"weights_fingerprint": fingerprint, "weights_source": model_source(model)}
-
-
 def warn_if_other_weights(metadata: Mapping[str, Any], model: nn.Module, where: str | None = None) -> bool:
     """Warn (once per fingerprint pair and model) if statistics with this ``metadata`` were calibrated on other
     weights than ``model``'s; returns whether the fingerprints differ (False when either side has none)."""
@@ -85,13 +77,12 @@ def warn_if_other_weights(metadata: Mapping[str, Any], model: nn.Module, where: 
     if (theirs, ours, here) not in _warned:
         _warned.add((theirs, ours, here))
         origin = f"{where}: " if where else ""
-        warn(
-            f"{origin}these query statistics were calibrated on weights with fingerprint {theirs} ({calibrated_on}; "
-            f"text: {source}), but this model ({here}) has fingerprint {ours}. Same geometry, other weights (a "
-            "fine-tune or another checkpoint?): eviction would rank keys by another model's queries. Recalibrate "
-            "with hf_ropekv.calibrate(model, tokenizer, texts).save(path) on this model. (A quantized copy of the "
-            "calibrated model also has another fingerprint; statistics of the unquantized model are then still a "
-            "good fit.)")
+        warn(f"{origin}these query statistics were calibrated on weights with fingerprint {theirs} ({calibrated_on}; "
+             f"text: {source}), but this model ({here}) has fingerprint {ours}. Same geometry, other weights (a "
+             "fine-tune or another checkpoint?): eviction would rank keys by another model's queries. Recalibrate with "
+             "hf_ropekv.calibrate(model, tokenizer, texts).save(path) on this model. (A quantized copy of the "
+             "calibrated model also has another fingerprint; statistics of the unquantized model are then still a good "
+             "fit.)")
     return True
 
 

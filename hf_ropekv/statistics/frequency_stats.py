@@ -53,9 +53,8 @@ class FrequencyStats:
 
     def __post_init__(self) -> None:
         if self.q_mean.ndim != 3 or self.q_mean.shape != self.q_abs_mean.shape:
-            raise ValueError(
-                f"FrequencyStats needs q_mean and q_abs_mean of the same shape [layers, q_heads, rotary_dim/2]; "
-                f"got {tuple(self.q_mean.shape)} and {tuple(self.q_abs_mean.shape)}.")
+            raise ValueError("FrequencyStats needs q_mean and q_abs_mean of the same shape [layers, q_heads, "
+                             f"rotary_dim/2]; got {tuple(self.q_mean.shape)} and {tuple(self.q_abs_mean.shape)}.")
         if not self.q_mean.is_complex():
             raise TypeError(f"FrequencyStats.q_mean must be complex (complex64), got {self.q_mean.dtype}.")
         self.q_mean = self.q_mean.to(torch.complex64)
@@ -64,30 +63,24 @@ class FrequencyStats:
     def for_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q_mean [H_q, F] complex64, q_abs_mean [H_q, F] float32)`` of one decoder layer."""
         if not 0 <= layer_idx < self.q_mean.shape[0]:
-            layers = self.q_mean.shape[0]
-            raise IndexError(f"Layer {layer_idx} is out of range: these statistics cover {layers} layers.")
+            raise IndexError(f"Layer {layer_idx} is out of range: the statistics cover {self.q_mean.shape[0]} layers.")
         return self.q_mean[layer_idx], self.q_abs_mean[layer_idx]
 
     @property
     def tokens(self) -> int:
-        """Positions averaged per layer (0 when unknown)."""
         return int(self.metadata.get("tokens", 0))
 
     def __repr__(self) -> str:
         layers, heads, pairs = self.q_mean.shape
-        return (
-            f"FrequencyStats(model_type={self.metadata.get('model_type')!r}, layers={layers}, q_heads={heads}, "
-            f"pairs={pairs}, tokens={self.tokens}, source={self.metadata.get('source')!r})")
+        return (f"FrequencyStats(model_type={self.metadata.get('model_type')!r}, layers={layers}, q_heads={heads}, "
+                f"pairs={pairs}, tokens={self.tokens}, source={self.metadata.get('source')!r})")
 
     def save(self, path: str | os.PathLike) -> None:
         """Write a safetensors file (float32 real / imaginary / modulus tensors, metadata as header JSON)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            "q_mean_real": self.q_mean.real.contiguous().cpu(),
-            "q_mean_imag": self.q_mean.imag.contiguous().cpu(),
-            "q_abs_mean": self.q_abs_mean.contiguous().cpu(),
-        }
+        tensors = {"q_mean_real": self.q_mean.real.contiguous().cpu(),
+                   "q_mean_imag": self.q_mean.imag.contiguous().cpu(), "q_abs_mean": self.q_abs_mean.contiguous().cpu()}
         metadata = {**self.metadata, "format_version": FORMAT_VERSION}
         save_file(tensors, str(path), metadata={_HEADER_KEY: json.dumps(_jsonable(metadata))})
 
@@ -98,18 +91,16 @@ class FrequencyStats:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(
-                f"No statistics file at {path}; create one with hf_ropekv.calibrate(model, tokenizer, texts).save(path).")
+                f"No statistics file at {path}; make one with hf_ropekv.calibrate(model, tokenizer, texts).save(path).")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 header = f.metadata() or {}
                 tensors = {name: f.get_tensor(name).clone() for name in f.keys()}  # not a map of the file
         except Exception as err:  # safetensors raises its own error types for corrupt or foreign files
-            fix = "recalibrate: hf_ropekv.calibrate(model, tokenizer, texts).save(path)"
-            raise ValueError(f"{path} could not be read as {_EXPECTED_SAFETENSORS} ({err}); {fix}.") from None
+            raise ValueError(f"{path} could not be read as {_EXPECTED_SAFETENSORS} ({err}); {_FIX}.") from None
         if _HEADER_KEY not in header:
-            raise ValueError(
-                f"{path} is a safetensors file but holds no hf_ropekv statistics (no '{_HEADER_KEY}' header); "
-                f"expected {_EXPECTED_SAFETENSORS}: {_FIX}.")
+            raise ValueError(f"{path} is a safetensors file but holds no hf_ropekv statistics (no '{_HEADER_KEY}' "
+                             f"header); expected {_EXPECTED_SAFETENSORS}: {_FIX}.")
         try:
             metadata = json.loads(header[_HEADER_KEY])
         except ValueError:
@@ -118,9 +109,8 @@ class FrequencyStats:
             raise ValueError(f"{path} has a damaged '{_HEADER_KEY}' header (not a JSON object): {_FIX}.")
         version = int(metadata.get("format_version", 0))
         if version > FORMAT_VERSION:
-            raise ValueError(
-                f"{path} has statistics format {version}, newer than this hf_ropekv understands ({FORMAT_VERSION}); "
-                "upgrade hf_ropekv.")
+            raise ValueError(f"{path} has statistics format {version}, newer than this hf_ropekv understands "
+                             f"({FORMAT_VERSION}); upgrade hf_ropekv.")
         missing = {"q_mean_real", "q_mean_imag", "q_abs_mean"} - tensors.keys()
         if missing:
             raise ValueError(f"{path} lacks the tensors {sorted(missing)}; {_FIX}.")
@@ -132,17 +122,14 @@ class FrequencyStats:
                 model: nn.Module | None = None) -> "FrequencyStats":
         """Statistics from an object or a file, checked against the model's geometry and, given ``model``, its
         weights' fingerprint (a warning)."""
-        if isinstance(stats_or_path, FrequencyStats):
-            stats = stats_or_path
-        elif isinstance(stats_or_path, (str, os.PathLike)):
-            stats = cls.load(stats_or_path)
-        else:
+        is_path = isinstance(stats_or_path, (str, os.PathLike))
+        if not is_path and not isinstance(stats_or_path, FrequencyStats):
             raise TypeError(
                 f"stats must be a FrequencyStats or the path of a statistics file, got {type(stats_or_path).__name__}.")
+        stats = cls.load(stats_or_path) if is_path else stats_or_path
         stats.check_compatible(geometry)
         if model is not None:
-            where = str(stats_or_path) if isinstance(stats_or_path, (str, os.PathLike)) else None
-            warn_if_other_weights(stats.metadata, model, where)
+            warn_if_other_weights(stats.metadata, model, str(stats_or_path) if is_path else None)
         return stats
 
     def check_compatible(self, geometry: ModelGeometry) -> None:
@@ -200,13 +187,10 @@ class FrequencyAccumulator:
         # Under tensor parallelism a rank sees a share of the heads: any divisor of the model's count, always the same.
         heads = queries.shape[2] if queries.ndim == 4 else -1
         if heads < 1 or g.num_q_heads % heads or queries.shape[3] < g.rotary_dim or self._heads not in (None, heads):
-            raise ValueError(
-                f"Expected pre-RoPE queries [batch, seq, {self._heads or g.num_q_heads} heads (or a tensor-parallel "
-                f"share of them), >= {g.rotary_dim} dims], got {tuple(queries.shape)}.")
+            raise ValueError(f"Expected pre-RoPE queries [batch, seq, {self._heads or g.num_q_heads} heads (or a "
+                             f"tensor-parallel share of them), >= {g.rotary_dim} dims], got {tuple(queries.shape)}.")
         self._heads = heads
-        device = queries.device
-        if device.type == "mps":  # no float64 there
-            device = torch.device("cpu")
+        device = queries.device if queries.device.type != "mps" else torch.device("cpu")  # no float64 on MPS
         parts = query_parts(queries.to(device), self.layout, self._pairs)  # [B, S, 3, H, F]
         if mask is not None:
             if mask.shape != queries.shape[:2]:
@@ -234,13 +218,11 @@ class FrequencyAccumulator:
         counts = [0 if c is None else int(c) for c in self._counts]
         empty = [i for i, n in enumerate(counts) if n == 0]
         if empty:
-            raise ValueError(
-                f"No queries were recorded for layers {empty}: run the model forward over some text with "
-                "QueryCapture attached (hf_ropekv.calibrate does this) before building statistics.")
+            raise ValueError(f"No queries were recorded for layers {empty}: run the model forward over some text with "
+                             "QueryCapture attached (hf_ropekv.calibrate does this) before building statistics.")
         if len(set(counts)) > 1:
-            warn(
-                f"Layers saw different numbers of query positions ({min(counts)} to {max(counts)}): a forward stopped "
-                "part way through calibration? The statistics use each layer's own count.")
+            warn(f"Layers saw different numbers of query positions ({min(counts)} to {max(counts)}): a forward stopped "
+                 "part way through calibration? The statistics use each layer's own count.")
         sums = torch.stack([s.cpu() for s in self._sums])  # [L, 3, H, F] float64
         q_mean, q_abs_mean = complex_means(sums, torch.tensor(counts, dtype=torch.float64))
         metadata = {**geometry_metadata(self.geometry), "tokens": min(counts), "source": source,
@@ -282,8 +264,6 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
         return value
-    return str(value)
+    return str(value)  # other objects, and non-finite floats (not JSON)

@@ -107,7 +107,6 @@ class OnlineStatistics:
         self._step = (layers, stacked.detach())
 
     def end_forward(self) -> None:
-        """The forward finished: its queries now count."""
         for device in {q.device for _, q in self._static_step}:  # a device whose last layer gave no query
             self._fold_static_step(device)
         if self._step is not None:
@@ -119,7 +118,9 @@ class OnlineStatistics:
         if not self._pending and not self._stash:
             return
         self.flush()
-        self._decay(self._new)
+        if self.half_life is not None:  # the sums decay before this forward's queries are added
+            for value in (*self._sums.values(), *self._counts.values()):
+                value.mul_(self._factor(self._new))
         touched = set()
         for layer_idx, sums in self._pending.items():
             device, index = self._place(layer_idx, sums)
@@ -189,25 +190,22 @@ class OnlineStatistics:
             raise RuntimeError(
                 "RopeKVCache has no query statistics: no prompt went through the model with the cache attached. "
                 "Build the cache from the model, or pass FrequencyScorer(stats=...) from hf_ropekv.calibrate.")
-        q_mean, q_abs = [], []
+        means = []
         for layer_idx in range(self.geometry.num_layers):
             if layer_idx not in self._slot:  # a layer that gave no queries (sliding layers are never scored)
-                q_mean.append(None)
-                q_abs.append(None)
+                means.append((None, None))
                 continue
             device, index = self._slot[layer_idx]
             sums, counts = self._sums[device][index], self._counts[device]
             if self.head_shrink:  # a pseudo-count of head_shrink queries at the layer's head average
                 pooled = sums.mean(dim=2, keepdim=True) / counts.clamp_min(1e-12).view(-1, 1, 1, 1)
                 sums, counts = sums + self.head_shrink * pooled, counts + self.head_shrink
-            mean, abs_mean = complex_means(sums, counts)
-            q_mean.append(mean)
-            q_abs.append(abs_mean)
+            means.append(complex_means(sums, counts))
+        q_mean, q_abs = zip(*means)
         self._snapshot = RowStatistics(
-            q_mean=tuple(q_mean), q_abs_mean=tuple(q_abs), tokens=self._counts[next(iter(self._counts))].clone(),
+            q_mean=q_mean, q_abs_mean=q_abs, tokens=self._counts[next(iter(self._counts))].clone(),
             metadata={"inv_freq": self.geometry.inv_freq.tolist(), "rotary_layout": self._layout,
-                      "source": "online: the cache's own queries"},
-        )
+                      "source": "online: the cache's own queries"})
         return self._snapshot
 
     def move_to_buffers(self, take: Callable[..., torch.Tensor]) -> None:
@@ -218,7 +216,8 @@ class OnlineStatistics:
             for device, value in table.items():
                 buffer = take((name, device), tuple(value.shape), value.dtype, lambda v=value: torch.empty_like(v))
                 table[device] = buffer.copy_(value)
-        self._static_layers = {device: self._layers_on(device) for device in self._sums}
+        by_row = sorted(self._slot.items(), key=lambda item: item[1][1])  # layers in the order of their sums' rows
+        self._static_layers = {device: tuple(i for i, (d, _) in by_row if d == device) for device in self._sums}
         self._static_last = {layers[-1]: device for device, layers in self._static_layers.items() if layers}
         self.on_buffers, self._snapshot = True, None
 
@@ -301,24 +300,12 @@ class OnlineStatistics:
         self._fold_index[(device, layers)] = (result, rows)
         return result
 
-    def _layers_on(self, device: torch.device) -> tuple[int, ...]:
-        placed = sorted((index, layer_idx) for layer_idx, (d, index) in self._slot.items() if d == device)
-        return tuple(layer_idx for _, layer_idx in placed)
-
     def _factor(self, new_tokens: int) -> float | None:
         """The decay before ``new_tokens`` tokens' queries are added (None: no half-life)."""
         return None if self.half_life is None else 0.5 ** (new_tokens / self.half_life)
 
-    def _decay(self, new_tokens: int) -> None:
-        factor = self._factor(new_tokens)
-        if factor is not None:
-            for table in (self._sums, self._counts):
-                for value in table.values():
-                    value.mul_(factor)
-
 
 def _decay_then_add(total: torch.Tensor, factor: float | None, addend: torch.Tensor | float) -> None:
-    """``total = total * factor + addend`` in place (``factor`` None: no decay)."""
     if factor is not None:
         total.mul_(factor)
     total.add_(addend)

@@ -42,10 +42,7 @@ class BufferPool:
 
     @classmethod
     def of(cls, model: nn.Module) -> "BufferPool":
-        pool = cls._BY_MODEL.get(model)
-        if pool is None:
-            pool = cls._BY_MODEL[model] = cls()
-        return pool
+        return cls._BY_MODEL.setdefault(model, cls())
 
     def __init__(self) -> None:
         self.free: dict[Hashable, torch.Tensor] = {}
@@ -92,7 +89,6 @@ class BufferLease:
         return tensor
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every buffer this lease holds now."""
         return [tensor for _, tensor in self._held]
 
     def give_back(self, tensor: torch.Tensor | None) -> None:
@@ -123,9 +119,8 @@ _CUDA_BUILT = torch.backends.cuda.is_built()  # a CPU-only torch has no capture 
 def step_is_recorded() -> bool:
     """Whether the running forward is recorded to be replayed (traced by ``torch.compile`` or captured into a CUDA
     graph): it must then read per-step values from the static buffers (a host int would be baked in)."""
-    if torch.compiler.is_compiling():
-        return True
-    return _CUDA_BUILT and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    return torch.compiler.is_compiling() or (
+        _CUDA_BUILT and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
 def mark_static(*tensors: torch.Tensor) -> None:

@@ -34,8 +34,7 @@ class PagedKV:
         self.positions: torch.Tensor | None = None
         self.length = 0
         # Written lazily: slots from `_positions_valid` on hold tokens `_pending_position`, `_pending_position + 1`...
-        self._positions_valid = 0
-        self._pending_position = 0
+        self._positions_valid = self._pending_position = 0
         self.num_compactions = 0
         self._step_views = _StepViews()
 
@@ -134,10 +133,8 @@ class PagedKV:
                 self.positions = self.positions.repeat_interleave(repeats, dim=0)
 
     def clear(self) -> None:
-        """Drop everything, memory included."""
         self.planes = self.positions = None
-        self.length = self._positions_valid = self._pending_position = 0
-        self.num_compactions = 0
+        self.length = self._positions_valid = self._pending_position = self.num_compactions = 0
         self._step_views = _StepViews()
 
     # -- views ---------------------------------------------------------------------------------

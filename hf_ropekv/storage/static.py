@@ -70,11 +70,9 @@ class StaticKV(PagedKV):
             self._zero_from(0)
 
     def _new_arena(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        self._arena = [
-            static_buffer(self._lease, (f"plane{i}", self.layer_idx, p.device), (*p.shape[:2], self.static_capacity,
-                          p.shape[3]), p.dtype, p.device)
-            for i, p in enumerate(like)
-        ]
+        self._arena = [static_buffer(self._lease, (f"plane{i}", self.layer_idx, p.device),
+                                     (*p.shape[:2], self.static_capacity, p.shape[3]), p.dtype, p.device)
+                       for i, p in enumerate(like)]
         return self._arena
 
     def reserve(self, needed: int) -> None:
@@ -139,8 +137,7 @@ class StaticKV(PagedKV):
     def clear(self) -> None:
         self._give_back_arena()
         super().clear()
-        self._arena = None
-        self.write_index = None
+        self._arena = self.write_index = None
 
     def _give_back_arena(self) -> None:
         if self._arena is not None and self._lease is not None:

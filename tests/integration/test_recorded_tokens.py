@@ -48,7 +48,8 @@ def _cache_kwarg(model) -> str:
 def _generate(model, cache: Any, ids: torch.Tensor, mask: torch.Tensor, **kwargs) -> list[list[int]]:
     extra = {} if cache is None else {_cache_kwarg(model): cache}
     kwargs = {"do_sample": False, **kwargs}
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0, **extra, **kwargs)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0, **extra,
+                         **kwargs)
     return out[:, ids.shape[1]:].tolist()
 
 
