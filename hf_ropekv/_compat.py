@@ -5,8 +5,7 @@
 - ``_get_static_cache_init_shape()`` (private) returns ints on 5.17 and per-layer lists later;
 - ``StaticSlidingWindowLayer`` gains ``crop`` and ``is_croppable`` in 5.24 (``hf_ropekv.cache.window`` overrides
   every method whose behaviour differs);
-- GPT-J and CodeGen keep a sin/cos table instead of a rotary module before 5.2x.
-"""
+- GPT-J and CodeGen keep a sin/cos table instead of a rotary module before 5.2x."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 import transformers
 from packaging.version import Version
+from transformers.cache_utils import StaticSlidingWindowLayer
 from transformers.integrations import sdpa_attention
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
@@ -30,21 +30,15 @@ CACHE_KWARGS = ("cache", "past_key_values")
 
 
 def cache_from_forward_kwargs(kwargs: dict[str, Any]) -> Any:
-    """The cache object passed to a model forward, under either name."""
-    for name in CACHE_KWARGS:
-        value = kwargs.get(name)
-        if value is not None:
-            return value
-    return None
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
 
 
 def position_ids_from_update(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``position_ids`` of the new tokens if this transformers version hands them to ``Cache.update``."""
-    inner = kwargs.get("kwargs")
-    if isinstance(inner, dict) and isinstance(inner.get("position_ids"), torch.Tensor):
-        return inner["position_ids"]
-    if isinstance(kwargs.get("position_ids"), torch.Tensor):
-        return kwargs["position_ids"]
+    for source in (kwargs.get("kwargs"), kwargs):
+        if isinstance(source, dict) and isinstance(source.get("position_ids"), torch.Tensor):
+            return source["position_ids"]
     return None
 
 
@@ -86,17 +80,13 @@ def static_init_shape(model: Any, num_layers: int) -> tuple[list[int], list[int]
     shape = get_shape() if callable(get_shape) else None
     if shape is None:
         return None
-    heads, head_dim = shape
-    heads = list(heads) if isinstance(heads, (list, tuple)) else [heads] * num_layers
-    head_dim = list(head_dim) if isinstance(head_dim, (list, tuple)) else [head_dim] * num_layers
+    heads, head_dim = (list(value) if isinstance(value, (list, tuple)) else [value] * num_layers for value in shape)
     return heads, head_dim
 
 
 def init_static_sliding_layer(layer: Any, sliding_window: int) -> None:
     """Run transformers' ``StaticSlidingWindowLayer.__init__`` on ``layer`` for a window of ``sliding_window``
     tokens (its storage is exactly the window)."""
-    from transformers.cache_utils import StaticSlidingWindowLayer
-
     StaticSlidingWindowLayer.__init__(layer, max_cache_len=sliding_window, sliding_window=sliding_window)
     layer.cumulative_length_int = 0  # the Python counter every version keeps; the static driver advances it
     layer.dtype = None  # 5.17 sets it at allocation only
@@ -108,9 +98,8 @@ def crop_target(length: int, n: int) -> int:
     n = int(n)  # assisted decoding passes a 0-d tensor on some versions
     if n > 0:
         if TRANSFORMERS_VERSION >= _POSITIVE_CROP_REFUSED_FROM:
-            raise ValueError(
-                f"crop({n}): transformers {transformers.__version__} takes the number of tokens to remove as a "
-                f"negative int (crop(-k)); a positive length to keep is no longer accepted.")
+            raise ValueError(f"crop({n}): transformers {transformers.__version__} takes the number of tokens to remove "
+                             "as a negative int (crop(-k)); a positive length to keep is no longer accepted.")
         return min(n, length)
     return max(0, length + n)
 

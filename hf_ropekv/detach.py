@@ -1,7 +1,6 @@
 """``hf_ropekv.detach(model)``: take everything hf_ropekv put on a model off it, at once (enable's wrappers, every
 cache's hooks and wrappers, the grouped-query attention, the rotary pass-through, pooled static buffers, and what a
-copied model brought along). Caches built before refuse further use. Idempotent.
-"""
+copied model brought along). Caches built before refuse further use. Idempotent."""
 
 from __future__ import annotations
 

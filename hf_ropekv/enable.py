@@ -7,8 +7,7 @@
 ``enable`` wraps the model instance's ``_prepare_cache_for_generation``: after transformers' own preparation, a plain
 ``DynamicCache`` is replaced by a fresh ``RopeKVCache``. A cache passed by the caller, ``use_cache=False``, another
 ``cache_implementation`` and the modes that roll the cache back (assisted, DoLa, contrastive) keep transformers'
-cache. ``generate`` is wrapped too, to keep each call's summary. A copy of an enabled model stays enabled.
-"""
+cache. ``generate`` is wrapped too, to keep each call's summary. A copy of an enabled model stays enabled."""
 
 from __future__ import annotations
 
@@ -27,11 +26,13 @@ from transformers.utils import logging
 from . import _compat
 from .adapter.generate_methods import ModelMethodWrapper
 from .cache.cache import RopeKVCache
+from .cache.model_checks import check_static
 from .cache.options import OPTION_NAMES, CacheOptions
 from .cache.scorer_setup import check_scorer
 from .cache.summary import CacheSummary
 from .model.geometry import ModelGeometry, describe
 from .scorers.frequency import FrequencyScorer
+from .statistics.frequency_stats import FrequencyStats
 from .warnings import warn
 
 logger = logging.get_logger(__name__)
@@ -49,8 +50,6 @@ SMALL_BUDGET = 256  # budgets below this leave little room beside the pinned pro
 
 @dataclasses.dataclass(eq=False)
 class _Enablement:
-    """What ``enable`` stored on a model: the checked cache options and the model's geometry."""
-
     options: dict[str, Any]
     geometry: ModelGeometry
     caches_created: int = 0
@@ -69,8 +68,7 @@ def enable(model: ModelT, budget: int | None = None, **options: Any) -> ModelT:
     ``budget`` and ``**options`` are exactly :class:`RopeKVCache`'s; a scorer is copied into every cache, and a
     ``FrequencyScorer(stats=path)`` file is loaded and checked once, here. Returns ``model``; calling ``enable``
     again replaces the options. Raises ``TypeError`` (no ``generate``, an unknown option) or ``ValueError`` (an
-    invalid option, an unsupported model, statistics that do not fit) before any generation.
-    """
+    invalid option, an unsupported model, statistics that do not fit) before any generation."""
     target = _generating_model(model)
     state = _checked(target, budget, options)
     _warn_risky(target, state.options)
@@ -129,11 +127,8 @@ def last_summary(model: nn.Module) -> CacheSummary:
     the cache now); ``LookupError`` when there was none."""
     target = _generating_model(model)
     record = _LAST.get(target)
-    if isinstance(record, weakref.ref):
-        cache = record()
-        if cache is not None:
-            return cache.summary()
-        record = None
+    if isinstance(record, weakref.ref):  # the running call's cache
+        record = None if (cache := record()) is None else cache.summary()
     if record is not None:
         return record
     name = type(target).__name__
@@ -157,13 +152,9 @@ def _checked(model: nn.Module, budget: Any, options: dict[str, Any]) -> _Enablem
     scorer = options.get("scorer")
     check_scorer(scorer)
     if isinstance(scorer, FrequencyScorer) and scorer.stats is not None:  # loaded once; every cache shares them
-        from .statistics.frequency_stats import FrequencyStats
-
         stats = FrequencyStats.resolve(scorer.stats, geometry, model)
         options = {**options, "scorer": dataclasses.replace(scorer, stats=stats)}
     if options.get("static") is True:
-        from .cache.model_checks import check_static
-
         check_static(geometry, budget, model, scorer)
     return _Enablement({"budget": budget, **options}, geometry)
 
@@ -187,10 +178,7 @@ def _warn_risky(model: nn.Module, options: dict[str, Any]) -> None:
 
 def _cropping_mode(generation_config: Any) -> str | None:
     """Name of a cache-cropping decoding mode a generation config asks for, if any."""
-    if generation_config is None:
-        return None
-    if getattr(generation_config, "prompt_lookup_num_tokens", None) or getattr(
-            generation_config, "assistant_early_exit", None):
+    if any(getattr(generation_config, name, None) for name in ("prompt_lookup_num_tokens", "assistant_early_exit")):
         return "assisted decoding"
     if getattr(generation_config, "dola_layers", None) is not None:
         return "DoLa decoding"
@@ -201,8 +189,6 @@ def _cropping_mode(generation_config: Any) -> str | None:
 
 
 class _PrepareCacheHook(ModelMethodWrapper):
-    """``_prepare_cache_for_generation``: a fresh RopeKVCache where transformers made a DynamicCache."""
-
     name = "_prepare_cache_for_generation"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -231,16 +217,13 @@ class _PrepareCacheHook(ModelMethodWrapper):
 
 
 class _GenerateWrapper(ModelMethodWrapper):
-    """``generate``: when the call ends, keep (and log) the summary of the caches made in it."""
-
     name = "generate"
 
     def __init__(self, model: nn.Module, previous: Any = None) -> None:
         super().__init__(model, previous)
         method = getattr(type(model), self.name)  # look like the bound method it stands for
         self.__name__, self.__qualname__, self.__doc__ = method.__name__, method.__qualname__, method.__doc__
-        signature = inspect.signature(method)
-        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+        self.__signature__ = inspect.signature(method.__get__(model))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, original = self._model_and_original()
@@ -289,8 +272,7 @@ def _warn_many_rows(state: _Enablement, generation_config: Any, batch_size: Any)
     budget = state.options.get("budget")
     if budget is None or not isinstance(batch_size, int):
         return
-    expand = max(getattr(generation_config, "num_beams", 1) or 1,
-                 getattr(generation_config, "num_return_sequences", 1) or 1)
+    expand = max(getattr(generation_config, name, 1) or 1 for name in ("num_beams", "num_return_sequences"))
     rows = batch_size * expand
     if rows >= MANY_ROWS:
         slots = budget + state.options.get("compress_every", CacheOptions.compress_every)

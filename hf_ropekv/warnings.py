@@ -22,16 +22,12 @@ _INTERNAL = ("transformers", "torch", "accelerate", "contextlib.py", "functools.
 
 def _is_internal(filename: str) -> bool:
     filename = os.path.abspath(filename)
-    if filename.startswith(_PACKAGE_DIR + os.sep):
-        return True
-    parts = filename.split(os.sep)
-    return any(part in _INTERNAL for part in parts[-4:])
+    return filename.startswith(_PACKAGE_DIR + os.sep) or any(part in _INTERNAL for part in filename.split(os.sep)[-4:])
 
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of the innermost frame outside hf_ropekv, transformers, torch and accelerate."""
-    frame = sys._getframe(2)  # the caller of warn()
-    level = 2
+    frame, level = sys._getframe(2), 2  # the caller of warn()
     while frame is not None and _is_internal(frame.f_code.co_filename):
         frame = frame.f_back
         level += 1

@@ -7,8 +7,7 @@
 - generate's ``prepare_inputs_for_generation`` refuses a cache reused for an unrelated batch and prepares a static
   cache's step eagerly (:mod:`.generate_methods`).
 
-Nothing holds the model strongly, so ``del model`` frees it; a copy of the model starts without these hooks.
-"""
+Nothing holds the model strongly, so ``del model`` frees it; a copy of the model starts without these hooks."""
 
 from __future__ import annotations
 
@@ -39,21 +38,13 @@ class AttachedCache(Protocol):
     static: bool
 
     def get_seq_length(self) -> int: ...
-
-    def _forward_starts(
-        self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device
-    ) -> torch.Tensor | None:
-        """A forward of ``new`` tokens starts; returns the 2-D mask the model must use instead, or None."""
-
     def _expect_tokens(self, tokens: int | None) -> None: ...
-
-    def _query_consumers(self) -> list[Any]:
-        """Objects with ``add(layer_idx, queries [B, S, H, D])`` and ``end_forward()``."""
+    def _forward_starts(self, attention_mask: torch.Tensor | None, new: int, batch: int,
+                        device: torch.device) -> torch.Tensor | None: ...
+    def _query_consumers(self) -> list[Any]: ...  # each with add(layer_idx, queries [B, S, H, D]) and end_forward()
 
 
 class ModelAttachment(StepPreparer):
-    """Hooks of one cache (a :class:`~hf_ropekv.RopeKVCache`) on one model."""
-
     def __init__(self, model: nn.Module, cache: AttachedCache, collect_queries: bool) -> None:
         self._cache_ref = weakref.ref(cache)
         self._model_ref = weakref.ref(model)  # for copy_for: a copied cache attaches to the same model
@@ -73,7 +64,6 @@ class ModelAttachment(StepPreparer):
         weakref.finalize(cache, self._hooks.remove, self)
 
     def expect_tokens(self, tokens: int | None) -> None:
-        """A generate() call of this cache holds at most ``tokens`` tokens per row."""
         cache = self._cache_ref()
         if cache is not None:
             cache._expect_tokens(tokens)
@@ -88,12 +78,11 @@ class ModelAttachment(StepPreparer):
         """Raise if :func:`hf_ropekv.detach` took this cache's hooks off its model."""
         if self.detached:
             raise RuntimeError("This RopeKVCache was attached to a model that hf_ropekv.detach(model) has since "
-                               "cleaned: its hooks are gone, so the cache cannot follow the model's forwards. Create a "
-                               "new RopeKVCache(model, ...).")
+                               "cleaned: its hooks are gone, so the cache cannot follow the model's forwards. "
+                               "Create a new RopeKVCache(model, ...).")
 
     def copy_for(self, cache: AttachedCache, memo: dict) -> "ModelAttachment":
-        """A fresh attachment of ``cache`` (a deep copy of this one's cache) to the same model, with this one's state
-        deep-copied (what binds it to its cache, model or hooks is built fresh)."""
+        """A fresh attachment of ``cache`` (a deep copy of this one's) to the same model, with this one's state."""
         model = self._model_ref()
         if model is None:
             raise RuntimeError("Cannot copy this RopeKVCache: the model it was attached to no longer exists.")
@@ -120,13 +109,10 @@ class ModelAttachment(StepPreparer):
                 self._hooks.capture.begin_forward(False)
             return None
         replaced = self._start_forward(cache, input_ids, embeds, kwargs.get("attention_mask"))
-        if replaced is not UNCHANGED:
-            return args, {**kwargs, "attention_mask": replaced}
-        return None
+        return None if replaced is UNCHANGED else (args, {**kwargs, "attention_mask": replaced})
 
-    def prepare_generation_step(
-        self, prepare: Any, input_ids: torch.Tensor | None, args: tuple, kwargs: dict[str, Any]
-    ) -> dict[str, Any]:
+    def prepare_generation_step(self, prepare: Any, input_ids: torch.Tensor | None, args: tuple,
+                                kwargs: dict[str, Any]) -> dict[str, Any]:
         """generate's ``prepare_inputs_for_generation`` for a static cache: the step's host-side decisions are taken
         here, eagerly (generate may run the forward compiled), and the mask comes from the cache's slot mask."""
         cache = self._cache_ref()
@@ -147,19 +133,16 @@ class ModelAttachment(StepPreparer):
         self._prepared = source if source is not None else model_inputs.get("inputs_embeds")
         return model_inputs
 
-    def _start_forward(
-        self, cache: AttachedCache, input_ids: torch.Tensor | None, embeds: torch.Tensor | None, mask: Any
-    ) -> Any:
-        """A forward of this cache starts: check it, log its tokens, tell the cache; returns the mask to use (a
-        tensor or None), or ``UNCHANGED``."""
+    def _start_forward(self, cache: AttachedCache, input_ids: torch.Tensor | None, embeds: torch.Tensor | None,
+                       mask: Any) -> Any:
+        """Check, log and announce a forward of this cache; returns the mask to use, or ``UNCHANGED``."""
         new = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         seen = cache.get_seq_length()
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             if mask.shape[-1] != seen + new:
-                raise ValueError(
-                    f"attention_mask covers {mask.shape[-1]} tokens, but this RopeKVCache has seen {seen} and {new} "
-                    "arrive now. The cache belongs to another sequence: create a fresh RopeKVCache per batch "
-                    "(or use hf_ropekv.enable(model, ...)).")
+                raise ValueError(f"attention_mask covers {mask.shape[-1]} tokens, but this RopeKVCache has seen {seen} "
+                                 f"and {new} arrive now. The cache belongs to another sequence: create a fresh "
+                                 "RopeKVCache per batch (or use hf_ropekv.enable(model, ...)).")
         else:
             mask = None
         if input_ids is None:
@@ -220,21 +203,16 @@ class ModelAttachment(StepPreparer):
         self._tokens[:, self._num_tokens : end] = input_ids
         self._num_tokens = end
 
-    def check_continuation(
-        self, input_ids: torch.Tensor, attention_mask: Any = None, position_ids: Any = None
-    ) -> None:
+    def check_continuation(self, input_ids: torch.Tensor, attention_mask: Any = None, position_ids: Any = None) -> None:
         """Refuse generate() inputs that do not continue the tokens this cache holds."""
         seen = self._num_tokens
         if not self._tokens_known or seen == 0 or input_ids.shape[1] == seen + 1:  # fresh, or a decoding step
             return
         if self._next_prefill_chunk(input_ids.shape[1], attention_mask, position_ids):
             return
-        same = (
-            input_ids.shape[1] > seen
-            and self._tokens is not None
-            and input_ids.shape[0] == self._tokens.shape[0]
-            and bool((input_ids[:, :seen].to(self._tokens.device) == self._tokens[:, :seen]).all()))
-        if not same:
+        tokens = self._tokens
+        if not (input_ids.shape[1] > seen and tokens is not None and input_ids.shape[0] == tokens.shape[0]
+                and bool((input_ids[:, :seen].to(tokens.device) == tokens[:, :seen]).all())):
             raise ValueError(
                 f"This RopeKVCache already holds {seen} tokens of another sequence; the new inputs do not continue "
                 "them. Reusing a cache across batches corrupts the output: create a fresh RopeKVCache for every "

@@ -1,7 +1,6 @@
 """hf_ropekv's wrappers of generate methods on one model instance, where no forward hook reaches: to refuse a
 reused cache, to prepare a static cache's step eagerly, and to run its decode steps as replayed CUDA graphs (or
-compiled) and its multi-token forwards eagerly. :class:`ModelMethodWrapper` is also the base of ``enable``'s.
-"""
+compiled) and its multi-token forwards eagerly. :class:`ModelMethodWrapper` is also the base of ``enable``'s."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from torch import nn
 from .. import _compat
 from .graphed_step import GraphedDecodeStep
 
-_WRAPPED_MARK = "_hf_ropekv_continuation_check"  # on every generate() method this module wraps
-
 
 class StepPreparer:
     """What the wrappers ask of a generate() call's cache attachment (``attach.ModelAttachment`` subclasses it)."""
@@ -24,9 +21,7 @@ class StepPreparer:
     graphs = False  # its decode steps replay CUDA graphs (else generate's compiled forward runs them)
 
     def check_continuation(self, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any) -> None: ...
-
     def expect_tokens(self, tokens: int | None) -> None: ...
-
     def prepare_generation_step(self, prepare: Any, input_ids: Any, args: tuple, kwargs: dict) -> dict: ...
 
 
@@ -82,10 +77,7 @@ class ModelMethodWrapper:
 
 
 class _PrepareInputsForGeneration(ModelMethodWrapper):
-    """``prepare_inputs_for_generation`` that refuses a reused cache and prepares a static cache's step."""
-
     name = "prepare_inputs_for_generation"
-    _hf_ropekv_continuation_check = True  # _WRAPPED_MARK
 
     def __call__(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         _, original = self._model_and_original()
@@ -98,11 +90,7 @@ class _PrepareInputsForGeneration(ModelMethodWrapper):
 
 
 class _GetCompiledCall(ModelMethodWrapper):
-    """``get_compiled_call`` whose forward replays a static cache's decode steps as CUDA graphs (or runs them
-    compiled where a graph cannot hold the model) and runs its multi-token forwards eagerly."""
-
     name = "get_compiled_call"
-    _hf_ropekv_continuation_check = True
 
     def __init__(self, model: nn.Module, previous: Any = None) -> None:
         super().__init__(model, previous)
@@ -129,8 +117,7 @@ class _GetCompiledCall(ModelMethodWrapper):
 
 
 class _ValidAutoCompileCriteria(ModelMethodWrapper):
-    """generate's question whether it may compile (answered unchanged): a static cache notes the call's
-    ``max_length`` here, before the prefill, and sizes its arena for it."""
+    """Answered unchanged; before the prefill, a static cache sizes its arena for the call's ``max_length`` here."""
 
     name = "_valid_auto_compile_criteria"
 

@@ -10,8 +10,7 @@ captured ones and replay it. The graph runs eager's own kernels, so the tokens e
 with ``model.forward`` routed to the replay for the calling thread only, so the model's hooks still run eagerly around
 every step. A graph is kept per cache, input signature and address of the tensors the cache's step reads, and goes
 with its cache. Off CUDA, for a model spread over devices or ranks, or when a capture fails, steps run eagerly, with
-one warning.
-"""
+one warning."""
 
 from __future__ import annotations
 
@@ -54,16 +53,13 @@ class _Recorded:
 
 
 class _CacheGraphs:
-    """The graphs of one cache, or why it decodes eagerly (``refused``)."""
-
     def __init__(self) -> None:
         self.graphs: dict[tuple, _Recorded] = {}
-        self.refused: str | None = None
+        self.refused: str | None = None  # why this cache decodes eagerly
 
 
 class GraphedDecodeStep:
-    """generate's decode-step forward for a static cache on one CUDA device (one per model; see the module).
-    ``recordings`` counts the graphs captured (all caches)."""
+    """generate's decode-step forward of static caches, one per model (see the module); ``recordings`` counts graphs."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model_ref = weakref.ref(model)
@@ -119,12 +115,14 @@ class GraphedDecodeStep:
         return self._forward(cache, real, *args, **kwargs)
 
     def graphs_of(self, cache: Any) -> int:
-        """How many graphs ``cache`` holds now."""
         state = self._caches.get(id(cache))
         return 0 if state is None else len(state.graphs)
 
     def _forward(self, cache: Any, inner: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        state = self._state_of(cache)
+        state = self._caches.get(id(cache))
+        if state is None:
+            state = self._caches[id(cache)] = _CacheGraphs()
+            weakref.finalize(cache, self._caches.pop, id(cache), None)  # the graphs (and their memory) go with it
         if state.refused is not None:
             return inner(*args, **kwargs)
         inputs = tensor_leaves(args, kwargs)
@@ -146,13 +144,6 @@ class GraphedDecodeStep:
             return inner(*args, **kwargs)
         with self._recording:  # one capture at a time: they share the side stream
             return self._record(cache, state, key, inner, args, kwargs, device)
-
-    def _state_of(self, cache: Any) -> _CacheGraphs:
-        state = self._caches.get(id(cache))
-        if state is None:
-            state = self._caches[id(cache)] = _CacheGraphs()
-            weakref.finalize(cache, self._caches.pop, id(cache), None)  # the graphs (and their memory) go with it
-        return state
 
     def _record(self, cache: Any, state: _CacheGraphs, key: tuple, inner: Callable[..., Any], args: tuple,
                 kwargs: dict, device: torch.device) -> Any:
@@ -218,7 +209,6 @@ def tensor_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def clone_tensors(value: Any) -> Any:
-    """``value`` with every tensor in it (alone or in a tuple) cloned."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, tuple):

@@ -1,8 +1,7 @@
 """The forward hooks of one model (:class:`SharedHooks`), shared by all its caches' attachments (:mod:`.attach`),
 and the gate that runs its forwards one at a time while a cache is attached (:class:`ForwardGate`): two threads
 calling ``generate()`` on one model each get their serial result. They go with the model's last cache; a copy of
-the model gets inert hooks.
-"""
+the model gets inert hooks."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
+from torch._guards import TracingContext
 
 from .. import _compat
 from ..model.attention import restore_attention, use_grouped_sdpa
@@ -37,9 +37,8 @@ class Attachment(Protocol):
 
 
 class SharedHooks:
-    """The hooks of every cache attached to one model, installed once per model; each forward goes to the
-    attachment of its own cache. A static or int8 cache also switches an sdpa grouped-query model to hf_ropekv's
-    attention while the hooks stay. Nothing here holds the model strongly."""
+    """Installed once per model; each forward goes to its own cache's attachment. A static or int8 cache also switches
+    an sdpa grouped-query model to hf_ropekv's attention while the hooks stay. Nothing here holds the model strongly."""
 
     _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, SharedHooks]" = weakref.WeakKeyDictionary()
     copied = False  # True for what a copied model brought along
@@ -51,19 +50,13 @@ class SharedHooks:
             hooks = cls._BY_MODEL[model] = cls(model)
         return hooks
 
-    #: Hooks never compiled; marked at the first model, not at import (``torch.compiler.disable`` imports dynamo).
-    _EAGER_ONLY = ("_pre_forward", "_post_forward", "_release")
     _eager_marked = False
 
-    @classmethod
-    def _mark_eager_only(cls) -> None:
-        if not cls._eager_marked:
-            for name in cls._EAGER_ONLY:
-                setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
-            cls._eager_marked = True
-
     def __init__(self, model: nn.Module) -> None:
-        self._mark_eager_only()
+        if not SharedHooks._eager_marked:  # hooks never compiled; marked here, as torch.compiler.disable imports dynamo
+            for name in ("_pre_forward", "_post_forward", "_release"):
+                setattr(SharedHooks, name, torch.compiler.disable(getattr(SharedHooks, name)))
+            SharedHooks._eager_marked = True
         self._model_ref = weakref.ref(model)
         self.attachments: list[Attachment] = []
         self.capture: Any = None  # the model's query capture, while a cache collects queries
@@ -195,7 +188,6 @@ class ForwardGate:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """Hold the gate for a block; leave at its end only if this block entered it."""
         entered = self.enter()
         try:
             yield
@@ -207,10 +199,8 @@ class ForwardGate:
 def _copied_hooks() -> SharedHooks:
     """What a copy of a model (deepcopy, pickle) gets for the original's hooks: pass-throughs until replaced."""
     hooks = SharedHooks.__new__(SharedHooks)
-    hooks._model_ref = lambda: None
-    hooks.attachments, hooks.capture, hooks.active = [], None, None
-    hooks._detach_pending, hooks._attention_before, hooks._handles = False, None, []
-    hooks.gate, hooks.copied = ForwardGate(), True
+    vars(hooks).update(_model_ref=lambda: None, attachments=[], capture=None, active=None, _detach_pending=False,
+                       _attention_before=None, _handles=[], gate=ForwardGate(), copied=True)
     return hooks
 
 
@@ -228,6 +218,4 @@ def _drop_copied_hooks(model: nn.Module) -> None:
 
 def _dynamo_compiling() -> bool:
     """Whether dynamo is compiling a frame on this thread right now."""
-    from torch._guards import TracingContext
-
     return TracingContext.try_get() is not None

@@ -7,10 +7,8 @@ so its tokens equal ``DynamicCache``'s bit for bit (the kernel sums in another o
 Over a static arena (a masked grouped-query attention) transformers' sdpa copies every key/value head per query head
 (``repeat_kv``; under ``torch.compile`` even in 5.24), which for one decoding token costs more than the attention.
 :func:`grouped_sdpa` folds the ``groups`` query heads of a key/value head into its query rows instead: the same keys,
-values and mask per row, so the same attention, with no copy (a prefill chunk's mask rows are repeated per group
-only while that is smaller than the copy it saves). It is registered as ``"hf_ropekv_sdpa"``
-(:func:`use_grouped_sdpa`).
-"""
+values and mask per row, so the same attention, with no copy (:func:`_fold_is_cheaper` says when it pays for a
+prefill chunk). It is registered as ``"hf_ropekv_sdpa"`` (:func:`use_grouped_sdpa`)."""
 
 from __future__ import annotations
 
@@ -24,6 +22,7 @@ from .. import _compat
 from ..kernels.attention import decode_attention
 from ..kernels.quantize import dequantize_kv
 from ..storage.paged import DECODE, FIXED, SCALES
+from .capture import find_attention_modules
 from .geometry import ModelGeometry
 
 
@@ -50,7 +49,6 @@ def ropekv_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
-#: The attention implementation name under which :func:`grouped_sdpa` is registered with transformers.
 GROUPED_SDPA = "hf_ropekv_sdpa"
 
 
@@ -60,27 +58,19 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     """transformers' ``sdpa_attention_forward`` (same arguments and result), with masked queries attending per
     key/value head (no key/value copy); ``attention_mask`` ``[B or 1, 1 or H, q or 1, S]``."""
     groups = getattr(module, "num_key_value_groups", 1)
-    foldable = (
-        groups > 1
-        and attention_mask is not None
-        and key.shape[1] * groups == query.shape[1]
-        and kwargs.get("position_bias") is None
-        and not kwargs.get("output_attentions", False)
-        and _fold_is_cheaper(query, key, attention_mask, groups)
-    )
-    if not foldable:
-        return _compat.sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
+    if not (groups > 1 and attention_mask is not None and key.shape[1] * groups == query.shape[1]
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False)
+            and _fold_is_cheaper(query, key, attention_mask, groups)):
+        return _compat.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, is_causal=is_causal, **kwargs)
     batch, heads, q_len, dim = query.shape
     kv_heads = heads // groups
     # Query head h uses key/value head h // groups (repeat_kv's order): [B, H, q, D] -> [B, H_kv, groups * q, D],
     # rows ordered (group member, token).
     grouped_query = query.reshape(batch, kv_heads, groups * q_len, dim)
     out = torch.nn.functional.scaled_dot_product_attention(
-        grouped_query, key, value, attn_mask=_grouped_mask(attention_mask, kv_heads, groups, q_len),
-        dropout_p=dropout, scale=scaling, is_causal=False,
-    )
+        grouped_query, key, value, attn_mask=_grouped_mask(attention_mask, kv_heads, groups, q_len), dropout_p=dropout,
+        scale=scaling, is_causal=False)
     return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
@@ -107,23 +97,19 @@ def _fold_is_cheaper(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor,
 def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
     """Make an sdpa ``model`` attend with :func:`ropekv_attention` (through ``config._attn_implementation``); return
     the implementation it had, or ``None`` (nothing changed) when it does not use sdpa or dispatch by name."""
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "_attn_implementation", None) == GROUPED_SDPA:
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == GROUPED_SDPA:
         return "sdpa"  # switched already (by this model's hooks, or, for a copy of a model, by the original's)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return None
-    if not dispatches_by_name(model):
+    if implementation != "sdpa" or not dispatches_by_name(model):
         return None
     _compat.register_attention(GROUPED_SDPA, ropekv_attention)
-    config._attn_implementation = GROUPED_SDPA
+    model.config._attn_implementation = GROUPED_SDPA
     return "sdpa"
 
 
 def dispatches_by_name(model: nn.Module) -> bool:
     """Whether the model's attention looks its function up by name (``ALL_ATTENTION_FUNCTIONS``); Falcon on
     transformers 5.17 tests ``_attn_implementation == "sdpa"`` itself, and under another name runs eager attention."""
-    from .capture import find_attention_modules
-
     try:
         forward = type(find_attention_modules(model)[0]).forward
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(forward)

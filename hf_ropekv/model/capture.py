@@ -3,11 +3,11 @@
 While attached, the modeling module's ``apply_rotary_pos_emb`` is a pass-through (:mod:`.rotary`) and each attention
 module's ``forward`` is wrapped (cheaper than hooks) so the pass-through knows which layer runs. This works for
 every family, fused QKV projections and quantized linears included. A partial-rotary query slice ``q[..., :R]`` is
-widened back to the whole head (the model's own tensor, no copy); the rotary pairs are the first ``R`` dims.
-"""
+widened back to the whole head (the model's own tensor, no copy); the rotary pairs are the first ``R`` dims."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable
 
@@ -35,9 +35,8 @@ def find_attention_modules(model: nn.Module, geometry: ModelGeometry | None = No
             "whose layers hold a `self_attn` / `attention` / `attn` / `self_attention` module. The RoPE scorer "
             "needs them for query statistics; RecencyScorer, KeyNormScorer and RandomScorer do not.")
     if geometry is not None and len(modules) != geometry.num_layers:
-        raise ValueError(
-            f"hf_ropekv could not find the attention module of every layer of {name}: found {len(modules)} "
-            f"for {geometry.num_layers} decoder layers.")
+        raise ValueError(f"hf_ropekv could not find the attention module of every layer of {name}: found "
+                         f"{len(modules)} for {geometry.num_layers} decoder layers.")
     return modules
 
 
@@ -45,25 +44,17 @@ def _from_decoder_layers(model: nn.Module) -> list[nn.Module]:
     candidates = []
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):
-        try:
+        with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
             candidates.append(get_decoder())
-        except (AttributeError, NotImplementedError, ValueError):
-            pass
-    candidates += [model, getattr(model, "model", None), getattr(model, "transformer", None)]
-    candidates += [getattr(model, "gpt_neox", None)]
+    candidates += [model, *(getattr(model, name, None) for name in ("model", "transformer", "gpt_neox"))]
     for owner in candidates:
         for list_name in _LAYER_LIST_NAMES:
             layers = getattr(owner, list_name, None)
             if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
                 continue
-            found = []
-            for layer in layers:
-                attn = next((getattr(layer, n) for n in _ATTENTION_NAMES
-                             if isinstance(getattr(layer, n, None), nn.Module)), None)
-                if attn is None:
-                    break
-                found.append(attn)
-            else:
+            found = [next((getattr(layer, n) for n in _ATTENTION_NAMES
+                           if isinstance(getattr(layer, n, None), nn.Module)), None) for layer in layers]
+            if None not in found:
                 return found
     return []
 
@@ -74,9 +65,8 @@ def _from_layer_idx(model: nn.Module) -> list[nn.Module]:
         idx = getattr(module, "layer_idx", None)
         if type(module).__name__.endswith("Attention") and isinstance(idx, int):
             if idx in by_index:
-                raise ValueError(
-                    f"hf_ropekv could not find the attention modules of {type(model).__name__} unambiguously: "
-                    f"several attention modules claim layer_idx {idx}.")
+                raise ValueError(f"hf_ropekv could not find the attention modules of {type(model).__name__} "
+                                 f"unambiguously: several attention modules claim layer_idx {idx}.")
             by_index[idx] = module
     if sorted(by_index) != list(range(len(by_index))):
         return []
@@ -111,32 +101,40 @@ class CaptureBase:
 
 class QueryCapture(CaptureBase):
     """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]`` (the model's own tensor:
-    do not modify it) during forwards, while attached (``with QueryCapture(model, geometry, callback): ...``).
-
-    Raises ``ValueError`` when the attention modules, rotary function or rotary layout cannot be found.
-    """
+    do not modify it) during forwards, while attached (``with QueryCapture(model, geometry, callback): ...``); raises
+    ``ValueError`` when the attention modules, rotary function or rotary layout cannot be found."""
 
     def __init__(self, model: nn.Module, geometry: ModelGeometry, callback: QueryCallback) -> None:
         geometry.require_rotary_layout()
         modules = find_attention_modules(model, geometry)
         super().__init__(modules, geometry, callback)
-        self._functions = [_rotary_function_of(model, attn) for attn in modules]
-        self._query_calls = [
-            None if fn.paired else _query_call_of(model, attn, fn) for attn, fn in zip(modules, self._functions)
-        ]
+        self._functions: list[rotary.RotaryFunction] = []
+        for attn in modules:
+            fn = rotary.find_rotary_function(type(attn).forward.__module__)
+            if fn is None:
+                raise ValueError(f"hf_ropekv could not find where {type(model).__name__} applies RoPE to its queries: "
+                                 f"{type(attn).forward.__module__} has no apply_rotary_pos_emb(q, k, cos, sin) or "
+                                 "apply_rotary_pos_emb(tensor, sin, cos). The RoPE scorer needs the queries; "
+                                 "RecencyScorer, KeyNormScorer and RandomScorer (hf_ropekv.scorers) do not, and "
+                                 "budget=None never evicts.")
+            self._functions.append(fn)
+        self._query_calls: list[int | None] = []
+        for attn, fn in zip(modules, self._functions):
+            index = None if fn.paired else rotary.query_call_index(type(attn), fn)
+            if index is None and not fn.paired:
+                raise ValueError(f"hf_ropekv could not tell which call of {fn.module.__name__}.{fn.name} rotates the "
+                                 f"query in {type(attn).__name__}.forward of {type(model).__name__}. Use "
+                                 "RecencyScorer, KeyNormScorer or RandomScorer (hf_ropekv.scorers), which need no "
+                                 "query statistics.")
+            self._query_calls.append(index)
         self._frames: list[_Frame] = []
         self._installed: list[rotary._Patch] = []
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._frames)
 
     def attach(self) -> "QueryCapture":
         """Install the pass-through and wrap the attention modules' forwards (idempotent)."""
         if self._frames:
             return self
-        for fn in dict.fromkeys(self._functions):
-            self._installed.append(rotary.install(fn))
+        self._installed += [rotary.install(fn) for fn in dict.fromkeys(self._functions)]
         for layer_idx, ref in enumerate(self._attention_refs):
             attention = ref()
             if attention is None:
@@ -159,10 +157,8 @@ class QueryCapture(CaptureBase):
 class _Frame:
     """One layer's attention forward in progress: picks its query out of the rotary calls it makes."""
 
-    def __init__(
-        self, capture: QueryCapture, attention: nn.Module, layer_idx: int, function: rotary.RotaryFunction,
-        query_call: int | None,
-    ) -> None:
+    def __init__(self, capture: QueryCapture, attention: nn.Module, layer_idx: int, function: rotary.RotaryFunction,
+                 query_call: int | None) -> None:
         self._attention_ref = weakref.ref(attention)
         self.capture, self.layer_idx = capture, layer_idx
         self.function, self.query_call = function, query_call
@@ -182,8 +178,6 @@ class _Frame:
     def wrap(self) -> None:
         """Make ``attention.forward`` this frame's :meth:`forward`, over whatever ran before."""
         attention = self.attention
-        if attention is None:
-            return
         self.live = True
         # The class's forward is kept as the plain function: a bound method would hold the module from its __dict__.
         self.inner = attention.__dict__.get("forward")
@@ -202,14 +196,13 @@ class _Frame:
         attention = self.attention
         if attention is None:
             return
-        current = attention.__dict__.get("forward")
-        if _frame_of(current) is self:
+        outer = _frame_of(attention.__dict__.get("forward"))
+        if outer is self:
             if self.inner is not None:
                 attention.forward = self.inner
             else:
                 del attention.forward  # back to the class's forward
             return
-        outer = _frame_of(current)
         while outer is not None:
             if _frame_of(outer.inner) is self:
                 outer.inner = self.inner
@@ -227,33 +220,28 @@ class _Frame:
         finally:
             rotary.pop_frame(frames, self)
         if self.calls == 0 and self.full_attention:
-            name = type(self.attention).__name__
-            raise ValueError(
-                f"Layer {self.layer_idx} ({name}) ran without rotating its query through "
-                f"{self.function.module.__name__}.{self.function.name}: it applies no RoPE (NoPE) or applies it "
-                "elsewhere, so hf_ropekv cannot gather its query statistics. Use RecencyScorer, KeyNormScorer or "
-                "RandomScorer (hf_ropekv.scorers), which need none.")
+            raise ValueError(f"Layer {self.layer_idx} ({type(self.attention).__name__}) ran without rotating its query "
+                             f"through {self.function.module.__name__}.{self.function.name}: it applies no RoPE (NoPE) "
+                             "or applies it elsewhere, so hf_ropekv cannot gather its query statistics. Use "
+                             "RecencyScorer, KeyNormScorer or RandomScorer (hf_ropekv.scorers), which need none.")
         return output
 
     def see(self, args: tuple, kwargs: dict) -> None:
-        call = self.calls
-        self.calls = call + 1
+        call, self.calls = self.calls, self.calls + 1
         if self.query_call is not None and call % 2 != self.query_call:
             return  # one tensor per call: this one is the key
         fn = self.function
         q, heads_dim = fn.query_and_heads_dim(args, kwargs)
         if not isinstance(q, torch.Tensor) or q.ndim != 4:
-            raise ValueError(
-                f"{fn.module.__name__}.{fn.name} received a query of shape "
-                f"{tuple(getattr(q, 'shape', ()))} in layer {self.layer_idx}; hf_ropekv expects a 4-D "
-                "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor.")
+            raise ValueError(f"{fn.module.__name__}.{fn.name} received a query of shape "
+                             f"{tuple(getattr(q, 'shape', ()))} in layer {self.layer_idx}; hf_ropekv expects a 4-D "
+                             "[batch, heads, seq, dims] or [batch, seq, heads, dims] tensor.")
         self.capture.callback(self.layer_idx, _as_query(q, heads_dim, self.head_dim))
 
 
 def _as_query(q: torch.Tensor, heads_dim: int, head_dim: int) -> torch.Tensor:
-    """A query as RoPE received it, as ``[B, S, H, D]``. Where it is a rotary slice ``q[..., :R]`` (Persimmon,
-    StableLM, Phi, GPT-J), the whole head: the same storage seen ``head_dim`` wide, where the strides and the storage
-    leave room for it."""
+    """A query as RoPE received it, as ``[B, S, H, D]``; a rotary slice ``q[..., :R]`` (Persimmon, StableLM, Phi,
+    GPT-J) as the whole head: the same storage seen ``head_dim`` wide, where the strides and the storage allow it."""
     if heads_dim == 1:
         q = q.transpose(1, 2)
     if q.shape[-1] >= head_dim or q.stride(-1) != 1:
@@ -277,8 +265,7 @@ class _CopiedForward(_Frame):
 
     def restore(self) -> nn.Module:
         attention = self._attention_ref()
-        current = attention.__dict__.get("forward")
-        if getattr(current, "__self__", None) is self:
+        if getattr(attention.__dict__.get("forward"), "__self__", None) is self:
             if self.inner is None:
                 del attention.forward
             else:
@@ -296,24 +283,3 @@ def _frame_of(forward: Any) -> "_Frame | None":
     if not isinstance(owner, _Frame) or isinstance(owner, _CopiedForward):
         return None
     return owner if getattr(forward, "__func__", None) is _Frame.forward else None
-
-
-def _rotary_function_of(model: nn.Module, attention: nn.Module) -> rotary.RotaryFunction:
-    fn = rotary.find_rotary_function(type(attention).forward.__module__)
-    if fn is None:
-        raise ValueError(
-            f"hf_ropekv could not find where {type(model).__name__} applies RoPE to its queries: "
-            f"{type(attention).forward.__module__} has no apply_rotary_pos_emb(q, k, cos, sin) or "
-            "apply_rotary_pos_emb(tensor, sin, cos). The RoPE scorer needs the queries; RecencyScorer, "
-            "KeyNormScorer and RandomScorer (hf_ropekv.scorers) do not, and budget=None never evicts.")
-    return fn
-
-
-def _query_call_of(model: nn.Module, attention: nn.Module, fn: rotary.RotaryFunction) -> int:
-    index = rotary.query_call_index(type(attention), fn)
-    if index is None:
-        raise ValueError(
-            f"hf_ropekv could not tell which call of {fn.module.__name__}.{fn.name} rotates the query in "
-            f"{type(attention).__name__}.forward of {type(model).__name__}. Use RecencyScorer, KeyNormScorer or "
-            "RandomScorer (hf_ropekv.scorers), which need no query statistics.")
-    return index

@@ -1,6 +1,5 @@
 """What the cache needs to know about a model: attention geometry, layer kinds, RoPE frequencies and pair layout,
-read from its own config and rotary module (so scaled and partial RoPE come out as the model applies them).
-"""
+read from its own config and rotary module (so scaled and partial RoPE come out as the model applies them)."""
 
 from __future__ import annotations
 
@@ -26,13 +25,11 @@ _SUPPORTED_LAYER_TYPES = (FULL, SLIDING)
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """Attention geometry and RoPE setting of a decoder-only model.
-
-    ``layer_types`` holds ``"full_attention"`` or ``"sliding_attention"`` per layer, ``sliding_windows`` a sliding
-    layer's window (else ``None``); the RoPE fields are those of the full-attention layers, ``inv_freq`` a float32 CPU
-    ``[F]`` (``rotary_dim = 2F`` may be below ``head_dim``). ``rotary_layout`` is ``None`` when it could not be learned,
-    with the reason in ``rotary_problem`` (then only scorers without query statistics work).
-    """
+    """Attention geometry and RoPE setting of a decoder-only model. ``layer_types`` holds ``"full_attention"`` or
+    ``"sliding_attention"`` per layer, ``sliding_windows`` a sliding layer's window (else ``None``); the RoPE fields are
+    those of the full-attention layers, ``inv_freq`` a float32 CPU ``[F]`` (``rotary_dim = 2F`` may be below
+    ``head_dim``). ``rotary_layout`` is ``None`` when it could not be learned, with the reason in ``rotary_problem``
+    (then only scorers without query statistics work)."""
 
     model_type: str
     num_layers: int
@@ -62,7 +59,6 @@ class ModelGeometry:
 
     @property
     def group_size(self) -> int:
-        """Query heads per KV head."""
         return self.num_q_heads // self.num_kv_heads
 
     @property
@@ -70,7 +66,6 @@ class ModelGeometry:
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes one token occupies in a full cache: layers x (K and V) x kv_heads x head_dim x dtype size."""
         element = torch.empty((), dtype=dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
@@ -81,41 +76,32 @@ _SHARED_GEOMETRY: "weakref.WeakKeyDictionary[nn.Module, ModelGeometry]" = weakre
 def shared_geometry(model: nn.Module, geometry: ModelGeometry) -> ModelGeometry:
     """One geometry object per model while it stays the same, so that a compiled forward (which guards on the
     identity of what it reads) is not recompiled for every new cache."""
+    def key(g: ModelGeometry) -> tuple:
+        return tuple(getattr(g, f.name) for f in fields(g) if f.name != "inv_freq") + (g.inv_freq.tolist(),)
+
     known = _SHARED_GEOMETRY.get(model)
-    if known is not None and _same_geometry(known, geometry):
+    if known is not None and key(known) == key(geometry):
         return known
     _SHARED_GEOMETRY[model] = geometry
     return geometry
 
 
-def _same_geometry(a: ModelGeometry, b: ModelGeometry) -> bool:
-    def key(g: ModelGeometry) -> tuple:
-        return tuple(getattr(g, f.name) for f in fields(g) if f.name != "inv_freq") + (g.inv_freq.tolist(),)
-
-    return key(a) == key(b)
-
-
 def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeometry:
-    """The attention geometry and RoPE frequencies of a decoder-only RoPE model (or its config).
-
-    Raises ``TypeError`` for anything else, and ``ValueError`` naming the problem for models the cache cannot hold
-    (encoder-decoder, cross-attention, no RoPE, layer kinds other than full and sliding attention).
-    """
+    """The attention geometry and RoPE frequencies of a decoder-only RoPE model (or its config). Raises ``TypeError``
+    for anything else, and ``ValueError`` naming the problem for models the cache cannot hold (encoder-decoder,
+    cross-attention, no RoPE, layer kinds other than full and sliding attention)."""
     config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
     if not isinstance(config, PretrainedConfig):
-        raise TypeError(
-            f"Expected a transformers PreTrainedModel or PretrainedConfig, got {type(model_or_config).__name__}. "
-            "Pass the model itself (recommended) or `model.config`.")
+        raise TypeError("Expected a transformers PreTrainedModel or PretrainedConfig, got "
+                        f"{type(model_or_config).__name__}. Pass the model itself (recommended) or `model.config`.")
     config = config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
     name = getattr(config, "model_type", type(config).__name__)
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"hf_ropekv supports decoder-only models; '{name}' is an encoder-decoder model. "
-            "Use a decoder-only RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...).")
+        raise ValueError(f"hf_ropekv supports decoder-only models; '{name}' is an encoder-decoder model. Use a "
+                         "decoder-only RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...).")
     if getattr(config, "add_cross_attention", False):
-        raise ValueError(
-            f"'{name}' is configured with cross-attention (add_cross_attention=True); hf_ropekv only compresses "
-            "self-attention caches of decoder-only models.")
+        raise ValueError(f"'{name}' is configured with cross-attention (add_cross_attention=True); hf_ropekv only "
+                         "compresses self-attention caches of decoder-only models.")
     if getattr(config, "kv_lora_rank", None):
         raise ValueError(
             f"'{name}' uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}: DeepSeek-V2/V3 style), "
@@ -124,27 +110,32 @@ def describe(model_or_config: PreTrainedModel | PretrainedConfig) -> ModelGeomet
         raise ValueError(
             f"'{name}' is configured with ALiBi position biases (alibi=True), not rotary position embeddings; "
             "hf_ropekv scores keys from RoPE geometry and needs a RoPE model (Falcon with alibi=False, Llama, ...).")
-    num_layers = config.num_hidden_layers
-    num_q_heads = config.num_attention_heads
-    num_kv_heads = _kv_heads(config, num_q_heads)
+    num_layers, num_q_heads = config.num_hidden_layers, config.num_attention_heads
+    if name != "falcon":
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    elif getattr(config, "new_decoder_architecture", False):  # Falcon: the KV heads the cache receives, per layout
+        # up to transformers 5.24 the attention broadcast its num_kv_heads keys to every query head first
+        num_kv_heads = num_q_heads if _compat.falcon_broadcasts_kv_heads() else config.num_kv_heads
+    else:
+        num_kv_heads = 1 if getattr(config, "multi_query", False) else config.num_kv_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
 
-    layer_types = tuple(getattr(config, "layer_types", None) or _infer_layer_types(config, num_layers))
+    window = getattr(config, "sliding_window", None)
+    # Without layer_types, Mistral-style configs make every layer sliding through that one field.
+    default_kind = SLIDING if window is not None and getattr(config, "use_sliding_window", True) else FULL
+    layer_types = tuple(getattr(config, "layer_types", None) or [default_kind] * num_layers)
     unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
     if unsupported:
-        raise ValueError(
-            f"'{name}' has layers of kind {unsupported}; hf_ropekv handles only full and sliding-window "
-            "attention layers.")
-    window = getattr(config, "sliding_window", None)
+        raise ValueError(f"'{name}' has layers of kind {unsupported}; hf_ropekv handles only full and sliding-window "
+                         "attention layers.")
     sliding_windows = tuple(window if t == SLIDING else None for t in layer_types)
 
     rotary = _rotary_module(model_or_config, config, name)
     inv_freq, layout, problem = _frequencies_and_layout(rotary, config, name)
     nope = [i for i in _layers_without_rope(config, layer_types) if layer_types[i] == FULL]
     if nope and layout is not None:
-        layout, problem = None, (
-            f"'{name}' applies no RoPE in its full-attention layers {nope} (NoPE layers), so their keys carry no "
-            "rotary phase for the RoPE scorer to read.")
+        layout, problem = None, (f"'{name}' applies no RoPE in its full-attention layers {nope} (NoPE layers), so "
+                                 "their keys carry no rotary phase for the RoPE scorer to read.")
     if 2 * inv_freq.numel() > head_dim:
         raise ValueError(f"'{name}': rotary dim {2 * inv_freq.numel()} exceeds head_dim {head_dim}.")
     rope = _full_attention_rope_parameters(config)
@@ -166,18 +157,8 @@ def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...])
     return []
 
 
-def _kv_heads(config: PretrainedConfig, num_q_heads: int) -> int:
-    if getattr(config, "model_type", None) == "falcon":  # the KV heads the cache receives, per layout
-        if getattr(config, "new_decoder_architecture", False):
-            # up to transformers 5.24 the attention broadcast its num_kv_heads keys to every query head first
-            return num_q_heads if _compat.falcon_broadcasts_kv_heads() else config.num_kv_heads
-        return 1 if getattr(config, "multi_query", False) else config.num_kv_heads
-    return getattr(config, "num_key_value_heads", None) or num_q_heads
-
-
-def _frequencies_and_layout(
-    rotary: nn.Module, config: PretrainedConfig, name: str
-) -> tuple[torch.Tensor, str | None, str | None]:
+def _frequencies_and_layout(rotary: nn.Module, config: PretrainedConfig,
+                            name: str) -> tuple[torch.Tensor, str | None, str | None]:
     """``(inv_freq, layout, problem)`` from the rotary module's buffer and a probe of the model's own RoPE."""
     buffer = _full_attention_inv_freq(rotary)
     if any(b.is_meta for b in rotary.buffers()):  # not materialised: rebuild it from the config
@@ -185,16 +166,13 @@ def _frequencies_and_layout(
         if rebuilt is not None:
             rotary, buffer = rebuilt, _full_attention_inv_freq(rebuilt)
     function = find_rotary_function(getattr(rotary, "modeling_module", type(rotary).__module__))
-    problem = None
     if function is None:
-        problem = (
-            f"hf_ropekv could not find how '{name}' applies RoPE: {type(rotary).__module__} has no "
-            "apply_rotary_pos_emb(q, k, cos, sin) or apply_rotary_pos_emb(tensor, sin, cos).")
+        problem = (f"hf_ropekv could not find how '{name}' applies RoPE: {type(rotary).__module__} has no "
+                   "apply_rotary_pos_emb(q, k, cos, sin) or apply_rotary_pos_emb(tensor, sin, cos).")
     else:
-        max_position = getattr(config, "max_position_embeddings", None)
         try:
-            inv_freq, layout = probe_rotary(rotary, function, None if buffer is None else buffer.float(), max_position,
-                                            name)
+            inv_freq, layout = probe_rotary(rotary, function, None if buffer is None else buffer.float(),
+                                            getattr(config, "max_position_embeddings", None), name)
             return inv_freq, layout, None
         except ValueError as err:
             problem = str(err)
@@ -202,13 +180,6 @@ def _frequencies_and_layout(
         raise ValueError(f"Could not find the RoPE frequencies (inv_freq) of '{name}' on {type(rotary).__name__}: "
                          f"{problem}")
     return buffer.detach().to("cpu", torch.float32).contiguous(), None, problem
-
-
-def _infer_layer_types(config: PretrainedConfig, num_layers: int) -> list[str]:
-    # Mistral-style configs make every layer sliding through one `sliding_window` field.
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return [SLIDING] * num_layers
-    return [FULL] * num_layers
 
 
 def _full_attention_rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
@@ -222,25 +193,20 @@ def _full_attention_rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     return params
 
 
-def _rotary_module(
-    model_or_config: PreTrainedModel | PretrainedConfig, config: PretrainedConfig, name: str
-) -> nn.Module:
+def _rotary_module(model_or_config: PreTrainedModel | PretrainedConfig, config: PretrainedConfig,
+                   name: str) -> nn.Module:
     """The model's own rotary-embedding module (from the model, or built from the config on CPU)."""
     if isinstance(model_or_config, nn.Module):
-        for module in model_or_config.modules():
-            if type(module).__name__.endswith("RotaryEmbedding"):
-                return module
+        rotary = next((m for m in model_or_config.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
     else:
         rotary = _rotary_from_config(config)
-        if rotary is not None:
-            return rotary
-    legacy = _compat.sinusoid_table_rotary(model_or_config, config)  # GPT-J / CodeGen before 5.2x
-    if legacy is not None:
-        return legacy
-    raise ValueError(
-        f"'{name}' has no rotary position embedding (RoPE); hf_ropekv reads a model's attention geometry from its "
-        "rotary embedding, so it refuses this model whatever the scorer. Keep transformers' DynamicCache for it, "
-        "or use a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...).")
+    if rotary is None:
+        rotary = _compat.sinusoid_table_rotary(model_or_config, config)  # GPT-J / CodeGen before 5.2x
+    if rotary is not None:
+        return rotary
+    raise ValueError(f"'{name}' has no rotary position embedding (RoPE); hf_ropekv reads a model's attention geometry "
+                     "from its rotary embedding, so it refuses this model whatever the scorer. Keep transformers' "
+                     "DynamicCache for it, or use a RoPE model (Llama, Qwen2/3, Mistral, Gemma3, ...).")
 
 
 def _rotary_from_config(config: PretrainedConfig) -> nn.Module | None:

@@ -1,8 +1,7 @@
 """How a model pairs head dimensions into the complex numbers RoPE rotates: pair ``f`` (``F = rotary_dim / 2``) is
 ``x[real(f)] + i x[imag(f)]`` with ``"rotate_half"`` (Llama, Qwen, Mistral, ...): ``real = f``, ``imag = f + F``, or
 ``"interleaved"`` (GPT-J, CodeGen, Cohere, GLM, ...): ``real = 2f``, ``imag = 2f + 1``. Dims ``>= rotary_dim`` are
-never scored.
-"""
+never scored."""
 
 from __future__ import annotations
 
@@ -13,16 +12,10 @@ INTERLEAVED = "interleaved"
 LAYOUTS = (ROTATE_HALF, INTERLEAVED)
 
 
-def check_layout(layout: str) -> str:
-    """``layout`` itself, or ``ValueError`` naming the known layouts."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"rotary layout must be one of {LAYOUTS}, got {layout!r}.")
-    return layout
-
-
 def pair_strides(layout: str, pairs: int) -> tuple[int, int]:
     """``(pair_stride, imag_offset)``: pair ``f`` is dims ``f * pair_stride`` and ``f * pair_stride + imag_offset``."""
-    check_layout(layout)
+    if layout not in LAYOUTS:
+        raise ValueError(f"rotary layout must be one of {LAYOUTS}, got {layout!r}.")
     return (1, pairs) if layout == ROTATE_HALF else (2, 1)
 
 

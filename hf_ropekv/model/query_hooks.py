@@ -1,7 +1,6 @@
 """Pre-RoPE queries from module hooks on ``q_proj`` (or the query norm after it), for the families whose RoPE
 receives that output: nothing of the modeling code is patched. Other families (fused QKV, NoPE layers, ...) keep
-the rotary-function capture (:mod:`.capture`); :func:`query_capture` picks one.
-"""
+the rotary-function capture (:mod:`.capture`); :func:`query_capture` picks one."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ def query_capture(model: nn.Module, geometry: ModelGeometry, callback: QueryCall
 
 
 class HookedQueryCapture(CaptureBase):
-    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]``, from a forward hook on
-    each attention's query norm or ``q_proj``. A recorded decoding step (:meth:`begin_forward`) hands all its layers'
-    queries to ``step_callback`` at once when it finishes."""
+    """Calls ``callback(layer_idx, q)`` with every layer's pre-RoPE query ``[B, S, H, D]``; a recorded decoding step
+    (:meth:`begin_forward`) hands all its layers' queries to ``step_callback`` at once when it finishes."""
 
     def __init__(self, modules: list[nn.Module], geometry: ModelGeometry, callback: QueryCallback,
                  step_callback: StepCallback | None = None) -> None:
@@ -50,10 +48,6 @@ class HookedQueryCapture(CaptureBase):
             isinstance(getattr(m, n, None), nn.Module) for m in modules for n in QUERY_NORM_NAMES)
         self._handles: list[Any] = []
         self._step: list[tuple[int, torch.Tensor]] | None = None
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
 
     def attach(self) -> "HookedQueryCapture":
         if not self._handles:
@@ -69,7 +63,6 @@ class HookedQueryCapture(CaptureBase):
         self._handles, self._step = [], None
 
     def begin_forward(self, record: bool) -> None:
-        """A forward starts; ``record``: an eager decoding step whose queries go to ``step_callback`` at its end."""
         self._step = [] if record and self.step_callback is not None else None
 
     def finish_forward(self) -> None:

@@ -5,8 +5,7 @@ Two calling conventions exist: ``(q, k, cos, sin, ..., unsqueeze_dim=1)`` (almos
 ``[B, H, S, R]`` with ``unsqueeze_dim`` 1, ``[B, S, H, R]`` with 2) and one tensor per call, ``(tensor, sin, cos)``
 (GPT-J, CodeGen), where the query is told apart by the order of the calls in the attention's source. This module
 finds the function, probes it to learn the pair layout (and frequencies where the rotary module has no
-``inv_freq``), and patches it with a pass-through that shows each call to the attention forwards in progress.
-"""
+``inv_freq``), and patches it with a pass-through that shows each call to the attention forwards in progress."""
 
 from __future__ import annotations
 
@@ -45,13 +44,10 @@ class RotaryFunction:
         # Plain values read once (torch.compile traces the per-call path without a graph break; dynamo cannot id()
         # a module, so frames are filed by the module's id taken here). The first parameter holds the query.
         params = self.signature.parameters
-        if "unsqueeze_dim" not in params:
-            call_layout = (next(iter(params)), None, 1 if self.paired else 2)
-        else:
-            default = params["unsqueeze_dim"].default
-            call_layout = (next(iter(params)), list(params).index("unsqueeze_dim"),
-                           1 if default is inspect.Parameter.empty else int(default))
-        object.__setattr__(self, "_call_layout", call_layout)
+        default = params["unsqueeze_dim"].default if "unsqueeze_dim" in params else 1 if self.paired else 2
+        index = list(params).index("unsqueeze_dim") if "unsqueeze_dim" in params else None
+        heads_dim = 1 if default is inspect.Parameter.empty else int(default)
+        object.__setattr__(self, "_call_layout", (next(iter(params)), index, heads_dim))
         object.__setattr__(self, "key", id(self.module))
 
     def query_and_heads_dim(self, args: tuple, kwargs: dict) -> tuple[Any, int]:
@@ -106,8 +102,7 @@ def query_call_index(attention_cls: type, function: RotaryFunction) -> int | Non
     kinds = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == function.name and node.args:
-            arg = node.args[0]
-            name = arg.id if isinstance(arg, ast.Name) else ""
+            name = node.args[0].id if isinstance(node.args[0], ast.Name) else ""
             kind = "q" if name.startswith("q") else "k" if name.startswith("k") else "?"
             kinds.append((node.lineno, node.col_offset, kind))
     pattern = "".join(kind for *_, kind in sorted(kinds))
@@ -141,10 +136,7 @@ def probe_rotary(rotary: nn.Module, function: RotaryFunction, inv_freq: torch.Te
         for at_far in _rotate_basis(rotary, function, far):
             dims = at_far.shape[-1]
             for layout in LAYOUTS:
-                if inv_freq is not None:
-                    freqs = inv_freq
-                else:
-                    freqs = _measured_frequencies(rotary, function, layout, dims, far)
+                freqs = inv_freq if inv_freq is not None else _measured_frequencies(rotary, function, layout, dims, far)
                 if 2 * freqs.numel() > dims:
                     continue
                 error = (at_far - rotary_matrix(dims, layout, freqs.float(), far)).abs().max().item()
@@ -183,9 +175,7 @@ def _rotate_basis(rotary: nn.Module, function: RotaryFunction, position: int,
     """Per width the function accepts (``widths``, or the cos width and twice it: GPT-J's table holds one entry per
     pair), float64 CPU ``[R, R]`` whose row ``j`` is the model's RoPE at ``position`` applied to ``e_j``."""
     cos, sin = _cos_sin(rotary, position)
-    heads_dim = 1 if function.paired else 2
-    if "unsqueeze_dim" in function.signature.parameters:
-        heads_dim = int(function.signature.parameters["unsqueeze_dim"].default)
+    heads_dim = function._call_layout[2]  # that of a call which does not name it
     tried, matrices = [], []
     for dims in widths or tuple(dict.fromkeys((cos.shape[-1], 2 * cos.shape[-1]))):
         basis = torch.eye(dims, dtype=torch.float32, device=cos.device)
@@ -203,9 +193,8 @@ def _rotate_basis(rotary: nn.Module, function: RotaryFunction, position: int,
         rotated = rotated[0, :, 0, :] if heads_dim == 1 else rotated[0, 0, :, :]
         matrices.append(rotated.double().cpu())
     if not matrices:
-        raise ValueError(
-            f"hf_ropekv could not call {function.module.__name__}.{function.name} on a probe query "
-            f"({'; '.join(tried)}).")
+        raise ValueError(f"hf_ropekv could not call {function.module.__name__}.{function.name} on a probe query "
+                         f"({'; '.join(tried)}).")
     return matrices
 
 
@@ -232,11 +221,9 @@ def _measured_frequencies(rotary: nn.Module, function: RotaryFunction, layout: s
 
 
 class _Patch:
-    """A modeling module's rotary global replaced by a pass-through that shows calls to the active frames.
-
-    Where the global is ``kernels``' ``nn.Module`` wrapper (transformers 5.25), its ``forward`` is replaced instead:
-    the global stays the wrapper, which ``kernels`` rebuilds from its type when a model is unpickled.
-    """
+    """A modeling module's rotary global replaced by a pass-through that shows calls to the active frames. Where the
+    global is ``kernels``' ``nn.Module`` wrapper (transformers 5.25), its ``forward`` is replaced instead: the global
+    stays the wrapper, which ``kernels`` rebuilds from its type when a model is unpickled."""
 
     def __init__(self, module: Any, name: str, original: Callable, key: int) -> None:
         self.module, self.name, self.original = module, name, original
@@ -245,7 +232,7 @@ class _Patch:
         def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
             # Only the outermost pass-through delivers (another may sit inside `original`). Runs for every layer of
             # every forward: a few lookups.
-            state = _TRACED if torch.compiler.is_compiling() else _LOCAL.state
+            state = _TRACED if torch.compiler.is_compiling() else _LOCAL
             if state.depth == 0:
                 frames = state.active.get(key)
                 if frames:
@@ -274,12 +261,11 @@ class _FrameState:
         self.depth = 0
 
 
-class _ThreadFrames(threading.local):
-    def __init__(self) -> None:
-        self.state = _FrameState()
+class _ThreadFrames(_FrameState, threading.local):
+    """Eager forwards: one state per thread."""
 
 
-_LOCAL = _ThreadFrames()  # eager forwards: one state per thread
+_LOCAL = _ThreadFrames()
 #: Forwards traced by torch.compile (dynamo does not trace thread-locals on every torch version).
 _TRACED = _FrameState()
 
@@ -288,7 +274,7 @@ def install(function: RotaryFunction) -> "_Patch":
     """Make the module global a pass-through (shared with its other users, or a new one over whatever is there
     now); returns the patch to hand to :func:`uninstall`."""
     # The frame lists exist before any forward: torch.compile then guards on a layout that stays.
-    for state in (_LOCAL.state, _TRACED):
+    for state in (_LOCAL, _TRACED):
         state.active.setdefault(function.key, [])
     target, name = function.module, function.name
     if isinstance(getattr(target, name), nn.Module):  # kernels' wrapper (see _Patch): its forward, not the global
@@ -317,7 +303,7 @@ def uninstall(patch: "_Patch") -> None:
 def frame_stack(key: int) -> list[Any]:
     """The attention forwards in progress (innermost last) of the rotary function filed under ``key``, this thread's
     or those being traced; each frame gets the rotary calls through ``frame.see(args, kwargs)``."""
-    active = (_TRACED if torch.compiler.is_compiling() else _LOCAL.state).active
+    active = (_TRACED if torch.compiler.is_compiling() else _LOCAL).active
     stack = active.get(key)
     if stack is None:  # a thread that has not run a forward yet
         stack = active.setdefault(key, [])
