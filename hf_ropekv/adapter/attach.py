@@ -214,9 +214,10 @@ class ModelAttachment(StepPreparer):
         if not (input_ids.shape[1] > seen and tokens is not None and input_ids.shape[0] == tokens.shape[0]
                 and bool((input_ids[:, :seen].to(tokens.device) == tokens[:, :seen]).all())):
             raise ValueError(
-                f"This RopeKVCache already holds {seen} tokens of another sequence; the new inputs do not continue "
-                "them. Reusing a cache across batches corrupts the output: create a fresh RopeKVCache for every "
-                "generate() call (or use hf_ropekv.enable(model, ...), which does it for you).")
+                f"This RopeKVCache already holds {seen} tokens, and the new inputs do not start with them. To continue "
+                "a conversation, pass the ids generate() returned followed by the new turn's ids (tokenizing the "
+                "whole text again can split it into other tokens). For an unrelated batch, create a fresh "
+                "RopeKVCache (or use hf_ropekv.enable(model, ...), which does it for every generate() call).")
 
     def _next_prefill_chunk(self, new: int, attention_mask: Any, position_ids: Any) -> bool:
         """Whether ``new`` tokens are the next chunk of generate's chunked prefill: its mask covers the tokens held

@@ -38,7 +38,7 @@ def test_reused_cache_for_another_batch_is_refused() -> None:
     other, other_mask = padded_batch(model.config.vocab_size, lengths=(20, 20), seed=2)
     cache = RopeKVCache(model, budget=64)
     model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=4, pad_token_id=0)
-    with pytest.raises(ValueError, match="another sequence.*fresh RopeKVCache"):
+    with pytest.raises(ValueError, match="do not start with them.*conversation.*fresh RopeKVCache"):
         model.generate(input_ids=other, attention_mask=other_mask, **cache_kw(model, cache), max_new_tokens=4,
                        pad_token_id=0)
     three, three_mask = padded_batch(model.config.vocab_size, lengths=(20, 20, 20), seed=3)
