@@ -219,19 +219,30 @@ def _source(results: list[dict[str, Any]]) -> str:
                                   for r in results) + "."
 
 
+def _brief_source(results: list[dict[str, Any]]) -> str:
+    """The README's source line: dates and devices only (the runs table in docs/benchmarks.md names files and
+    commits)."""
+    dates = sorted({r["date"][:10] for r in results})
+    devices = sorted({r["device"] for r in results})
+    return (f"Measured {', '.join(dates)} on {', '.join(devices)}; every run's command and code version: "
+            "[docs/benchmarks.md](docs/benchmarks.md#runs).")
+
+
 def _newest(results: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     of_name = [r for r in results if r["name"] == name]
     return max(of_name, key=lambda r: r["date"]) if of_name else None
 
 
-def _quality(results: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str]) -> str:
+def _quality(results: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str],
+             source: Callable[[list[dict[str, Any]]], str] = _source) -> str:
     runs = [r for r in results if r["name"] == "quality" and r.get("rows")]
-    return NO_RESULTS if not runs else render(merge_rows(runs)) + "\n\n" + _source(runs)
+    return NO_RESULTS if not runs else render(merge_rows(runs)) + "\n\n" + source(runs)
 
 
-def _single(results: list[dict[str, Any]], name: str, render: Callable[[dict[str, Any]], str]) -> str:
+def _single(results: list[dict[str, Any]], name: str, render: Callable[[dict[str, Any]], str],
+            source: Callable[[list[dict[str, Any]]], str] = _source) -> str:
     newest = _newest(results, name)
-    return NO_RESULTS if newest is None or not newest.get("rows") else render(newest) + "\n\n" + _source([newest])
+    return NO_RESULTS if newest is None or not newest.get("rows") else render(newest) + "\n\n" + source([newest])
 
 
 def runs_table(results: list[dict[str, Any]]) -> str:
@@ -243,10 +254,10 @@ def runs_table(results: list[dict[str, Any]]) -> str:
 
 BLOCKS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "quality_matrix": lambda results: _quality(results, quality_table),
-    "quality_summary": lambda results: _quality(results, quality_summary),
+    "quality_summary": lambda results: _quality(results, quality_summary, _brief_source),
     "quality_vs_peers": lambda results: _quality(results, quality_vs_peers),
     "speed": lambda results: _single(results, "speed", speed_table),
-    "speed_summary": lambda results: _single(results, "speed", speed_summary),
+    "speed_summary": lambda results: _single(results, "speed", speed_summary, _brief_source),
     "memory": lambda results: _single(results, "memory", memory_table),
     "runs": runs_table,
 }
