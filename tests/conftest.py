@@ -195,6 +195,14 @@ def generate_new(model, cache, ids, mask, new: int, **kwargs) -> torch.Tensor:
     return out[:, ids.shape[1] :]
 
 
+def generate_with_logits(model, cache, ids, mask, **kwargs):
+    """``generate()`` of a left-padded batch with ``cache``, greedy and 20 new tokens unless told otherwise; returns
+    the output dict with ``sequences`` and ``logits``."""
+    kwargs = {"do_sample": False, "max_new_tokens": 20, "pad_token_id": 0, **kwargs}
+    return model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), return_dict_in_generate=True,
+                          output_logits=True, **kwargs)
+
+
 def hand_written_loop(model, cache, forward, ids, mask, steps: int) -> torch.Tensor:
     """Greedy tokens from calling ``forward`` step by step with ``cache`` (a left-padded prompt, then one token per
     call), as a user's own decoding loop does."""

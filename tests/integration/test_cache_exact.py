@@ -6,23 +6,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import cache_kw, padded_batch, tiny_model
+from conftest import generate_with_logits, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
-
-
-def generate(model, cache, ids, mask, **kwargs):
-    kwargs.setdefault("max_new_tokens", 20)
-    return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        **cache_kw(model, cache),
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_logits=True,
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -30,9 +17,9 @@ def generate(model, cache, ids, mask, **kwargs):
 def test_greedy_identical_with_padding(arch: str, attn: str) -> None:
     model = tiny_model(arch, attn_implementation=attn)
     ids, mask = padded_batch(model.config.vocab_size)
-    ref = generate(model, DynamicCache(config=model.config), ids, mask, do_sample=False)
+    ref = generate_with_logits(model, DynamicCache(config=model.config), ids, mask)
     cache = RopeKVCache(model, budget=4096)
-    out = generate(model, cache, ids, mask, do_sample=False)
+    out = generate_with_logits(model, cache, ids, mask)
     assert torch.equal(out.sequences, ref.sequences)
     for got, want in zip(out.logits, ref.logits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -44,8 +31,8 @@ def test_beam_search_identical(arch: str) -> None:
     model = tiny_model(arch)
     ids, mask = padded_batch(model.config.vocab_size, lengths=(10, 7))
     kw = dict(num_beams=3, do_sample=False, max_new_tokens=12)
-    ref = generate(model, DynamicCache(config=model.config), ids, mask, **kw)
-    out = generate(model, RopeKVCache(model, budget=None), ids, mask, **kw)
+    ref = generate_with_logits(model, DynamicCache(config=model.config), ids, mask, **kw)
+    out = generate_with_logits(model, RopeKVCache(model, budget=None), ids, mask, **kw)
     assert torch.equal(out.sequences, ref.sequences)
 
 
@@ -54,9 +41,9 @@ def test_seeded_sampling_identical() -> None:
     ids, mask = padded_batch(model.config.vocab_size)
     kw = dict(do_sample=True, top_k=20, temperature=1.3, max_new_tokens=16)
     torch.manual_seed(123)
-    ref = generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    ref = generate_with_logits(model, DynamicCache(config=model.config), ids, mask, **kw)
     torch.manual_seed(123)
-    out = generate(model, RopeKVCache(model, budget=None), ids, mask, **kw)
+    out = generate_with_logits(model, RopeKVCache(model, budget=None), ids, mask, **kw)
     assert torch.equal(out.sequences, ref.sequences)
 
 
@@ -68,10 +55,10 @@ def test_multi_turn_continuation_identical(arch: str) -> None:
     turn = torch.randint(3, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(7))
 
     def two_turns(cache):
-        first = generate(model, cache, ids, mask, do_sample=False, max_new_tokens=6)
+        first = generate_with_logits(model, cache, ids, mask, max_new_tokens=6)
         ids2 = torch.cat([first.sequences, turn], dim=1)
         mask2 = torch.cat([mask, torch.ones(2, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
-        return generate(model, cache, ids2, mask2, do_sample=False, max_new_tokens=6)
+        return generate_with_logits(model, cache, ids2, mask2, max_new_tokens=6)
 
     ref = two_turns(DynamicCache(config=model.config))
     out = two_turns(RopeKVCache(model, budget=10_000))
@@ -89,14 +76,14 @@ def test_chunked_prefill_identical(arch: str, padded: bool) -> None:
     """
     model = tiny_model(arch)
     ids, mask = padded_batch(model.config.vocab_size, lengths=(12, 9, 6) if padded else (12, 12, 12))
-    ref = generate(model, DynamicCache(config=model.config), ids, mask, do_sample=False, prefill_chunk_size=4)
-    out = generate(model, RopeKVCache(model, budget=4096), ids, mask, do_sample=False, prefill_chunk_size=4)
+    ref = generate_with_logits(model, DynamicCache(config=model.config), ids, mask, prefill_chunk_size=4)
+    out = generate_with_logits(model, RopeKVCache(model, budget=4096), ids, mask, prefill_chunk_size=4)
     assert torch.equal(out.sequences, ref.sequences)
     for got, want in zip(out.logits, ref.logits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # With eviction: each chunk compacts what is over the budget, and the cache stays within its bound.
     cache = RopeKVCache(model, budget=6, compress_every=2, protect_prompt=False)
-    generate(model, cache, ids, mask, do_sample=False, prefill_chunk_size=4)
+    generate_with_logits(model, cache, ids, mask, prefill_chunk_size=4)
     assert cache.evicted and cache.tokens_kept <= 6 + 2
 
 
@@ -104,8 +91,8 @@ def test_mixed_sliding_layers_identical() -> None:
     """Gemma3: sliding layers stay windows, the full-attention layer is budgeted; nothing evicted here."""
     model = tiny_model("gemma3_text")
     ids, mask = padded_batch(model.config.vocab_size)
-    ref = generate(model, DynamicCache(config=model.config), ids, mask, do_sample=False, max_new_tokens=24)
-    out = generate(model, RopeKVCache(model, budget=4096), ids, mask, do_sample=False, max_new_tokens=24)
+    ref = generate_with_logits(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=24)
+    out = generate_with_logits(model, RopeKVCache(model, budget=4096), ids, mask, max_new_tokens=24)
     assert torch.equal(out.sequences, ref.sequences)
 
 

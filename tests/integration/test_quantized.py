@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import cache_kw, padded_batch, tiny_model
+from conftest import generate_with_logits, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache
 
 ARCHS = ["llama", "qwen3"]
@@ -59,17 +59,6 @@ def quanto():
     return module
 
 
-def generate(model, cache, ids, mask, max_new_tokens: int = 20):
-    return model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        **cache_kw(model, cache),
-        pad_token_id=0,
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
 
 
 def quanto_quantize(quanto, model, weights: str):
@@ -95,10 +84,10 @@ def check_exact(model, atol: float = 1e-5) -> None:
     """budget=None and a budget larger than the generation: DynamicCache's tokens exactly, logits within
     ``atol``, nothing compacted."""
     ids, mask = (t.to(model.device) for t in padded_batch(model.config.vocab_size))
-    ref = generate(model, DynamicCache(config=model.config), ids, mask)
+    ref = generate_with_logits(model, DynamicCache(config=model.config), ids, mask)
     for budget in (None, 4096):
         cache = RopeKVCache(model, budget=budget)
-        out = generate(model, cache, ids, mask)
+        out = generate_with_logits(model, cache, ids, mask)
         assert torch.equal(out.sequences, ref.sequences), f"budget={budget}"
         for got, want in zip(out.logits, ref.logits):
             torch.testing.assert_close(got, want, atol=atol, rtol=0)
@@ -110,7 +99,7 @@ def check_eviction(model, max_new_tokens: int = 40) -> None:
     """A budget far below the generation: it completes, compacts, and keeps at most budget + compress_every."""
     ids, mask = (t.to(model.device) for t in padded_batch(model.config.vocab_size))
     cache = RopeKVCache(model, budget=BUDGET, compress_every=COMPRESS_EVERY)  # default scorer, online statistics
-    out = generate(model, cache, ids, mask, max_new_tokens=max_new_tokens)
+    out = generate_with_logits(model, cache, ids, mask, max_new_tokens=max_new_tokens)
     assert out.sequences.shape == (ids.shape[0], ids.shape[1] + max_new_tokens)
     assert cache.tokens_seen == ids.shape[1] + max_new_tokens - 1
     assert cache.num_compactions > 0
