@@ -5,6 +5,7 @@ A static cache keeps a model's sliding-window layers as transformers' static sli
 References: with nothing evicted, ``DynamicCache`` (exactly); with eviction, the growing cache (``static=False``).
 Compilation (marked ``compile``) is checked as in ``test_static_cache.py``: generate's own compilation with dynamo's
 ``eager`` backend on the CPU, ``fullgraph=True``, and ``error_on_recompile`` where a second graph would be a failure.
+A hand-written compiled loop on ``qwen2_sliding`` is one case of ``test_static_cache.py``'s.
 
 Tiny models (``conftest``): ``gemma2`` (sliding, full, sliding; eager attention, soft-capping), ``qwen2_sliding``
 (full, then sliding from ``max_window_layers``), ``gemma3_text`` (sliding, sliding, full) and ``mistral_sliding``
@@ -20,7 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 
-from conftest import cache_kw, compiled, generate_new, hand_written_loop, padded_batch, tiny_model
+from conftest import cache_kw, compiled, generate_new, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache, disable, enable
 from hf_ropekv.enable import is_enabled
 from hf_ropekv.scorers import H2OScorer, RKVScorer, SnapKVScorer
@@ -133,29 +134,6 @@ def test_compiled_step_is_one_graph(arch: str, fresh_dynamo) -> None:
     torch._dynamo.config.error_on_recompile = False
     assert graphs == [1, 1]  # the decode step, served again to the second cache
     assert keys and all(torch.isfinite(k).all() for k in keys)
-
-
-@pytest.mark.compile
-def test_hand_written_compiled_loop(fresh_dynamo) -> None:
-    """model.forward = torch.compile(model.forward) on a hybrid model, called step by step: at most the prompt's
-    graph and the decode step's, same tokens as the growing cache."""
-    model = tiny_model("qwen2_sliding")
-    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
-
-    def loop(cache, forward) -> torch.Tensor:
-        return hand_written_loop(model, cache, forward, ids, mask, steps=24)
-
-    with torch.no_grad():
-        expected = loop(RopeKVCache(model, budget=BUDGET, compress_every=EVERY), model)
-        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True)
-        eager_forward = model.forward
-        model.forward = torch.compile(eager_forward, backend="eager", fullgraph=True)
-        try:
-            torch.testing.assert_close(loop(cache, model), expected, atol=0, rtol=0)
-        finally:
-            model.forward = eager_forward
-    assert cache.num_compactions >= 4
-    assert fresh_dynamo["stats"]["unique_graphs"] <= 2
 
 
 def test_beam_search_reorders_the_windows() -> None:
