@@ -26,11 +26,11 @@ from transformers.utils import logging
 from . import _compat
 from .adapter.generate_methods import ModelMethodWrapper
 from .cache.cache import RopeKVCache
-from .cache.model_checks import check_static
-from .cache.options import OPTION_NAMES, CacheOptions
+from .cache.model_checks import check_static, checked_options
+from .cache.options import CacheOptions
 from .cache.scorer_setup import check_scorer
 from .cache.summary import CacheSummary
-from .model.geometry import ModelGeometry, describe
+from .model.geometry import ModelGeometry
 from .scorers.frequency import FrequencyScorer
 from .statistics.frequency_stats import FrequencyStats
 from .warnings import warn
@@ -144,11 +144,7 @@ def _checked(model: nn.Module, budget: Any, options: dict[str, Any]) -> _Enablem
     if not isinstance(model, nn.Module) or not callable(getattr(model, _PrepareCacheHook.name, None)):
         raise TypeError(f"hf_ropekv.enable needs a transformers model with generate() (a GenerationMixin); got "
                         f"{type(model).__name__}.")
-    unknown = sorted(set(options) - set(OPTION_NAMES))
-    if unknown:
-        raise TypeError(f"hf_ropekv.enable got unknown option(s) {unknown}; the options are {list(OPTION_NAMES)}.")
-    CacheOptions(budget=budget, **{name: value for name, value in options.items() if name != "scorer"})
-    geometry = describe(model)  # raises ValueError for models the cache cannot hold
+    _, geometry = checked_options(model, budget, options, "hf_ropekv.enable")
     scorer = options.get("scorer")
     check_scorer(scorer)
     if isinstance(scorer, FrequencyScorer) and scorer.stats is not None:  # loaded once; every cache shares them

@@ -16,13 +16,13 @@ from transformers.configuration_utils import PretrainedConfig
 from ..adapter.attach import ModelAttachment
 from ..eviction.compactor import Compactor
 from ..kernels.attention import register_op
-from ..model.geometry import FULL, ModelGeometry, describe, shared_geometry
+from ..model.geometry import FULL, ModelGeometry, shared_geometry
 from ..scorers.base import Scorer
 from ..storage.buffers import BufferLease, BufferPool, step_is_recorded
 from .forward import ForwardCoordinator
 from .layers import CANNOT_CROP, BudgetedLayer, make_layers
-from .model_checks import check_kv_bits, check_sliding_windows, check_static, static_unsupported
-from .options import OPTION_NAMES, SEED, CacheOptions
+from .model_checks import check_static, checked_options, static_unsupported
+from .options import SEED
 from .rows import BatchRows, padding_holes
 from .scorer_setup import resolve_scorer
 from .static import StaticForwardDriver
@@ -58,15 +58,10 @@ class RopeKVCache(Cache):
 
     def __init__(self, model_or_config: PreTrainedModel | PretrainedConfig, budget: int | None = None, *,
                  scorer: Scorer | None = None, **options: Any) -> None:
-        unknown = sorted(set(options) - set(OPTION_NAMES))
-        if unknown:
-            raise TypeError(f"RopeKVCache got unknown option(s) {unknown}; the options are {list(OPTION_NAMES)}.")
-        self.options = options = CacheOptions(budget=budget, **options)
+        self.options, geometry = checked_options(model_or_config, budget, options, "RopeKVCache")
+        options = self.options
         model = model_or_config if isinstance(model_or_config, nn.Module) else None
-        geometry = describe(model_or_config)
         self.geometry: ModelGeometry = geometry if model is None else shared_geometry(model, geometry)
-        check_sliding_windows(self.geometry, budget)
-        check_kv_bits(options.kv_bits, model_or_config)
         super().__init__(layers=[])
         self.scorer, self._online, self._queries = resolve_scorer(scorer, budget, self.geometry, model)
         if options.static is True:

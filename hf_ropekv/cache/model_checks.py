@@ -9,8 +9,24 @@ from torch import nn
 
 from ..adapter.graphed_step import not_capturable
 from ..model.attention import GROUPED_SDPA, dispatches_by_name
-from ..model.geometry import FULL, SLIDING, ModelGeometry
+from ..model.geometry import FULL, SLIDING, ModelGeometry, describe
 from ..warnings import warn
+from .options import OPTION_NAMES, CacheOptions
+
+
+def checked_options(model_or_config: Any, budget: int | None, options: dict[str, Any],
+                    caller: str) -> tuple[CacheOptions, ModelGeometry]:
+    """The options of a cache of ``model_or_config`` (``scorer`` aside) and the model's geometry, once every check
+    that needs no scorer has passed; ``caller`` names who was called in the unknown-option error. Shared by
+    ``RopeKVCache`` and ``hf_ropekv.enable``, so enable refuses before any generation what a cache would refuse."""
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"{caller} got unknown option(s) {unknown}; the options are {list(OPTION_NAMES)}.")
+    cache_options = CacheOptions(budget=budget, **{name: value for name, value in options.items() if name != "scorer"})
+    geometry = describe(model_or_config)  # raises ValueError for models the cache cannot hold
+    check_sliding_windows(geometry, budget)
+    check_kv_bits(cache_options.kv_bits, model_or_config)
+    return cache_options, geometry
 
 
 def check_sliding_windows(geometry: ModelGeometry, budget: int | None) -> None:

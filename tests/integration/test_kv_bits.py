@@ -15,7 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import cache_kw, padded_batch, tiny_model
-from hf_ropekv import RopeKVCache
+from hf_ropekv import RopeKVCache, enable
+from hf_ropekv.enable import is_enabled
 from reference import FULL, layer_types, run_and_compare
 
 
@@ -102,6 +103,9 @@ def test_kv_bits_needs_the_model_on_sdpa() -> None:
     eager = tiny_model("llama", attn_implementation="eager")
     with pytest.raises(ValueError, match="kv_bits=8 needs a model on sdpa attention.*'eager'.*kv_bits=None"):
         RopeKVCache(eager, budget=16, kv_bits=8)
+    with pytest.raises(ValueError, match="kv_bits=8 needs a model on sdpa attention"):  # at enable, not at generate
+        enable(eager, budget=16, kv_bits=8)
+    assert not is_enabled(eager)
 
 
 @pytest.mark.gpu

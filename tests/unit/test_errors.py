@@ -9,7 +9,7 @@ import transformers
 from transformers import GPT2Config, LlamaConfig, T5Config
 
 from conftest import tiny_model
-from hf_ropekv import HfRopeKVWarning, RopeKVCache
+from hf_ropekv import HfRopeKVWarning, RopeKVCache, enable
 from hf_ropekv.scorers import KeyNormScorer, RecencyScorer, SnapKVScorer
 
 _BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
@@ -81,6 +81,8 @@ def test_a_budget_below_the_sliding_window_is_refused() -> None:
     model = tiny_model("gemma3_text")
     with pytest.raises(ValueError, match=r"budget=6 is smaller than the sliding window \(8\).*budget >= 8"):
         RopeKVCache(model, budget=6, scorer=RecencyScorer())
+    with pytest.raises(ValueError, match=r"budget=6 is smaller than the sliding window"):  # enable checks as the cache
+        enable(model, budget=6, scorer=RecencyScorer())
     RopeKVCache(model, budget=8, scorer=RecencyScorer())
 
 
