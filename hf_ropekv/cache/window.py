@@ -19,6 +19,7 @@ from transformers.cache_utils import StaticSlidingWindowLayer
 
 from .. import _compat
 from ..storage.buffers import WINDOW_KEYS, WINDOW_VALUES, BufferLease, mark_static, normal_tensors, static_buffer
+from ..storage.paged import attention_view
 
 #: The error of a rollback that reaches past the window (tokens already rolled out of it).
 CANNOT_CROP_WINDOW = (
@@ -52,6 +53,7 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
             static_buffer(self._lease, (purpose, self.layer_idx, self.device),
                           (self.batch_size, self.num_heads, self.window, like.shape[-1]), like.dtype, self.device)
             for purpose, like in ((WINDOW_KEYS, key_states), (WINDOW_VALUES, value_states)))
+        attention_view([self.keys, self.values], decode=False, fixed=True)  # a static window: grouped sdpa, no copy
         self.cumulative_length = torch.tensor(self.cumulative_length_int, dtype=torch.int64, device=self.device)
         # The last slot as a tensor index made once: made in the step, it is a host-to-device copy a CUDA graph
         # cannot capture.
@@ -130,6 +132,7 @@ class StaticWindowLayer(StaticSlidingWindowLayer):
         self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
         self.batch_size = self.keys.shape[0]
         mark_static(self.keys, self.values)
+        attention_view([self.keys, self.values], decode=False, fixed=True)
 
     batch_select_indices = reorder_cache
 

@@ -226,3 +226,23 @@ def test_one_token_prompt_with_online_statistics() -> None:
                                    pad_token_id=0, **cache_kw(model, cache)))
         assert cache.num_compactions >= 3
     torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+
+
+def test_every_layer_of_a_static_cache_attends_with_grouped_sdpa(monkeypatch) -> None:
+    """A static cache's sliding-window layers attend as its full-attention layers do, through grouped sdpa (query
+    heads folded per key/value head, no copy of the key/value heads), at every decoding step."""
+    from hf_ropekv.model import attention
+
+    model = tiny_model("qwen2_sliding")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    calls, grouped = [], attention.grouped_sdpa
+
+    def spy(module, query, *args, **kwargs):
+        calls.append((module.layer_idx, query.shape[2]))
+        return grouped(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "grouped_sdpa", spy)
+    ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
+    generate(model, RopeKVCache(model, budget=BUDGET, compress_every=EVERY, static=True), ids, mask, new=12)
+    for layer in range(model.config.num_hidden_layers):  # every step after the prompt's
+        assert sum(1 for idx, q in calls if idx == layer and q == 1) == 11, (layer, calls)
