@@ -15,7 +15,7 @@ from torch import nn
 from torch._guards import TracingContext
 
 from .. import _compat
-from ..model.attention import restore_attention, use_grouped_sdpa
+from ..model.attention import restore_attention, use_ropekv_attention
 from ..model.query_hooks import query_capture
 from ..model.geometry import ModelGeometry
 from .generate_methods import (GENERATE_WRAPPERS, _GetCompiledCall, _PrepareInputsForGeneration,
@@ -81,7 +81,7 @@ class SharedHooks:
             _GetCompiledCall.install(self._model_ref())
             _ValidAutoCompileCriteria.install(self._model_ref())
         if attention:  # static or int8 caches (every one: the user may have set it back since the last one)
-            before = use_grouped_sdpa(self._model_ref(), geometry)
+            before = use_ropekv_attention(self._model_ref())
             self._attention_before = before if before is not None else self._attention_before
 
     def remove(self, attachment: Attachment) -> None:

@@ -8,7 +8,7 @@ Over a static arena (a masked grouped-query attention) transformers' sdpa copies
 (``repeat_kv``; under ``torch.compile`` even in 5.24), which for one decoding token costs more than the attention.
 :func:`grouped_sdpa` folds the ``groups`` query heads of a key/value head into its query rows instead: the same keys,
 values and mask per row, so the same attention, with no copy (:func:`_fold_is_cheaper` says when it pays for a
-prefill chunk). It is registered as ``"hf_ropekv_sdpa"`` (:func:`use_grouped_sdpa`)."""
+prefill chunk). :func:`ropekv_attention` is registered as ``"hf_ropekv_sdpa"`` (:func:`use_ropekv_attention`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from ..kernels.attention import decode_attention
 from ..kernels.quantize import dequantize_kv
 from ..storage.paged import DECODE, FIXED, SCALES
 from .capture import find_attention_modules
-from .geometry import ModelGeometry
 
 
 def ropekv_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -94,7 +93,7 @@ def _fold_is_cheaper(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor,
     return mask_bytes < kv_bytes
 
 
-def use_grouped_sdpa(model: nn.Module, geometry: ModelGeometry) -> str | None:
+def use_ropekv_attention(model: nn.Module) -> str | None:
     """Make an sdpa ``model`` attend with :func:`ropekv_attention` (through ``config._attn_implementation``); return
     the implementation it had, or ``None`` (nothing changed) when it does not use sdpa or dispatch by name."""
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -118,7 +117,7 @@ def dispatches_by_name(model: nn.Module) -> bool:
 
 
 def restore_attention(model: nn.Module, previous: str | None) -> None:
-    """Undo :func:`use_grouped_sdpa` (``previous`` is what it returned); a no-op for ``None``."""
+    """Undo :func:`use_ropekv_attention` (``previous`` is what it returned); a no-op for ``None``."""
     config = getattr(model, "config", None)
     if previous is not None and config is not None and config._attn_implementation == GROUPED_SDPA:
         config._attn_implementation = previous
