@@ -125,10 +125,12 @@ if HAS_TRITON:
                 tl.store(base + j.to(tl.int64)[:, None] * stride_c + offs_d[None, :], vals, mask=m)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)
 def _pointer_table(ptrs: Tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Device int64 tensor of base addresses, cached by content (the same storages are compacted every round: no
-    host-to-device copy per call, a CUDA-graph capturable launch; keyed by the addresses, never stale)."""
+    host-to-device copy per call, a CUDA-graph capturable launch; keyed by the addresses, never stale). A cache
+    compacts layer by layer, one table per layer and plane dtype (two with int8): room for every layer of the
+    largest models, or each round would miss them all."""
     return torch.tensor(ptrs, dtype=torch.int64, device=device)
 
 

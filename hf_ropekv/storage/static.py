@@ -33,8 +33,10 @@ class StaticKV(PagedKV):
         """Size the fixed arena for at most ``tokens`` tokens per row (whole pages, at most the steady state); an
         allocated arena only grows, its live slots copied."""
         capacity = min(self.steady_capacity, -(-tokens // self.page_size) * self.page_size)
-        if self._arena is None or capacity <= self.static_capacity:
-            self.static_capacity = max(capacity, self.static_capacity) if self._arena is not None else capacity
+        if self._arena is None:
+            self.static_capacity = capacity
+            return
+        if capacity <= self.static_capacity:
             return
         old = self._arena
         self._give_back_arena()
