@@ -11,7 +11,7 @@ import torch
 from ..model.layouts import ROTATE_HALF
 from .rope_scoring import query_weights, score_keys_weighted
 from .base import ScoreContext, standardize
-from .prompt_window import window_votes
+from .snapkv import SnapKVScorer
 
 if TYPE_CHECKING:
     from ..statistics.frequency_stats import FrequencyStats
@@ -89,7 +89,7 @@ class FrequencyScorer:
         z = standardize(raw, candidates).view(layers, batch, kv_heads, group, slots).amax(dim=3)
         for i, (layer_keys, context) in enumerate(zip(keys, contexts)):  # right after a prompt: its own attention too
             if context.queries is not None and self.prompt_window:
-                z[i] = torch.maximum(z[i], window_votes(layer_keys, context, self.prompt_window))
+                z[i] = torch.maximum(z[i], SnapKVScorer(window=self.prompt_window).score(layer_keys, context))
         return z
 
     def _layer_tensors(self, layer_idx: int, device: torch.device, kv_heads: int) -> tuple[torch.Tensor, ...]:

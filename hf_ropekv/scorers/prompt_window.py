@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 
 from ..model.geometry import ModelGeometry
-from .attention import pool_along_tokens, window_attention
-from .base import ScoreContext, standardize
 from .query_window import rotate
 
 
@@ -66,9 +64,3 @@ class PromptWindow:
         if self._positions is not None:
             self._positions = self._positions.index_select(0, index.to(self._positions.device))
 
-
-def window_votes(keys: torch.Tensor, ctx: ScoreContext, window: int) -> torch.Tensor:
-    """The observation window's z-scored attention on each slot, ``[B, H_kv, S]`` (SnapKV's vote: summed over the
-    window, averaged over each GQA group, pooled over 5 neighbouring tokens)."""
-    votes, _ = window_attention(keys, ctx, window, "FrequencyScorer")
-    return standardize(pool_along_tokens(votes, ctx.slot_positions, ctx.valid, 5, "avgpool"), ctx.candidates)
