@@ -271,12 +271,14 @@ def _decode_impl(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         parts = B * H_q * num_splits
         ws = torch.empty(parts * (Dv + 2), dtype=torch.float32, device=query.device)
         ml_offset = parts * Dv
-    mask_u8 = query if mask is None else mask.view(torch.uint8)  # bool pointers as bytes
+    # The bool mask goes in as it is (Triton loads ``*i1``): a ``view(torch.uint8)`` is a dtype view that
+    # inductor cannot lower, so the compiled step failed on it.
+    mask_arg = query if mask is None else mask
     ks, vs = (key_scale, value_scale) if quant else (query, query)  # unused pointers when not quantized
     ks_strides, vs_strides = (ks.stride(), vs.stride()) if quant else ((0, 0, 0), (0, 0, 0))
-    m_strides = mask_u8.stride() if mask is not None else (0, 0)
+    m_strides = mask_arg.stride() if mask is not None else (0, 0)
     _for_compile(_decode_split_kernel)[(num_splits, H_kv, B)](
-        query, keys, values, ks, vs, mask_u8, ws, out,
+        query, keys, values, ks, vs, mask_arg, ws, out,
         S, chunk, ml_offset, scale, 1.0 if softcap is None else softcap,
         *query.stride(), *keys.stride(), *values.stride(), *ks_strides, *vs_strides, *m_strides, *out.stride(),
         G=G, G_PAD=max(16, _next_pow2(G)), D=D, DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=block_n,

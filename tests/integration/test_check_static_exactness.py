@@ -99,7 +99,8 @@ def test_static_cache_at_qwen3_1_7b_on_cuda(deterministic_sdpa, fresh_dynamo, mo
     assert growing_cache.num_compactions >= 2
     default_cache = RopeKVCache(model, **options)
     default, _ = generate(model, default_cache, ids, mask, 256)
-    assert default_cache.static and vars(model)["get_compiled_call"].graphed.graphs_of(default_cache) == 1
+    # Two graphs: the steps before the first eviction (sdpa, exact) and those after it (the decode kernel).
+    assert default_cache.static and vars(model)["get_compiled_call"].graphed.graphs_of(default_cache) == 2
     assert torch.equal(default, eager), "the default cache's graphed steps gave other tokens than eager ones"
     assert torch.equal(growing, eager)
     from hf_ropekv.adapter import attach
@@ -130,11 +131,12 @@ def _on_cuda(vocab: int, lengths: tuple[int, ...], seed: int = 0):
 
 
 def graphed_matches_eager(model, ids, mask, options: dict, steps: int = 40) -> None:
-    """The default cache on one GPU: graphed steps, one recording, the eager static cache's tokens exactly."""
+    """The default cache on one GPU: graphed steps, two recordings (before the first eviction and after it), the
+    eager static cache's tokens exactly."""
     expected, _ = generate(model, RopeKVCache(model, **options, static=True), ids, mask, steps, eager=True)
     cache = RopeKVCache(model, **options)
     got, _ = generate(model, cache, ids, mask, steps)
-    assert cache.static and vars(model)["get_compiled_call"].graphed.graphs_of(cache) == 1
+    assert cache.static and vars(model)["get_compiled_call"].graphed.graphs_of(cache) == 2
     assert torch.equal(got, expected), "the graphed steps gave other tokens than the eager static cache"
 
 

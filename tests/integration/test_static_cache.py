@@ -426,7 +426,8 @@ def test_a_static_cache_switches_the_model_to_grouped_sdpa_while_it_lives() -> N
 def test_the_default_cache_on_one_gpu_replays_graphs_of_the_eager_static_step(arch: str, deterministic_sdpa) -> None:
     """static="auto" on one CUDA device is static and replays its decode steps as CUDA graphs of the eager step:
     the tokens equal the eager static cache's exactly, across compactions, with padding and (Gemma 2) sliding
-    windows; one recording per cache; a second generate() continuing the same cache still gives the eager tokens.
+    windows; two recordings per cache (the steps before the first eviction attend with sdpa, those after it with the
+    decode kernel); a second generate() continuing the same cache still gives the eager tokens.
     (Private: the graphed executor's recording count, ``get_compiled_call.graphed``.)"""
     model = tiny_model(arch).cuda()
     ids, mask = (t.cuda() for t in padded_batch(model.config.vocab_size, lengths=(11, 6, 3)))
@@ -437,7 +438,7 @@ def test_the_default_cache_on_one_gpu_replays_graphs_of_the_eager_static_step(ar
         assert cache.static
         torch.testing.assert_close(generate(model, cache, ids, mask, new=40), expected, atol=0, rtol=0)
         graphed = vars(model)["get_compiled_call"].graphed
-        assert graphed.graphs_of(cache) == 1 and graphed.recordings == round_ + 1
+        assert graphed.graphs_of(cache) == 2 and graphed.recordings == 2 * (round_ + 1)
         assert cache.num_compactions >= 8
     more = torch.cat([ids, expected], dim=1)
     more_mask = torch.cat([mask, torch.ones_like(expected)], dim=1)
