@@ -101,6 +101,9 @@ if HAS_TRITON:
         F32_DOT: tl.constexpr, DIRECT: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         # One program: one batch row, one KV head, one chunk of CHUNK slots, all G query heads.
+        # float32 scalars: under torch.compile inductor passes Python floats as fp64, which would promote m_i.
+        scale = tl.cast(scale, tl.float32)
+        softcap = tl.cast(softcap, tl.float32)
         split = tl.program_id(0)
         hkv = tl.program_id(1).to(tl.int64)  # int64: arenas may exceed 2**31 elements
         b = tl.program_id(2).to(tl.int64)

@@ -136,7 +136,8 @@ def graphed_matches_eager(model, ids, mask, options: dict, steps: int = 40) -> N
     expected, _ = generate(model, RopeKVCache(model, **options, static=True), ids, mask, steps, eager=True)
     cache = RopeKVCache(model, **options)
     got, _ = generate(model, cache, ids, mask, steps)
-    assert cache.static and vars(model)["get_compiled_call"].graphed.graphs_of(cache) == 2
+    recordings = 2 if cache.num_compactions else 1  # a model whose layers all slide never evicts
+    assert cache.static and vars(model)["get_compiled_call"].graphed.graphs_of(cache) == recordings
     assert torch.equal(got, expected), "the graphed steps gave other tokens than the eager static cache"
 
 
@@ -191,11 +192,11 @@ def test_query_free_scorers_compiled_on_cuda(name: str, deterministic_sdpa, fres
 
 @pytest.mark.gpu
 def test_graphed_steps_for_every_batch_size_on_cuda(deterministic_sdpa) -> None:
-    """No compile: one recording per cache at every batch size, 1 to 64 rows, each giving the eager static cache's
-    tokens exactly."""
+    """No compile: two recordings per cache (before and after the first eviction) at every batch size, 1 to 64
+    rows, each giving the eager static cache's tokens exactly; the last cache gone, the model is as it was."""
     model = tiny_model("llama").cuda()
     for size in (3, 2, 5, 1, 16, 64):
         lengths = tuple(4 + (3 * row) % 7 for row in range(size))
         ids, mask = _on_cuda(model.config.vocab_size, lengths, seed=size)
         graphed_matches_eager(model, ids, mask, dict(budget=16, compress_every=4), 32)
-    assert vars(model)["get_compiled_call"].graphed.recordings == 6
+    assert "get_compiled_call" not in vars(model)  # the last cache gone, its graphs and wrappers went with it
