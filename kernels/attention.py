@@ -89,7 +89,7 @@ def check_decode_args(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 if HAS_TRITON:
 
     @triton.jit
-    def _decode_split_kernel(
+    def _attention_split_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, ws_ptr, out_ptr,
         S, CHUNK, ML_OFFSET, scale, softcap,
         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
@@ -183,7 +183,7 @@ if HAS_TRITON:
             tl.store(ws_ptr + ML_OFFSET + part * 2 + 1, l_i, mask=mask_g)
 
     @triton.jit
-    def _decode_combine_kernel(
+    def _attention_combine_kernel(
         ws_ptr, out_ptr, NUM_SPLITS, ML_OFFSET, stride_ob, stride_oh, stride_od,
         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
     ):
@@ -280,7 +280,7 @@ def _decode_impl(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     ks, vs = (key_scale, value_scale) if quant else (query, query)  # unused pointers when not quantized
     ks_strides, vs_strides = (ks.stride(), vs.stride()) if quant else ((0, 0, 0), (0, 0, 0))
     m_strides = mask_arg.stride() if mask is not None else (0, 0)
-    _for_compile(_decode_split_kernel)[(num_splits, H_kv, B)](
+    _for_compile(_attention_split_kernel)[(num_splits, H_kv, B)](
         query, keys, values, ks, vs, mask_arg, ws, out,
         S, chunk, ml_offset, scale, 1.0 if softcap is None else softcap,
         *query.stride(), *keys.stride(), *values.stride(), *ks_strides, *vs_strides, *m_strides, *out.stride(),
@@ -291,7 +291,7 @@ def _decode_impl(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         F32_DOT=query.dtype == torch.float32 or interpreting(),
         DIRECT=direct, NUM_STAGES=2, num_warps=4)
     if not direct:
-        _for_compile(_decode_combine_kernel)[(H_q, B)](
+        _for_compile(_attention_combine_kernel)[(H_q, B)](
             ws, out, num_splits, ml_offset, *out.stride(),
             DV=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=min(64, _next_pow2(num_splits)), num_warps=4)
 

@@ -29,6 +29,17 @@ ROW_KEYS = {"task", "model", "policy", "param", "setting", "score", "n", "extra"
 
 
 # ---------------------------------------------------------------------------------------------- dry runs
+def test_speed_counts_the_decode_kernels_as_attention() -> None:
+    """The profile's kernel classes: the library's Triton decode kernels are attention (they were 'other')."""
+    import speed
+    from hf_ropekv.kernels import attention
+
+    for kernel in (attention._attention_split_kernel, attention._attention_combine_kernel):
+        assert speed.kernel_class(kernel.fn.__name__) == "attention"
+    assert speed.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert speed.kernel_class("triton_poi_fused_add_0") == "other"
+
+
 def test_quality_dry_run_writes_every_task(tmp_path: Path) -> None:
     import quality
 

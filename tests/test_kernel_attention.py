@@ -28,7 +28,7 @@ def interpreted(triton_interpreter, monkeypatch):
     """conftest's ``triton_interpreter`` plus interpreted twins of this module's kernels (on CUDA hosts)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    for name in ("_decode_split_kernel", "_decode_combine_kernel"):
+    for name in ("_attention_split_kernel", "_attention_combine_kernel"):
         function = getattr(kattn, name)
         if not isinstance(function, InterpretedFunction):
             monkeypatch.setattr(kattn, name, InterpretedFunction(function.fn))
