@@ -79,7 +79,7 @@ class Compactor:
         candidates = (~(is_hole | protected)).view(slot_positions.shape)
         if self.online is not None:
             self.scorer.stats = self.online.snapshot()
-        scores = self._score(layers, seen - pads, seen, candidates, is_hole.view(slot_positions.shape))
+        scores = self._score(layers, seen - pads, seen, slot_positions, candidates, is_hole.view(slot_positions.shape))
         # Tie-break noise that depends on the token (real index) and head only, never on the batch.
         heads = torch.arange(flat_positions.shape[1], device=device).view(1, -1, 1)
         noise = hashed_uniform(self.seed, flat_positions - row_pads.view(-1, 1, 1), heads)
@@ -90,27 +90,24 @@ class Compactor:
                                   noise)
         return keep.view(rows, *slot_positions.shape[1:3], keep.shape[-1]), start[: targets.shape[0]]
 
-    def _score(self, layers: Sequence[StoredLayer], position: torch.Tensor, seen: int, candidates: torch.Tensor,
-               is_hole: torch.Tensor) -> torch.Tensor:
-        """float32 ``[L, B, H, S]`` scores of ``layers`` on the first layer's device (in one call to a scorer with
+    def _score(self, layers: Sequence[StoredLayer], position: torch.Tensor, seen: int, slot_positions: torch.Tensor,
+               candidates: torch.Tensor, is_hole: torch.Tensor) -> torch.Tensor:
+        """float32 ``[L, B, H, S]`` scores of ``layers``, all on one device (in one call to a scorer with
         ``score_layers``)."""
-        device = layers[0].storage.keys.device
         contexts = []
         for i, layer in enumerate(layers):
-            idx, layer_device, fields = layer.layer_idx, layer.storage.keys.device, {}
+            fields = {}
             if self.queries is not None:  # an attention-based scorer's fields
-                queries, positions, new = self.queries.take(idx)
-                fields = dict(queries=queries, query_positions=positions, new_queries=new,
-                              valid=~is_hole[i].to(layer_device), attention_scale=self.queries.scales[idx])
-            contexts.append(ScoreContext(idx, position.to(layer_device), seen, layer.storage.live_positions(),
-                                         candidates[i].to(layer_device), **fields))
+                queries, positions, new = self.queries.take(layer.layer_idx)
+                fields = dict(queries=queries, query_positions=positions, new_queries=new, valid=~is_hole[i],
+                              attention_scale=self.queries.scales[layer.layer_idx])
+            contexts.append(ScoreContext(layer.layer_idx, position, seen, slot_positions[i], candidates[i], **fields))
         keys = [layer.storage.live_keys() for layer in layers]
         score_layers = getattr(self.scorer, "score_layers", None)
-        if score_layers is not None and len(keys) > 1 and all(k.device == device for k in keys):
+        if score_layers is not None and len(keys) > 1:
             scores = score_layers(keys, contexts)
         else:
-            scores = torch.stack([self.scorer.score(k, ctx).to(device, torch.float32)
-                                  for k, ctx in zip(keys, contexts)])
+            scores = torch.stack([self.scorer.score(k, ctx).float() for k, ctx in zip(keys, contexts)])
         if self.queries is not None:
             for layer in layers:
                 self.queries.compacted(layer.layer_idx)
