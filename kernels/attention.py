@@ -17,7 +17,9 @@ Decoding is memory-bound. Grid ``(num_splits, H_kv, B)``: a program walks one ch
 ``BLOCK_N`` and reads each tile once for all ``G`` query heads of its KV head (a ``[G_PAD, D]`` query tile through
 ``tl.dot``), with an online softmax in float32 (running max ``m``, sum ``l``, unnormalized ``acc``). Splitting S
 fills the GPU at batch 1 (B * H_kv = 8 programs would leave 124 of 132 SMs idle); a second kernel merges the splits'
-``(m, l, acc)`` with log-sum-exp weights. With one split the first kernel writes the output itself.
+``(m, l, acc)`` with log-sum-exp weights. With one split the first kernel writes the output itself. Splits are
+``SPLIT_TILES`` tiles long whatever the batch and arena, so the result of a row is the same bits in any batch and
+over any arena holding the same live slots.
 
 It is the torch op ``hf_ropekv::decode_attention`` once :func:`register_op` ran (``torch.compile`` traces through
 it), and never syncs (CUDA-graph capturable). Benchmark: ``benchmarks/kernel_bench.py``.
@@ -230,28 +232,13 @@ def _block_n(block_d: int) -> int:
     return 64 if block_d <= 128 else 32
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (cached: a plain dict, which torch.compile traces without warnings)."""
-    if device.type != "cuda":
-        return 132  # the interpreter on the CPU: plan as for an H100 / H200
-    count = _SM_COUNTS.get(device.index)
-    if count is None:
-        count = _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return count
-
-
-def _auto_splits(B: int, H_kv: int, n_blocks: int, sm_count: int) -> int:
-    """Enough (row, KV head, split) programs for two waves over the SMs, each split at least one tile."""
-    programs = B * H_kv
-    target = 2 * sm_count
-    if programs >= target or n_blocks <= 1:
-        return 1  # the rows and heads alone fill the GPU: no combine pass
-    per_split = max(1, n_blocks * programs // target)
-    splits = _cdiv(n_blocks, per_split)
-    return _cdiv(n_blocks, _cdiv(n_blocks, splits))  # balance the chunks: none empty
+#: Tiles per split when the caller names no split count. Fixed, so a row's result depends on neither the batch size
+#: nor the arena's length: splits past the live slots are empty and merge as exact zeros, so a growing cache's live
+#: view, a static cache's longer arena and any batch give each row the same bits. Two tiles: 17 splits of a
+#: 2,176-slot arena, 136 programs per KV head count at batch 1 (one wave on 132 SMs).
+SPLIT_TILES = 2
+#: Splits the combine kernel merges per pass, fixed for the same reason (a reduction's shape sets its rounding).
+COMBINE_SPLITS = 32
 
 
 # The op's schema is inferred from these annotations: Optional, which older torch knows (not ``X | None``).
@@ -293,7 +280,7 @@ def _decode_impl(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if not direct:
         _for_compile(_attention_combine_kernel)[(H_q, B)](
             ws, out, num_splits, ml_offset, *out.stride(),
-            DV=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=min(64, _next_pow2(num_splits)), num_warps=4)
+            DV=Dv, BLOCK_DV=block_dv, BLOCK_SPLITS=COMBINE_SPLITS, num_warps=4)
 
 
 #: The torch op ``hf_ropekv::decode_attention``, once :func:`register_op` made it (registering imports inductor,
@@ -325,8 +312,8 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
     ``query`` [B, H_q, D] or [B, H_q, 1, D] (fp16/bf16/fp32); ``keys`` / ``values`` any strides (views of a larger
     arena); ``key_scale`` / ``value_scale`` float32 [B, H_kv, S] for quantized ones; ``mask`` None: all valid.
-    Returns (or fills ``out``, any strides) [B, H_q, Dv] in the query's dtype and rank. ``num_splits`` (None: fill
-    the GPU) is the chunks per (row, KV head). Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
+    Returns (or fills ``out``, any strides) [B, H_q, Dv] in the query's dtype and rank. ``num_splits`` (None: chunks
+    of ``SPLIT_TILES`` tiles) is the chunks per (row, KV head). Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
     """
     check_decode_args(query, keys, values, mask, key_scale, value_scale, out, softcap, num_splits)
     check_device("decode_attention", query)
@@ -337,8 +324,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if B == 0 or H_q == 0 or Dv == 0:
         return out
     if num_splits is None:
-        block = _block_n(max(16, _next_pow2(max(D, Dv))))
-        num_splits = _auto_splits(B, H_kv, _cdiv(S, block), _sm_count(query.device))
+        num_splits = max(1, _cdiv(_cdiv(S, _block_n(max(16, _next_pow2(max(D, Dv))))), SPLIT_TILES))
     squeeze = query.dim() == 4
     (_OP or _decode_impl)(
         query[:, :, 0] if squeeze else query, keys, values, mask, float(scale),

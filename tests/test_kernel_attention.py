@@ -247,11 +247,25 @@ def test_edge_shapes():
     assert (out == 0).all()
     assert kattn.decode_attention(q[:0], empty[:0], empty[:0], scale=0.125).shape == (0, 4, 64)
     assert kattn._block_n(128) == BLOCK_N  # the S above are chosen against this tile
-    # The automatic split count: many programs at batch 1, none beyond the tiles.
-    assert kattn._auto_splits(1, 8, 34, 132) == 34
-    assert kattn._auto_splits(32, 8, 34, 132) == 2
-    assert kattn._auto_splits(64, 8, 34, 132) == 1
-    assert kattn._auto_splits(1, 8, 1, 132) == 1
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_a_rows_bits_depend_on_neither_the_batch_nor_the_arena_length():
+    """With the default splits, row 0 alone, in a batch of 6, and over an arena 8x longer (the extra slots masked and
+    holding NaN) gets the same bits: a growing cache's live view and a static cache's arena must give one token."""
+    gen = _gen()
+    B, H_q, H_kv, D, S = 6, 8, 4, 64, 3 * BLOCK_N + 17
+    q = torch.randn(B, H_q, D, generator=gen)
+    k, v = torch.randn(2, B, H_kv, S, D, generator=gen)
+    mask = torch.rand(B, S, generator=gen) > 0.2
+    batch = _run(q, k, v, mask, scale=D**-0.5)
+    alone = _run(q[:1], k[:1], v[:1], mask[:1], scale=D**-0.5)
+    long_k, long_v = torch.full((2, B, H_kv, 8 * S, D), float("nan"))
+    long_k[:, :, :S], long_v[:, :, :S] = k, v
+    long_mask = torch.zeros(B, 8 * S, dtype=torch.bool)
+    long_mask[:, :S] = mask
+    longer = _run(q, long_k, long_v, long_mask, scale=D**-0.5)
+    assert torch.equal(alone[0], batch[0]) and torch.equal(longer, batch)
 
 
 def test_argument_errors():
