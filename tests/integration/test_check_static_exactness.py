@@ -149,7 +149,8 @@ def compiled_matches_eager(model, ids, mask, options: dict, counters, steps: int
     assert torch.equal(second, first), "a second compiled call gave other tokens"
     margins = divergence_margins(eager, scores, first)
     assert all(m <= F32_NEAR_TIE for m in margins), f"compiled parted from eager at clear margins {margins}"
-    assert counters["stats"]["unique_graphs"] == 1, "more than one graph for one decode step"
+    # At most two graphs: the steps before the first eviction (sdpa) and those after it (the decode kernel).
+    assert counters["stats"]["unique_graphs"] <= 2, "more graphs than the decode step's two attention paths"
 
 
 @pytest.mark.gpu
