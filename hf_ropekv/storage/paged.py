@@ -165,8 +165,7 @@ class PagedKV:
         """Give back what a long, unpinned prefill made the arena grow to, once it fits the steady state."""
         steady = self.capacity_hint
         if steady is not None and self.capacity > steady and self.length <= steady:
-            self.planes = [plane[:, :, :steady].clone() for plane in self.planes]
-            self.positions = self.positions[:, :, :steady].clone()
+            self._move_live_to(_empty_planes(self.planes, steady))
 
     @normal_tensors
     def _reserve(self, like: list[torch.Tensor], needed: int) -> None:
@@ -177,7 +176,10 @@ class PagedKV:
         capacity = -(-needed // self.page_size) * self.page_size
         if self.capacity_hint is not None and needed <= self.capacity_hint:
             capacity = min(capacity, self.capacity_hint)
-        planes = [torch.empty(*p.shape[:2], capacity, p.shape[3], dtype=p.dtype, device=p.device) for p in like]
+        self._move_live_to(_empty_planes(like, capacity))
+
+    def _move_live_to(self, planes: list[torch.Tensor]) -> None:
+        """Make ``planes`` the storage: the live slots copied into them, the slot positions resized to match."""
         if self.planes is not None and self.length:
             for new, old in zip(planes, self.planes):
                 new[:, :, : self.length] = old[:, :, : self.length]
@@ -186,6 +188,11 @@ class PagedKV:
             positions[:, :, : self.length] = self.positions[:, :, : self.length]
             self.positions = positions
         self.planes = planes
+
+
+def _empty_planes(like: list[torch.Tensor], capacity: int) -> list[torch.Tensor]:
+    """Uninitialised planes shaped like ``like`` with ``capacity`` slots."""
+    return [torch.empty(*p.shape[:2], capacity, p.shape[3], dtype=p.dtype, device=p.device) for p in like]
 
 
 def attention_view(planes: list[torch.Tensor], decode: bool, fixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,14 +43,8 @@ class StaticKV(PagedKV):
         self.static_capacity = capacity
         arena = self._new_arena(old)
         if self.planes is old:  # the live slots are in the fixed arena: move them
-            for new, plane in zip(arena, old):
-                new[:, :, : self.length] = plane[:, :, : self.length]
-            self.planes = arena
+            self._move_live_to(arena)
             self._mark()
-            if self.positions is not None:
-                positions = torch.full(arena[0].shape[:3], -1, dtype=torch.int64, device=arena[0].device)
-                positions[:, :, : self.length] = self.positions[:, :, : self.length]
-                self.positions = positions
 
     def plan_write(self, first_slot: int, new: int, seen: int, index: torch.Tensor | None) -> None:
         """Before a forward: count its ``new`` tokens (positions from ``seen``) as written from ``first_slot``, at
@@ -159,9 +153,5 @@ class StaticKV(PagedKV):
         """After a compaction: leave a temporary arena for the fixed one once the survivors fit in it."""
         if self._arena is None or self.planes is self._arena or self.length > self.static_capacity:
             return
-        for fixed, plane in zip(self._arena, self.planes):
-            fixed[:, :, : self.length] = plane[:, :, : self.length]
-        if self.positions is not None:
-            self.positions = self.positions[:, :, : self.static_capacity].clone()
-        self.planes = self._arena
+        self._move_live_to(self._arena)
         self._mark()
