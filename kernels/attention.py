@@ -227,9 +227,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _block_n(block_d: int) -> int:
-    """Slots per tile: 64 (16 KB bf16 K tiles at head_dim 128), 32 above head_dim 128 to bound shared memory."""
-    return 64 if block_d <= 128 else 32
+def _block_n(D: int, Dv: int) -> int:
+    """Slots per tile for head dims ``D`` / ``Dv``: 64 (16 KB bf16 K tiles at head_dim 128), 32 above head_dim 128 to
+    bound shared memory."""
+    return 64 if _next_pow2(max(D, Dv)) <= 128 else 32
 
 
 #: Tiles per split when the caller names no split count. Fixed, so a row's result depends on neither the batch size
@@ -251,7 +252,7 @@ def _decode_impl(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     G = H_q // H_kv
     block_d = max(16, _next_pow2(D))
     block_dv = max(16, _next_pow2(Dv))
-    block_n = _block_n(max(block_d, block_dv))
+    block_n = _block_n(D, Dv)
     chunk = _cdiv(_cdiv(S, block_n), num_splits) * block_n
     quant = keys.dtype != query.dtype
     direct = num_splits == 1
@@ -324,7 +325,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if B == 0 or H_q == 0 or Dv == 0:
         return out
     if num_splits is None:
-        num_splits = max(1, _cdiv(_cdiv(S, _block_n(max(16, _next_pow2(max(D, Dv))))), SPLIT_TILES))
+        num_splits = max(1, _cdiv(_cdiv(S, _block_n(D, Dv)), SPLIT_TILES))
     squeeze = query.dim() == 4
     (_OP or _decode_impl)(
         query[:, :, 0] if squeeze else query, keys, values, mask, float(scale),

@@ -246,7 +246,7 @@ def test_edge_shapes():
     out = _run(q, empty, empty, torch.zeros(2, 0, dtype=torch.bool), scale=0.125, num_splits=1)
     assert (out == 0).all()
     assert kattn.decode_attention(q[:0], empty[:0], empty[:0], scale=0.125).shape == (0, 4, 64)
-    assert kattn._block_n(128) == BLOCK_N  # the S above are chosen against this tile
+    assert kattn._block_n(128, 128) == BLOCK_N  # the S above are chosen against this tile
 
 
 @pytest.mark.usefixtures("interpreted")

@@ -87,9 +87,11 @@ class FrequencyScorer:
         group = q_heads // kv_heads
         candidates = torch.stack([context.candidates for context in contexts]).repeat_interleave(group, dim=2)
         z = standardize(raw, candidates).view(layers, batch, kv_heads, group, slots).amax(dim=3)
-        for i, (layer_keys, context) in enumerate(zip(keys, contexts)):  # right after a prompt: its own attention too
-            if context.queries is not None and self.prompt_window:
-                z[i] = torch.maximum(z[i], SnapKVScorer(window=self.prompt_window).score(layer_keys, context))
+        if self.prompt_window:  # right after a prompt: its own attention too
+            vote = SnapKVScorer(window=self.prompt_window)
+            for i, (layer_keys, context) in enumerate(zip(keys, contexts)):
+                if context.queries is not None:
+                    z[i] = torch.maximum(z[i], vote.score(layer_keys, context))
         return z
 
     def _layer_tensors(self, layer_idx: int, device: torch.device, kv_heads: int) -> tuple[torch.Tensor, ...]:
