@@ -34,7 +34,7 @@ def cache_from_forward_kwargs(kwargs: dict[str, Any]) -> Any:
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
-def position_ids_from_update(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+def position_ids_from_update(kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``position_ids`` of the new tokens if this transformers version hands them to ``Cache.update``."""
     for source in (kwargs.get("kwargs"), kwargs):
         if isinstance(source, dict) and isinstance(source.get("position_ids"), torch.Tensor):

@@ -63,7 +63,7 @@ class ForwardCoordinator:
             return 0
         return self.prompt_tokens if self.prompt_tokens is not None else seen
 
-    def before_update(self, layer: Any, key_states: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    def before_update(self, layer: Any, key_states: torch.Tensor, kwargs: dict) -> None:
         """Called by a growing full-attention layer before it writes: the first layer of a forward runs the prologue
         (with the padding from the update's arguments where the model's hooks gave none)."""
         rows = self.rows
@@ -74,7 +74,7 @@ class ForwardCoordinator:
         self.check_announced()
         seen, new = layer.tokens_seen, key_states.shape[-2]
         rows.check_batch(key_states.shape[0])
-        rows.observe_update(seen + new, new, key_states.device, args, kwargs, from_model=self.model_class is not None)
+        rows.observe_update(seen + new, new, key_states.device, kwargs, from_model=self.model_class is not None)
         self.prologue(seen, new)
 
     def check_announced(self) -> None:

@@ -64,7 +64,7 @@ class BudgetedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         # Compaction happens here, before writing: no tensor this forward returned still aliases the arena.
-        self._cache.coordinator.before_update(self, key_states, args, kwargs)
+        self._cache.coordinator.before_update(self, key_states, kwargs)
         self.keys, self.values = self.storage.append(key_states, value_states, first_position=self.tokens_seen)
         self.tokens_seen += key_states.shape[-2]
         return self.keys, self.values

@@ -77,8 +77,7 @@ class BatchRows:
         self.pads_total = total
         return decoding
 
-    def observe_update(self, total: int, new: int, device: torch.device, args: tuple, kwargs: dict,
-                       from_model: bool) -> None:
+    def observe_update(self, total: int, new: int, device: torch.device, kwargs: dict, from_model: bool) -> None:
         """The padding of a forward the model attachment did not describe: from ``position_ids`` (transformers
         5.24 passes them to ``update``), else none. ``from_model``: whether the cache has the model's hooks."""
         if self.pads is not None and self.pads_total == total:
@@ -86,7 +85,7 @@ class BatchRows:
         if self.appends_real_token(total, new, self.batch_size):
             self.pads_total = total  # a decoding step: the positions go on from the padding already known
             return
-        position_ids = _compat.position_ids_from_update(args, kwargs)
+        position_ids = _compat.position_ids_from_update(kwargs)
         if position_ids is not None:
             last = position_ids[..., -1].reshape(-1).to(device)
             self.pads = (total - 1 - last).clamp_min(0).expand(self.batch_size).clone()

@@ -33,8 +33,8 @@ class _LayerByLayer(ForwardCoordinator):
         finally:
             self.full_layers = layers
 
-    def before_update(self, layer, key_states, args, kwargs):
-        super().before_update(layer, key_states, args, kwargs)
+    def before_update(self, layer, key_states, kwargs):
+        super().before_update(layer, key_states, kwargs)
         if layer is not self.full_layers[0] and self.plan.compacts:
             pinned = self.pinned_tokens(self.plan.seen)
             self.compactor.compact([layer], self.plan, self.rows.pads, self.rows.pads_host, pinned)
