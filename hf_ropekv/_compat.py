@@ -30,8 +30,8 @@ CACHE_KWARGS = ("cache", "past_key_values")
 
 
 def cache_from_forward_kwargs(kwargs: dict[str, Any]) -> Any:
-    cache = kwargs.get("cache")
-    return cache if cache is not None else kwargs.get("past_key_values")
+    """The cache a forward was given, under either of :data:`CACHE_KWARGS` (None: none)."""
+    return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
 
 
 def position_ids_from_update(kwargs: dict[str, Any]) -> torch.Tensor | None:
