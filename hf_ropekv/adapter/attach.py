@@ -58,8 +58,7 @@ class ModelAttachment(StepPreparer):
         self._prepared: torch.Tensor | None = None  # the input of a static step prepared by generate's wrapper
         self._query_consumers = cache._query_consumers()
         self._hooks = SharedHooks.of(model)
-        self._hooks.add(self, cache.geometry, collect_queries,
-                        attention=self.static or getattr(cache.options, "kv_bits", None) is not None)
+        self._hooks.add(self, cache.geometry, collect_queries)
         self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
 

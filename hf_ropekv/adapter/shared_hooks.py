@@ -37,8 +37,8 @@ class Attachment(Protocol):
 
 
 class SharedHooks:
-    """Installed once per model; each forward goes to its own cache's attachment. A static or int8 cache also switches
-    an sdpa grouped-query model to hf_ropekv's attention while the hooks stay. Nothing here holds the model strongly."""
+    """Installed once per model; each forward goes to its own cache's attachment. While the hooks stay, an sdpa model
+    attends with hf_ropekv's attention (``model.attention``). Nothing here holds the model strongly."""
 
     _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, SharedHooks]" = weakref.WeakKeyDictionary()
     copied = False  # True for what a copied model brought along
@@ -62,7 +62,7 @@ class SharedHooks:
         self.capture: Any = None  # the model's query capture, while a cache collects queries
         self.active: Attachment | None = None  # the attachment of the forward in progress
         self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
-        self._attention_before: str | None = None  # the implementation a static or int8 cache replaced
+        self._attention_before: str | None = None  # the implementation the caches replaced
         self.gate = ForwardGate()
         _drop_copied_hooks(model)
         self._handles = [
@@ -72,7 +72,7 @@ class SharedHooks:
         ]
         weakref.finalize(model, self._detach)  # the hooks go with the model
 
-    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool, attention: bool) -> None:
+    def add(self, attachment: Attachment, geometry: ModelGeometry, collect_queries: bool) -> None:
         if collect_queries and self.capture is None:
             self.capture = query_capture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
@@ -80,9 +80,10 @@ class SharedHooks:
         if attachment.static:
             _GetCompiledCall.install(self._model_ref())
             _ValidAutoCompileCriteria.install(self._model_ref())
-        if attention:  # static or int8 caches (every one: the user may have set it back since the last one)
-            before = use_ropekv_attention(self._model_ref())
-            self._attention_before = before if before is not None else self._attention_before
+        # Every cache, growing ones too: a decode step's attention (sdpa, or the kernel once tokens were evicted) must
+        # not depend on whether a static cache is alive beside it. At every attach: the user may have set it back.
+        before = use_ropekv_attention(self._model_ref())
+        self._attention_before = before if before is not None else self._attention_before
 
     def remove(self, attachment: Attachment) -> None:
         self.attachments = [a for a in self.attachments if a is not attachment]

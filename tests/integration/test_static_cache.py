@@ -415,6 +415,10 @@ def test_a_static_cache_switches_the_model_to_grouped_sdpa_while_it_lives() -> N
     assert torch.equal(grouped, stock)
     del cache
     assert model.config._attn_implementation == "sdpa" and leftovers(model) == []
+    growing = RopeKVCache(model, budget=12, static=False)  # a growing cache too (its attention needs no static one)
+    assert model.config._attn_implementation not in ("sdpa", "eager")
+    del growing
+    assert model.config._attn_implementation == "sdpa"
     eager = tiny_model("llama", attn_implementation="eager")
     kept = RopeKVCache(eager, budget=12, static=True)
     assert eager.config._attn_implementation == "eager" and kept.static
