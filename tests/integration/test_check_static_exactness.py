@@ -183,6 +183,26 @@ def test_query_free_scorers_graphed_on_cuda(name: str, deterministic_sdpa) -> No
 
 
 @pytest.mark.gpu
+def test_a_growing_caches_logits_do_not_hang_on_a_static_cache_beside_it_on_cuda(deterministic_sdpa) -> None:
+    """A growing cache attends the same way (the decode kernel once it evicted) whether or not a static cache of its
+    model is alive: the same logits, bit for bit, alone and beside one (before 74b6aca: sdpa alone, the kernel
+    beside a static cache)."""
+    model = tiny_model("llama").cuda()
+    ids, mask = _on_cuda(model.config.vocab_size, (12, 9, 6))
+
+    def growing_logits() -> torch.Tensor:
+        cache = RopeKVCache(model, budget=16, compress_every=4, static=False)
+        _, scores = generate(model, cache, ids, mask, 24)
+        assert cache.num_compactions >= 2, "the check needs eviction inside the generation"
+        return torch.stack(scores)
+
+    alone = growing_logits()
+    beside = RopeKVCache(model, budget=16, compress_every=4, static=True)  # attached to the model, never used
+    assert torch.equal(growing_logits(), alone), "a static cache alive beside it changed a growing cache's logits"
+    del beside
+
+
+@pytest.mark.gpu
 @pytest.mark.compile
 @pytest.mark.parametrize("name", sorted(CUDA_SCORERS))
 def test_query_free_scorers_compiled_on_cuda(name: str, deterministic_sdpa, fresh_dynamo, compiled_steps) -> None:
