@@ -8,7 +8,8 @@ A block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NA
 ``BLOCKS``: quality_matrix, quality_summary (the default against full), quality_vs_peers, speed, speed_summary, memory,
 runs. A NAME with no result files says "no results yet". Result files are ``benchmarks/results/*.json``, each
 with ``name``, ``date``, ``device``, ``commit`` and ``command``; quality rows of several files are merged (for one
-cell the newest run wins), speed and memory come from the newest file of their name. Pure Python: no torch needed.
+cell the newest run wins); memory comes from the newest file of its name, speed from the newest run and the other
+runs of its commit and device, point by point. Pure Python: no torch needed.
 """
 
 from __future__ import annotations
@@ -245,6 +246,34 @@ def _single(results: list[dict[str, Any]], name: str, render: Callable[[dict[str
     return NO_RESULTS if newest is None or not newest.get("rows") else render(newest) + "\n\n" + source([newest])
 
 
+def newest_speed(results: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The newest speed run, with the points of other runs of its commit and device (one device call may not fit
+    every point): each point's rows and end-to-end entries come whole from the newest run that has it, so every
+    ratio stays one process's. The merged result and the files it was taken from, newest first."""
+    newest = _newest([r for r in results if r.get("rows")], "speed")
+    if newest is None:
+        return None
+    same = sorted((r for r in results if r["name"] == "speed" and r.get("rows") and r["commit"] == newest["commit"]
+                   and r["device"] == newest["device"]), key=lambda r: r["date"], reverse=True)
+    rows: list[dict[str, Any]] = []
+    e2e: list[dict[str, Any]] = []
+    used: list[dict[str, Any]] = []
+    for run in same:
+        points = {r["point"] for r in run["rows"]} - {r["point"] for r in rows}
+        if points:
+            rows += [r for r in run["rows"] if r["point"] in points]
+            e2e += [e for e in run.get("e2e", []) if e["point"] in points]
+            used.append(run)
+    rows.sort(key=lambda r: _natural(r["point"]))  # stable: each point's caches keep their run's order
+    return {**newest, "rows": rows, "e2e": e2e}, used
+
+
+def _speed(results: list[dict[str, Any]], render: Callable[[dict[str, Any]], str],
+           source: Callable[[list[dict[str, Any]]], str] = _source) -> str:
+    found = newest_speed(results)
+    return NO_RESULTS if found is None else render(found[0]) + "\n\n" + source(found[1])
+
+
 def runs_table(results: list[dict[str, Any]]) -> str:
     lines = ["| file | date | device | commit | command |", "|---|---|---|---|---|"]
     lines += [f"| `{r['file']}` | {r['date'][:10]} | {r['device']} | `{r['commit'][:7]}` | `{r['command']}` |"
@@ -256,8 +285,8 @@ BLOCKS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "quality_matrix": lambda results: _quality(results, quality_table),
     "quality_summary": lambda results: _quality(results, quality_summary, _brief_source),
     "quality_vs_peers": lambda results: _quality(results, quality_vs_peers),
-    "speed": lambda results: _single(results, "speed", speed_table),
-    "speed_summary": lambda results: _single(results, "speed", speed_summary, _brief_source),
+    "speed": lambda results: _speed(results, speed_table),
+    "speed_summary": lambda results: _speed(results, speed_summary, _brief_source),
     "memory": lambda results: _single(results, "memory", memory_table),
     "runs": runs_table,
 }

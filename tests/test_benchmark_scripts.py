@@ -218,5 +218,22 @@ def test_report_rewrites_blocks_and_check_finds_stale_ones(tmp_path: Path) -> No
     assert "`quality_a.json`" in text and report.main(["--check", "--results", str(results), str(doc)]) == 0
 
 
+def test_speed_tables_take_each_point_whole_from_the_newest_run_of_the_newest_commit() -> None:
+    def run(date: str, commit: str, points: dict[str, float]) -> dict:
+        rows = [{"point": p, "cache": c, "decode_p50_ms": ms * (3 if c == "dynamic" else 1)}
+                for p, ms in points.items() for c in ("dynamic", "ropekv")]
+        return {"name": "speed", "date": date, "device": "GPU", "commit": commit, "command": "x", "rows": rows}
+
+    old_commit = run("2026-12-01", "aaaaaaa", {"1x4096": 9.0, "32x4096": 9.0})
+    first = run("2026-12-02T01", "bbbbbbb", {"1x4096": 10.0})
+    second = run("2026-12-02T02", "bbbbbbb", {"1x4096": 12.0, "1x32768": 11.0})
+    merged, used = report.newest_speed([old_commit, first, second])
+    assert used == [second] and {(r["point"], r["decode_p50_ms"]) for r in merged["rows"] if r["cache"] == "ropekv"} \
+        == {("1x4096", 12.0), ("1x32768", 11.0)}  # 1x4096 whole from the newer run; the old commit's 32x4096 left out
+    merged, used = report.newest_speed([old_commit, first, run("2026-12-02T02", "bbbbbbb", {"1x32768": 11.0})])
+    assert [r["commit"] for r in used] == ["bbbbbbb"] * 2 and len(merged["rows"]) == 4
+    assert "| 1x4096 | 30.0 ms | 10.0 ms | 3.00x |" in report.speed_summary(merged)
+
+
 def test_repository_docs_are_up_to_date_with_the_results() -> None:
     assert report.main(["--check"]) == 0, "run python benchmarks/report.py"
