@@ -15,8 +15,10 @@ runs of its commit and device, point by point. Pure Python: no torch needed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -247,25 +249,40 @@ def _single(results: list[dict[str, Any]], name: str, render: Callable[[dict[str
 
 
 def newest_speed(results: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """The newest speed run, with the points of other runs of its commit and device (one device call may not fit
-    every point): each point's rows and end-to-end entries come whole from the newest run that has it, so every
-    ratio stays one process's. The merged result and the files it was taken from, newest first."""
-    newest = _newest([r for r in results if r.get("rows")], "speed")
+    """The newest speed run, with the points of other runs of the same library code and device (one device call
+    may not fit every point; a commit that changed only benchmarks or docs keeps the code): each point's step rows
+    come whole from the newest run that has them, and so do its end-to-end entries, so every ratio stays one
+    process's. The merged result and the files it was taken from, newest first."""
+    speed = [r for r in results if r["name"] == "speed" and (r.get("rows") or r.get("e2e"))]
+    newest = _newest(speed, "speed")
     if newest is None:
         return None
-    same = sorted((r for r in results if r["name"] == "speed" and r.get("rows") and r["commit"] == newest["commit"]
-                   and r["device"] == newest["device"]), key=lambda r: r["date"], reverse=True)
+    code = _library_code(newest["commit"])
+    same = sorted((r for r in speed if r["device"] == newest["device"] and _library_code(r["commit"]) == code),
+                  key=lambda r: r["date"], reverse=True)
     rows: list[dict[str, Any]] = []
     e2e: list[dict[str, Any]] = []
     used: list[dict[str, Any]] = []
     for run in same:
-        points = {r["point"] for r in run["rows"]} - {r["point"] for r in rows}
-        if points:
-            rows += [r for r in run["rows"] if r["point"] in points]
-            e2e += [e for e in run.get("e2e", []) if e["point"] in points]
+        points = {r["point"] for r in run.get("rows", [])} - {r["point"] for r in rows}
+        e2e_points = {e["point"] for e in run.get("e2e", [])} - {e["point"] for e in e2e}
+        rows += [r for r in run.get("rows", []) if r["point"] in points]
+        e2e += [e for e in run.get("e2e", []) if e["point"] in e2e_points]
+        if points or e2e_points:
             used.append(run)
     rows.sort(key=lambda r: _natural(r["point"]))  # stable: each point's caches keep their run's order
     return {**newest, "rows": rows, "e2e": e2e}, used
+
+
+@functools.lru_cache(maxsize=None)
+def _library_code(commit: str) -> str:
+    """The git trees of ``hf_ropekv/`` and ``kernels/`` at ``commit``; the commit itself where git cannot say."""
+    try:
+        out = subprocess.run(["git", "rev-parse", f"{commit}:hf_ropekv", f"{commit}:kernels"], cwd=REPO,
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return commit
+    return out.stdout.replace("\n", " ").strip() if out.returncode == 0 else commit
 
 
 def _speed(results: list[dict[str, Any]], render: Callable[[dict[str, Any]], str],
