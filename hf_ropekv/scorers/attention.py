@@ -5,6 +5,8 @@ chunked over the queries so the ``[B, H_q, n, S]`` intermediate stays bounded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .base import ScoreContext
@@ -132,6 +134,25 @@ def pool_along_tokens(scores: torch.Tensor, slot_positions: torch.Tensor, valid:
     neighbouring tokens in token order; invalid slots are zeroed and sorted last."""
     if kernel_size == 1:
         return scores
+    pool = torch.nn.functional.avg_pool1d if mode == "avgpool" else torch.nn.functional.max_pool1d
+    return _in_token_order(scores, slot_positions, valid,
+                           lambda x: pool(x, kernel_size=kernel_size, stride=1, padding=kernel_size // 2))
+
+
+def spread_forward(scores: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None,
+                   span: int) -> torch.Tensor:
+    """Each slot's score becomes the largest of its own and those of the ``span`` slots before it in token order
+    (invalid slots zeroed and last): a key a query points at passes its score on to the tokens that follow it."""
+    if span == 0:
+        return scores
+    return _in_token_order(scores, slot_positions, valid, lambda x: torch.nn.functional.max_pool1d(
+        torch.nn.functional.pad(x, (span, 0), value=float("-inf")), kernel_size=span + 1, stride=1))
+
+
+def _in_token_order(scores: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None,
+                    fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` (``[N, 1, S]`` -> same shape) applied to ``[B, H, S]`` scores sorted by token, invalid slots zeroed and
+    last; the result back in slot order."""
     batch, heads, slots = scores.shape
     if valid is not None:
         scores = scores.masked_fill(~valid, 0.0)
@@ -139,10 +160,8 @@ def pool_along_tokens(scores: torch.Tensor, slot_positions: torch.Tensor, valid:
     else:
         order_key = slot_positions
     order = torch.argsort(order_key, dim=-1, stable=True)
-    ordered = scores.gather(-1, order).reshape(batch * heads, 1, slots)
-    pool = torch.nn.functional.avg_pool1d if mode == "avgpool" else torch.nn.functional.max_pool1d
-    pooled = pool(ordered, kernel_size=kernel_size, stride=1, padding=kernel_size // 2).reshape(batch, heads, slots)
-    return torch.empty_like(pooled).scatter_(-1, order, pooled)
+    done = fn(scores.gather(-1, order).reshape(batch * heads, 1, slots)).reshape(batch, heads, slots)
+    return torch.empty_like(done).scatter_(-1, order, done)
 
 
 def check_window(window: int, kernel_size: int, pooling: str) -> None:

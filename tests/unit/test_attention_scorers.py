@@ -285,3 +285,21 @@ def test_rkv_importance_decides_among_distinct_keys_and_padding_is_ignored() -> 
     assert scores.isfinite().all() and (scores[..., 2:].argmax(-1) == 4).all()  # slot 6 among the valid slots
     redundancy = key_redundancy(keys, positions, valid, 0.5)
     assert redundancy[..., :2].abs().max() == 0
+
+
+# ----------------------------------------------------------------------------------------------- spread forward
+@pytest.mark.parametrize("span", [1, 3, 16])
+def test_spread_forward_takes_the_max_over_the_span_slots_before_each_in_token_order(span: int) -> None:
+    batch, heads, slots = 2, 3, 13
+    scores = torch.randn(batch, heads, slots)  # negative scores too: the window's start pads with -inf, not 0
+    slot_positions = torch.stack([torch.randperm(40)[:slots] for _ in range(batch * heads)]).view(batch, heads, slots)
+    valid = torch.rand(batch, heads, slots) > 0.25
+    got = attention_module.spread_forward(scores, slot_positions, valid, span)
+    for b in range(batch):
+        for h in range(heads):
+            live = valid[b, h].nonzero().flatten()
+            by_token = live[slot_positions[b, h, live].argsort()]  # valid slots in token order
+            for i, slot in enumerate(by_token.tolist()):
+                expected = scores[b, h, by_token[max(0, i - span): i + 1]].max()
+                assert float(got[b, h, slot]) == float(expected), (b, h, slot)
+    assert torch.equal(attention_module.spread_forward(scores, slot_positions, valid, 0), scores)

@@ -138,3 +138,48 @@ def test_statistics_from_a_file_are_loaded_and_checked(tmp_path) -> None:
         RopeKVCache(tiny_model("qwen3", num_hidden_layers=3), budget=32, scorer=FrequencyScorer(stats=path))
     with pytest.raises(FileNotFoundError, match="hf_ropekv.calibrate"):
         RopeKVCache(model, budget=32, scorer=FrequencyScorer(stats=tmp_path / "missing.safetensors"))
+
+
+def prompt_context(keys: torch.Tensor, target: int, window: int, gen: torch.Generator) -> ScoreContext:
+    """A compaction right after a prompt whose last ``window`` queries all point at token ``target``; slots hold
+    the tokens in a shuffled order."""
+    batch, kv_heads, slots, dim = keys.shape
+    order = torch.randperm(slots, generator=gen)
+    slot_of_target = int((order == target).nonzero())
+    keys[:, :, slot_of_target] = 6 * torch.nn.functional.normalize(torch.ones(dim), dim=0)
+    queries = torch.nn.functional.normalize(torch.ones(dim), dim=0) * 4 + 0.1 * torch.randn(
+        batch, GEOMETRY.num_q_heads, window, dim, generator=gen)
+    return ScoreContext(
+        layer_idx=1, position=torch.full((batch,), slots), tokens_seen=slots,
+        slot_positions=order.expand(batch, kv_heads, slots).clone(),
+        candidates=torch.ones(batch, kv_heads, slots, dtype=torch.bool),
+        queries=queries, query_positions=torch.arange(slots - window, slots).expand(batch, window).clone(),
+        new_queries=window, valid=torch.ones(batch, kv_heads, slots, dtype=torch.bool))
+
+
+def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> None:
+    from hf_ropekv.scorers import SnapKVScorer
+    from hf_ropekv.scorers.frequency import VOTE_LEAD
+
+    gen = torch.Generator()
+    gen.seed()
+    stats, slots, target, span = random_stats(1), 48, 10, 6
+    keys = torch.randn(2, GEOMETRY.num_kv_heads, slots, GEOMETRY.head_dim, generator=gen)
+    ctx = prompt_context(keys, target, 8, gen)
+    rope = reference(keys, stats, ctx).float()
+    # Without the span, the vote is SnapKV's (window 8, pooled over 5), lifted by VOTE_LEAD, against RoPE's z.
+    plain = FrequencyScorer(stats=stats, prompt_window=8, vote_span=0).score(keys, ctx)
+    expected = torch.maximum(rope, SnapKVScorer(window=8).score(keys, ctx) + VOTE_LEAD)
+    torch.testing.assert_close(plain, expected, rtol=1e-4, atol=1e-4)
+    # With it, the target and the `span` tokens after it outrank every key outside the pooled, spread run.
+    spread = FrequencyScorer(stats=stats, prompt_window=8, vote_span=span).score(keys, ctx)
+    tokens = ctx.slot_positions[0, 0]
+    run = (tokens >= target - 2) & (tokens <= target + 2 + span)  # the pooling reaches 2 tokens either side
+    answer = (tokens >= target) & (tokens <= target + span)
+    for row in range(2):
+        for head in range(GEOMETRY.num_kv_heads):
+            assert float(spread[row, head, answer].min()) > float(spread[row, head, ~run].max())
+            assert float(spread[row, head, answer].min()) > float(rope[row, head].max())
+    # A decoding step leaves no window: RoPE geometry alone.
+    no_window = ScoreContext(ctx.layer_idx, ctx.position, ctx.tokens_seen, ctx.slot_positions, ctx.candidates)
+    torch.testing.assert_close(FrequencyScorer(stats=stats).score(keys, no_window), rope, rtol=1e-4, atol=1e-4)

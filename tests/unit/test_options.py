@@ -74,6 +74,8 @@ def test_a_bad_option_is_a_value_error_naming_it(model, options, named) -> None:
         (dict(prompt_window=-1), "prompt_window must be an int >= 0"),
         (dict(prompt_window=True), "prompt_window"),
         (dict(prompt_window=2.0), "prompt_window"),
+        (dict(vote_span=-1), "vote_span must be an int >= 0"),
+        (dict(vote_span=1.5), "vote_span"),
     ],
 )
 def test_the_statistics_settings_are_the_scorers_and_checked_there(settings, named) -> None:
