@@ -233,8 +233,9 @@ def test_speed_tables_take_each_point_whole_from_the_newest_run_of_the_same_code
     merged, used = report.newest_speed([old_commit, first, run("2026-12-02T02", "bbbbbbb", {"1x32768": 11.0})])
     assert [r["commit"] for r in used] == ["bbbbbbb"] * 2 and len(merged["rows"]) == 4
     assert "| 1x4096 | 30.0 ms | 10.0 ms | 3.00x |" in report.speed_summary(merged)
-    e2e_only = {**run("2026-12-02T03", "bbbbbbb", {}), "e2e": [
-        {"point": "1x4096", "cache": c, "new_tokens": 2000, "ttft_s": 0.5, "total_s": s} for c, s in (("dynamic", 60.0), ("ropekv", 20.0))]}
+    e2e = [{"point": "1x4096", "cache": c, "new_tokens": 2000, "ttft_s": 0.5, "total_s": s}
+           for c, s in (("dynamic", 60.0), ("ropekv", 20.0))]
+    e2e_only = {**run("2026-12-02T03", "bbbbbbb", {}), "e2e": e2e}
     merged, used = report.newest_speed([old_commit, second, e2e_only])
     assert used == [e2e_only, second] and len(merged["rows"]) == 4 and len(merged["e2e"]) == 2
     assert "| 1x4096, 2000 tokens end to end | 60.0 s | 20.0 s | 3.00x |" in report.speed_summary(merged)
