@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..model.geometry import ModelGeometry
-from .query_window import rotate
+from .query_window import on_device, rotate
 
 
 class PromptWindow:
@@ -18,6 +18,7 @@ class PromptWindow:
 
     def __init__(self, geometry: ModelGeometry, window: int) -> None:
         self.geometry, self.window = geometry, window
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.scales: list[float | None] = [None] * geometry.num_layers
         self.reset()
 
@@ -42,7 +43,8 @@ class PromptWindow:
         if self._forward is not None and queries.shape[1] > 1:
             index, rope = self._forward
             q = queries[:, -index.shape[1]:].detach()
-            rotated = rotate(q, rope.to(q.device), self.geometry.inv_freq, self.geometry.rotary_layout)
+            inv_freq = on_device(self._inv_freq, self.geometry.inv_freq, q.device)
+            rotated = rotate(q, rope.to(q.device), inv_freq, self.geometry.rotary_layout)
             self._pending[layer_idx] = rotated.to(q.dtype).transpose(1, 2)
 
     def end_forward(self) -> None:

@@ -28,6 +28,14 @@ def rotate(queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     return out
 
 
+def on_device(copies: dict[torch.device, torch.Tensor], tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` in float64 on ``device``, copied once per device into ``copies``: copying a host tensor at every
+    layer would make the host wait for the GPU each time, so it could not queue a prefill's work ahead."""
+    if device not in copies:
+        copies[device] = tensor.to(device, torch.float64)
+    return copies[device]
+
+
 class QueryWindow:
     """Per-layer post-RoPE queries ``[B, H_q, N, D]`` and their token indices ``[B, N]`` (-1: no query)."""
 
@@ -36,6 +44,7 @@ class QueryWindow:
             raise ValueError(f"query_window must be a positive int; got {window!r}.")
         self.geometry = geometry
         self.window = window
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.scales: list[float | None] = [None] * geometry.num_layers
         self.reset()
 
@@ -60,7 +69,8 @@ class QueryWindow:
         if self._forward is None:
             return
         geometry, rope = self.geometry, self._forward[1]
-        rotated = rotate(queries.detach(), rope.to(queries.device), geometry.inv_freq, geometry.rotary_layout)
+        inv_freq = on_device(self._inv_freq, geometry.inv_freq, queries.device)
+        rotated = rotate(queries.detach(), rope.to(queries.device), inv_freq, geometry.rotary_layout)
         self._pending[layer_idx] = rotated.to(queries.dtype).transpose(1, 2)  # [B, H, S, D]
 
     def end_forward(self) -> None:
