@@ -24,7 +24,6 @@ FULL = "full"
 POLICIES: dict[str, Callable[[], dict[str, Any]]] = {
     "default": dict,
     "default_nowindow": lambda: {"scorer": hf_ropekv.FrequencyScorer(prompt_window=0)},
-    "default_nospan": lambda: {"scorer": hf_ropekv.FrequencyScorer(vote_span=0)},
     "default_share50": dict,  # the default recent window takes at most half a row's room (compactor.RECENT_SHARE)
     "int8": lambda: {"kv_bits": 8},
     "int8_2x": lambda: {"kv_bits": 8},  # twice the budget: the bytes of the default at this budget

@@ -9,6 +9,8 @@ import torch
 from conftest import tiny_config, tiny_model
 from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache, ScoreContext
 from hf_ropekv.model.geometry import describe
+from hf_ropekv.scorers import SnapKVScorer
+from hf_ropekv.scorers.frequency import VOTE_LEAD
 from hf_ropekv.scorers.rope_scoring import score_keys
 from hf_ropekv.statistics.frequency_stats import geometry_metadata
 from hf_ropekv.statistics.online import RowStatistics
@@ -158,9 +160,6 @@ def prompt_context(keys: torch.Tensor, target: int, window: int, gen: torch.Gene
 
 
 def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> None:
-    from hf_ropekv.scorers import SnapKVScorer
-    from hf_ropekv.scorers.frequency import VOTE_LEAD
-
     gen = torch.Generator()
     gen.seed()
     stats, slots, target, span = random_stats(1), 48, 10, 6
