@@ -25,6 +25,7 @@ POLICIES: dict[str, Callable[[], dict[str, Any]]] = {
     "default": dict,
     "default_nowindow": lambda: {"scorer": hf_ropekv.FrequencyScorer(prompt_window=0)},
     "default_share50": dict,  # the default recent window takes at most half a row's room (compactor.RECENT_SHARE)
+    "default_share25": dict,  # ... at most a quarter of it
     "int8": lambda: {"kv_bits": 8},
     "int8_2x": lambda: {"kv_bits": 8},  # twice the budget: the bytes of the default at this budget
     "recency": lambda: {"scorer": scorers.RecencyScorer()},
@@ -35,6 +36,8 @@ POLICIES: dict[str, Callable[[], dict[str, Any]]] = {
     "keynorm": lambda: {"scorer": scorers.KeyNormScorer()},
 }
 NAMES = (FULL, *POLICIES)
+#: The share of a row's room the recent window may take, for the policies that set it.
+SHARES = {"default_share50": 0.5, "default_share25": 0.25}
 
 
 def check(names: list[str]) -> list[str]:
@@ -50,7 +53,7 @@ def make_cache(model: Any, budget: int | None, policy: str = "default", **option
     ``compress_every``, ``static``, ...) go to ``RopeKVCache`` and win over the policy's."""
     if policy == FULL:
         return None
-    compactor.RECENT_SHARE = 0.5 if policy == "default_share50" else 1.0  # read at each compaction
+    compactor.RECENT_SHARE = SHARES.get(policy, 1.0)  # read at each compaction
     if policy.endswith("_2x") and budget is not None:
         budget *= 2
     return hf_ropekv.RopeKVCache(model, budget, **{**POLICIES[policy](), **options})
