@@ -24,8 +24,7 @@ FULL = "full"
 POLICIES: dict[str, Callable[[], dict[str, Any]]] = {
     "default": dict,
     "default_nowindow": lambda: {"scorer": hf_ropekv.FrequencyScorer(prompt_window=0)},
-    "default_share50": dict,  # the default recent window takes at most half a row's room (compactor.RECENT_SHARE)
-    "default_share25": dict,  # ... at most a quarter of it
+    "default_fullroom": dict,  # the recent window before 2026-12-06: it may take a row's whole room (SCORER_FLOOR 0)
     "int8": lambda: {"kv_bits": 8},
     "int8_2x": lambda: {"kv_bits": 8},  # twice the budget: the bytes of the default at this budget
     "recency": lambda: {"scorer": scorers.RecencyScorer()},
@@ -36,8 +35,7 @@ POLICIES: dict[str, Callable[[], dict[str, Any]]] = {
     "keynorm": lambda: {"scorer": scorers.KeyNormScorer()},
 }
 NAMES = (FULL, *POLICIES)
-#: The share of a row's room the recent window may take, for the policies that set it.
-SHARES = {"default_share50": 0.5, "default_share25": 0.25}
+LIBRARY_FLOOR = compactor.SCORER_FLOOR
 
 
 def check(names: list[str]) -> list[str]:
@@ -53,7 +51,7 @@ def make_cache(model: Any, budget: int | None, policy: str = "default", **option
     ``compress_every``, ``static``, ...) go to ``RopeKVCache`` and win over the policy's."""
     if policy == FULL:
         return None
-    compactor.RECENT_SHARE = SHARES.get(policy, 1.0)  # read at each compaction
+    compactor.SCORER_FLOOR = 0 if policy == "default_fullroom" else LIBRARY_FLOOR  # read at each compaction
     if policy.endswith("_2x") and budget is not None:
         budget *= 2
     return hf_ropekv.RopeKVCache(model, budget, **{**POLICIES[policy](), **options})
