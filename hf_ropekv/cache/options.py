@@ -21,7 +21,9 @@ class CacheOptions:
 
     budget: int | None = None  # tokens kept per row, KV head and layer after a compaction; None: never evict
     compress_every: int = 128  # compact once this many tokens beyond the budget have accumulated
-    window: int | None = None  # recent tokens never evicted; None: min(32, budget // 4), less for a long prompt
+    # recent tokens never evicted; None: min(32, budget // 4), cut per row so that the scorer chooses at least 16
+    # slots of the room beside a pinned prompt (half of it when the room is under 32)
+    window: int | None = None
     sink: int = 0  # first tokens of each row never evicted
     protect_prompt: bool = True  # pin the prompt (every token before the first decoding step) within the budget
     # True: a fixed arena whose decode steps replay a CUDA graph on one CUDA device (generate compiles them on

@@ -137,3 +137,35 @@ def test_storage_stays_in_place_and_bounded() -> None:
             assert cache.bytes_held == held
     assert pointer is not None and cache.num_compactions >= 4
     assert cache.bytes_held < cache.full_cache_bytes
+
+
+class _OldestFirst:
+    """Ranks the oldest candidates first: what survives beyond them is what the recent window protected."""
+
+    def score(self, keys: torch.Tensor, ctx) -> torch.Tensor:
+        return -ctx.slot_positions.float()
+
+
+@pytest.mark.parametrize("floor", [None, 0])
+def test_default_window_leaves_the_scorer_part_of_a_tight_room(floor, monkeypatch) -> None:
+    """A pinned prompt of 100 tokens and budget 124: the room for generated tokens is 24. The default window leaves
+    the scorer min(16, 24 // 2) = 12 of it, so an oldest-first scorer keeps the 12 first generated tokens; with the
+    window taking the whole room (``SCORER_FLOOR = 0``, the rule before) it keeps none of them."""
+    from hf_ropekv.eviction import compactor
+
+    if floor is not None:
+        monkeypatch.setattr(compactor, "SCORER_FLOOR", floor)
+    model = tiny_model("llama", num_hidden_layers=2)
+    prompt = 100
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(5))
+    cache = RopeKVCache(model, budget=prompt + 24, compress_every=4, scorer=_OldestFirst(), static=False)
+    assert cache.options.recent_window == 31  # min(32, budget // 4): the cut to the room is what is tested
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                   pad_token_id=0, **cache_kw(model, cache))
+    assert cache.evicted
+    kept = set(cache.kept_positions(0)[0].flatten().tolist())
+    first_generated = set(range(prompt, prompt + 12))
+    if floor is None:
+        assert first_generated <= kept, f"the scorer's 12 slots went to the window: kept {sorted(kept)[-30:]}"
+    else:
+        assert not first_generated & kept
