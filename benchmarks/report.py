@@ -8,8 +8,8 @@ A block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NA
 ``BLOCKS``: quality_matrix, quality_summary (the default against full), quality_vs_peers, speed, speed_summary, memory,
 runs. A NAME with no result files says "no results yet". Result files are ``benchmarks/results/*.json``, each
 with ``name``, ``date``, ``device``, ``commit`` and ``command``; quality rows of several files are merged (for one
-cell the newest run wins); memory comes from the newest file of its name, speed from the newest run and the other
-runs of its commit and device, point by point. Pure Python: no torch needed.
+cell and device the newest run wins); memory comes from the newest file of its name, speed from the newest run and
+the other runs of its commit and device, point by point. Pure Python: no torch needed.
 """
 
 from __future__ import annotations
@@ -31,9 +31,20 @@ MIB = 2**20
 
 
 # ---------------------------------------------------------------------------------------------- quality rows
+#: The policies from other work that the default is held against (the other names are the default's variants).
+PEERS = ("recency", "sink_recent", "snapkv", "h2o", "rkv")
+
+
 def _ref(row: dict[str, Any]) -> tuple:
-    """What a row is compared with: the full cache's row of the same task, model, setting (and prompt length)."""
-    return row["task"], row["model"], row["setting"], row["extra"].get("length")
+    """What a row is compared with: the full cache's row of the same task, model, setting, device (greedy decoding
+    differs between GPUs, so a fraction of full pairs runs of one device) and prompt length."""
+    return row["task"], row["model"], row["setting"], row.get("device", ""), row["extra"].get("length")
+
+
+def device_label(device: str) -> str:
+    """A result's device in short: the GPU model (``H100``, ``H200``), else ``CPU``, else the text as it is."""
+    gpu = re.search(r"\b([A-Z]\d{2,4})\b", device)
+    return gpu.group(1) if gpu else ("CPU" if device.upper().startswith("CPU") else device)
 
 
 def finalize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -53,13 +64,14 @@ def finalize_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def merge_rows(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of several quality results, the newest run's row for each (task, model, policy, param, setting);
-    each row remembers its run (``run``: date and commit)."""
+    """The rows of several quality results, the newest run's row for each (task, model, policy, param, setting,
+    device); each row remembers its run (``run``: date and commit) and its device (:func:`device_label`)."""
     merged: dict[tuple, dict[str, Any]] = {}
     for result in sorted(results, key=lambda r: r["date"]):
+        device = device_label(result["device"])
         for row in result["rows"]:
-            key = (row["task"], row["model"], row["policy"], row["param"], row["setting"])
-            merged[key] = {**row, "run": f"{result['date'][:10]} {result['commit'][:7]}"}
+            key = (row["task"], row["model"], row["policy"], row["param"], row["setting"], device)
+            merged[key] = {**row, "device": device, "run": f"{result['date'][:10]} {result['commit'][:7]}"}
     return finalize_rows(list(merged.values()))
 
 
@@ -73,25 +85,35 @@ def _cell(row: dict[str, Any] | None) -> str:
     return text + ("" if row.get("vs_full") is None else f" ({row['vs_full']:.2f})")
 
 
+def _column_order(policy: str) -> tuple[int, str]:
+    """The default first, the peers next in their order, then the default's variants by name."""
+    if policy == "default":
+        return 0, ""
+    return (1 + PEERS.index(policy), "") if policy in PEERS else (1 + len(PEERS), policy)
+
+
 def quality_table(rows: list[dict[str, Any]]) -> str:
     """The matrix: one line per cell (task, model, setting, param), one column per policy; full's score in its
     own column; accuracy cells show correct / n (fraction of full), perplexity cells ppl (+% over full)."""
     if not rows:
         return NO_RESULTS
     finalize_rows(rows)
-    names = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+    names = sorted(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"), key=_column_order)
     full = {_ref(r): r for r in rows if r["policy"] == "full"}
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in rows:
         if r["policy"] != "full":
-            cells.setdefault((r["task"], r["model"], r["setting"], r["param"]), {})[r["policy"]] = r
-    lines = ["| task | model | setting | cell | full | " + " | ".join(names) + " |", "|" + "---|" * (5 + len(names))]
-    for (task, model, setting, param), by_policy in cells.items():
+            cells.setdefault((r["task"], r["model"], r.get("device", ""), r["setting"], r["param"]), {})[
+                r["policy"]] = r
+    lines = ["| task | model | device | setting | cell | full | " + " | ".join(names) + " |",
+             "|" + "---|" * (6 + len(names))]
+    for (task, model, device, setting, param), by_policy in cells.items():
         any_row = next(iter(by_policy.values()))
-        lines.append(f"| {task} | {model} | {setting} | {param} | {_cell(full.get(_ref(any_row)))} | "
+        lines.append(f"| {task} | {model} | {device} | {setting} | {param} | {_cell(full.get(_ref(any_row)))} | "
                      + " | ".join(_cell(by_policy.get(n)) for n in names) + " |")
     if len(cells) == 0:  # only full rows
-        lines += [f"| {r['task']} | {r['model']} | {r['setting']} | {r['param']} | {_cell(r)} |" for r in rows]
+        lines += [f"| {r['task']} | {r['model']} | {r.get('device', '')} | {r['setting']} | {r['param']} | "
+                  f"{_cell(r)} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -99,11 +121,12 @@ def quality_vs_peers(rows: list[dict[str, Any]]) -> str:
     """Per cell: the default against full, the best peer, and whether the default beats every peer there."""
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in finalize_rows(rows):
-        if r["policy"] != "full" and r.get("vs_full") is not None:
-            cells.setdefault((r["task"], r["model"], r["setting"], r["param"]), {})[r["policy"]] = r
-    lines = ["| task | model | setting | cell | default vs full | best peer (vs full) | default above every peer |",
-             "|---|---|---|---|---|---|---|"]
-    for (task, model, setting, param), by_policy in cells.items():
+        if r["policy"] in ("default", *PEERS) and r.get("vs_full") is not None:
+            cells.setdefault((r["task"], r["model"], r.get("device", ""), r["setting"], r["param"]), {})[
+                r["policy"]] = r
+    lines = ["| task | model | device | setting | cell | default vs full | best peer (vs full) | default above every "
+             "peer |", "|---|---|---|---|---|---|---|---|"]
+    for (task, model, device, setting, param), by_policy in cells.items():
         default = by_policy.get("default")
         if default is None:
             continue
@@ -116,7 +139,8 @@ def quality_vs_peers(rows: list[dict[str, Any]]) -> str:
         fmt = (lambda v: f"{100 * v:+.1f} %") if task == "doc_ppl" else (lambda v: f"{v:.2f}")
         above = "" if not peers else ("yes" if all(better(default["vs_full"], r["vs_full"]) for r in peers) else "no")
         best_text = "" if best is None else f"{best['policy']} ({fmt(best['vs_full'])})"
-        lines.append(f"| {task} | {model} | {setting} | {param} | {fmt(default['vs_full'])} | {best_text} | {above} |")
+        lines.append(f"| {task} | {model} | {device} | {setting} | {param} | {fmt(default['vs_full'])} | {best_text} | "
+                     f"{above} |")
     return "\n".join(lines) if len(lines) > 2 else NO_RESULTS
 
 
@@ -129,13 +153,14 @@ def _vs_full(task: str, value: float) -> str:
 
 
 def quality_summary(rows: list[dict[str, Any]]) -> str:
-    """The default's score against the full cache's, one line per task and setting, one column per model
+    """The default's score against the full cache's (tune runs left out), one line per task, setting and device, one
+    column per model
     (accuracy: a fraction of full; perplexity: the increase over full); the cells' params in the first column."""
     table: dict[tuple, dict[str, dict[str, str]]] = {}
     for r in finalize_rows(rows):
-        if r["policy"] == "default" and r.get("vs_full") is not None:
-            table.setdefault((r["task"], r["setting"]), {}).setdefault(r["model"], {})[r["param"]] = _vs_full(
-                r["task"], r["vs_full"])
+        if r["policy"] == "default" and r.get("vs_full") is not None and r["setting"] != "tune":
+            group = (r["task"], f"{r['setting']}, {r['device']}" if r.get("device") else r["setting"])
+            table.setdefault(group, {}).setdefault(r["model"], {})[r["param"]] = _vs_full(r["task"], r["vs_full"])
     if not table:
         return NO_RESULTS
     order = ("gsm8k_cot", "gsm8k_pot", "doc_ppl", "retrieval")
