@@ -214,8 +214,20 @@ def test_report_rewrites_blocks_and_check_finds_stale_ones(tmp_path: Path) -> No
     assert report.main(["--check", "--results", str(results), str(doc)]) == 1
     assert report.main(["--results", str(results), str(doc)]) == 0
     text = doc.read_text()
-    assert "| gsm8k_cot | m | report | G=48 | 2/4 | 2/4 (1.00) |" in text  # the newer default row won
+    assert "| gsm8k_cot | m | CPU | report | G=48 | 2/4 | 2/4 (1.00) |" in text  # the newer default row won
     assert "`quality_a.json`" in text and report.main(["--check", "--results", str(results), str(doc)]) == 0
+
+
+def test_quality_rows_pair_with_the_full_cache_of_their_own_device() -> None:
+    """Greedy tokens differ between GPUs: a run on another device gets its own line and its own full cache."""
+    h200 = {**_quality_result("2026-12-01T00:00:00", [_row("full", 0.5, "1100"), _row("default", 0.25, "1000")]),
+            "device": "NVIDIA H200"}
+    h100 = {**_quality_result("2026-12-02T00:00:00", [_row("full", 1.0, "1111"), _row("snapkv", 0.5, "1100")]),
+            "device": "NVIDIA H100 80GB HBM3"}
+    table = report.quality_table(report.merge_rows([h200, h100]))
+    assert "| gsm8k_cot | m | H200 | report | G=48 | 2/4 | 1/4 (0.50) |  |" in table
+    assert "| gsm8k_cot | m | H100 | report | G=48 | 4/4 |  | 2/4 (0.50) |" in table
+    assert report.device_label("CPU (x86_64, 2 cores)") == "CPU"
 
 
 def test_speed_tables_take_each_point_whole_from_the_newest_run_of_the_same_code() -> None:

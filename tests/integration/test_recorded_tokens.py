@@ -13,6 +13,10 @@ Retired with ``selection="global"`` (2026-12-05, one ranking for all layers, no 
 configurations ``llama-global-padded``, ``qwen2-global-padded`` and the global ``llama-paper-point``. Their
 replacements (``qwen2-default-padded``, ``llama-paper-point-per-layer``) were recorded at that change.
 
+Recorded again when the default window began to leave the scorer part of a tight room (7822dfc, 2026-12-06):
+``llama-beam2``, ``llama-sampled``, ``qwen3-default-padded`` and ``gemma3-default-padded``, whose 12-token prompt
+leaves a room of 4 at budget 16 (the window now takes 2 of it).
+
 Record again only for a deliberate behaviour change, and say why in the commit:
 
     HF_ROPEKV_RECORD=1 python -m pytest tests/test_recorded_tokens.py
