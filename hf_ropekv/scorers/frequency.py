@@ -12,11 +12,17 @@ from ..model.layouts import ROTATE_HALF
 from .rope_scoring import query_weights, score_keys_weighted
 from .base import ScoreContext, standardize
 from .attention import pool_along_tokens, spread_forward, window_attention
+from .key_novelty import key_novelty
 
 # At a compaction right after a prompt, the window's vote (a z-score) is lifted by this many standard deviations:
-# a key the prompt attends to outranks RoPE's picks, and RoPE orders the keys the vote leaves flat. With the plain
-# maximum of both, RoPE's outliers took the budget at 16x and retrieval kept 2 of 8 codes (tune seeds), 8 of 8 here.
+# a key the prompt attends to outranks the other keys, which key novelty orders. With the plain maximum of the vote
+# and RoPE's z-score, RoPE's outliers took the budget at 16x and retrieval kept 2 of 8 codes (tune seeds), 8 of 8
+# with the lead.
 VOTE_LEAD = 8.0
+# The pooled vote z-score from which a key counts as pointed at by the prompt. The keys below it are ranked by key
+# novelty, not by the vote: a document's end points at nothing in particular, and with every key ranked by its vote a
+# later question found 1 of 8 codes at 16x (tune seeds), 8 of 8 with the threshold.
+POINTED = 3.0
 
 if TYPE_CHECKING:
     from ..statistics.frequency_stats import FrequencyStats
@@ -35,7 +41,9 @@ class FrequencyScorer:
         head_shrink: online statistics only: a pseudo-count, in queries, pulling each query head's means toward
             its layer's head average (0: every head on its own).
         prompt_window: at a compaction right after a prompt (a turn, a prefill chunk), the keys its last
-            ``prompt_window`` queries attend to rank first (:mod:`.prompt_window`; 0: RoPE geometry alone).
+            ``prompt_window`` queries attend to rank first (:mod:`.prompt_window`), and the others by key novelty
+            (:mod:`.key_novelty`: a question that comes later needs what stands out, not what average queries
+            attend to); 0: RoPE geometry alone, at every compaction.
         vote_span: tokens after each key the prompt window attends to that rank with it: an answer is read
             forward from where a question points (a name, then the code after it).
         offsets: future offsets the mean query is placed at (default 1, 2, 4, ..., 65536).
@@ -97,18 +105,20 @@ class FrequencyScorer:
         group = q_heads // kv_heads
         candidates = torch.stack([context.candidates for context in contexts]).repeat_interleave(group, dim=2)
         z = standardize(raw, candidates).view(layers, batch, kv_heads, group, slots).amax(dim=3)
-        if self.prompt_window:  # right after a prompt: its own attention ranks first
+        if self.prompt_window:  # right after a prompt: its own attention ranks first, key novelty orders the rest
             for i, (layer_keys, context) in enumerate(zip(keys, contexts)):
                 if context.queries is not None:
-                    z[i] = torch.maximum(z[i], self._prompt_vote(layer_keys, context) + VOTE_LEAD)
+                    z[i] = torch.maximum(key_novelty(layer_keys, context.candidates),
+                                         self._prompt_vote(layer_keys, context) + VOTE_LEAD)
         return z
 
     def _prompt_vote(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
-        """z-score of the attention the prompt window puts on each key (SnapKV's vote, pooled over 5 tokens),
-        spread ``vote_span`` tokens forward."""
+        """z-score of the attention the prompt window puts on each key (SnapKV's vote, pooled over 5 tokens) where it
+        reaches ``POINTED``, else -inf, spread ``vote_span`` tokens forward."""
         votes, _ = window_attention(keys, ctx, self.prompt_window, type(self).__name__)
-        pooled = pool_along_tokens(votes, ctx.slot_positions, ctx.valid, 5, "avgpool")
-        return standardize(spread_forward(pooled, ctx.slot_positions, ctx.valid, self.vote_span), ctx.candidates)
+        pooled = standardize(pool_along_tokens(votes, ctx.slot_positions, ctx.valid, 5, "avgpool"), ctx.candidates)
+        pointed = pooled.masked_fill(pooled < POINTED, float("-inf"))
+        return spread_forward(pointed, ctx.slot_positions, ctx.valid, self.vote_span)
 
     def _layer_tensors(self, layer_idx: int, device: torch.device, kv_heads: int) -> tuple[torch.Tensor, ...]:
         if self._cached_stats is not self.stats:

@@ -10,7 +10,8 @@ from conftest import tiny_config, tiny_model
 from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache, ScoreContext
 from hf_ropekv.model.geometry import describe
 from hf_ropekv.scorers import SnapKVScorer
-from hf_ropekv.scorers.frequency import VOTE_LEAD
+from hf_ropekv.scorers.frequency import POINTED, VOTE_LEAD
+from hf_ropekv.scorers.key_novelty import key_novelty
 from hf_ropekv.scorers.rope_scoring import score_keys
 from hf_ropekv.statistics.frequency_stats import geometry_metadata
 from hf_ropekv.statistics.online import RowStatistics
@@ -159,16 +160,47 @@ def prompt_context(keys: torch.Tensor, target: int, window: int, gen: torch.Gene
         new_queries=window, valid=torch.ones(batch, kv_heads, slots, dtype=torch.bool))
 
 
+def novelty_reference(keys: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """KeyDiff's score, one (row, head) at a time in float64: minus the cosine to the candidates' mean key,
+    z-scored over the candidates (population std)."""
+    out = torch.empty(keys.shape[:3], dtype=torch.float64)
+    for b in range(keys.shape[0]):
+        for h in range(keys.shape[1]):
+            k, cand = keys[b, h].double(), candidates[b, h]
+            mean = k[cand].mean(0)
+            x = -(k @ mean) / (k.norm(dim=-1) * mean.norm())
+            out[b, h] = (x - x[cand].mean()) / x[cand].std(unbiased=False)
+    return out
+
+
+def test_key_novelty_is_the_standardized_distance_to_the_mean_key() -> None:
+    gen = torch.Generator()
+    gen.seed()
+    keys = torch.randn(2, 3, 40, 16, generator=gen) + torch.randn(16, generator=gen)  # a shared direction
+    candidates = torch.rand(2, 3, 40, generator=gen) > 0.3
+    got = key_novelty(keys.to(torch.bfloat16), candidates)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 40)
+    torch.testing.assert_close(got.double(), novelty_reference(keys.to(torch.bfloat16).float(), candidates),
+                               rtol=1e-4, atol=1e-4)
+    candidates[0, 0, 5] = True
+    keys[0, 0, 5] = -keys[0, 0, candidates[0, 0]].mean(0) * 3  # against the mean: the most novel key
+    assert int(key_novelty(keys, candidates)[0, 0].masked_fill(~candidates[0, 0], -1e9).argmax()) == 5
+
+
 def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> None:
     gen = torch.Generator()
     gen.seed()
-    stats, slots, target, span = random_stats(1), 48, 10, 6
+    stats, slots, target, span = random_stats(1), 200, 10, 6
     keys = torch.randn(2, GEOMETRY.num_kv_heads, slots, GEOMETRY.head_dim, generator=gen)
     ctx = prompt_context(keys, target, 8, gen)
     rope = reference(keys, stats, ctx).float()
-    # Without the span, the vote is SnapKV's (window 8, pooled over 5), lifted by VOTE_LEAD, against RoPE's z.
+    novelty = novelty_reference(keys, ctx.candidates).float()
+    # Without the span, the vote is SnapKV's (window 8, pooled over 5): where it reaches POINTED it is lifted by
+    # VOTE_LEAD over key novelty, which ranks the rest.
     plain = FrequencyScorer(stats=stats, prompt_window=8, vote_span=0).score(keys, ctx)
-    expected = torch.maximum(rope, SnapKVScorer(window=8).score(keys, ctx) + VOTE_LEAD)
+    vote = SnapKVScorer(window=8).score(keys, ctx)
+    assert bool((vote >= POINTED).any()) and bool((vote < POINTED).any())
+    expected = torch.maximum(novelty, torch.where(vote >= POINTED, vote + VOTE_LEAD, float("-inf")))
     torch.testing.assert_close(plain, expected, rtol=1e-4, atol=1e-4)
     # With it, the target and the `span` tokens after it outrank every key outside the pooled, spread run.
     spread = FrequencyScorer(stats=stats, prompt_window=8, vote_span=span).score(keys, ctx)
@@ -178,7 +210,7 @@ def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> No
     for row in range(2):
         for head in range(GEOMETRY.num_kv_heads):
             assert float(spread[row, head, answer].min()) > float(spread[row, head, ~run].max())
-            assert float(spread[row, head, answer].min()) > float(rope[row, head].max())
+            assert float(spread[row, head, answer].min()) > float(novelty[row, head].max())
     # A decoding step leaves no window: RoPE geometry alone.
     no_window = ScoreContext(ctx.layer_idx, ctx.position, ctx.tokens_seen, ctx.slot_positions, ctx.candidates)
     torch.testing.assert_close(FrequencyScorer(stats=stats).score(keys, no_window), rope, rtol=1e-4, atol=1e-4)
