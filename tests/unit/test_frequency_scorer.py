@@ -195,12 +195,12 @@ def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> No
     ctx = prompt_context(keys, target, 8, gen)
     rope = reference(keys, stats, ctx).float()
     novelty = novelty_reference(keys, ctx.candidates).float()
-    # Without the span, the vote is SnapKV's (window 8, pooled over 5): where it reaches POINTED it is lifted by
-    # VOTE_LEAD over key novelty, which ranks the rest.
+    # Without the span, the vote is SnapKV's (window 8, pooled over 5), lifted by VOTE_LEAD where it reaches
+    # POINTED; key novelty competes with the rest.
     plain = FrequencyScorer(stats=stats, prompt_window=8, vote_span=0).score(keys, ctx)
     vote = SnapKVScorer(window=8).score(keys, ctx)
     assert bool((vote >= POINTED).any()) and bool((vote < POINTED).any())
-    expected = torch.maximum(novelty, torch.where(vote >= POINTED, vote + VOTE_LEAD, float("-inf")))
+    expected = torch.maximum(novelty, torch.where(vote >= POINTED, vote + VOTE_LEAD, vote))
     torch.testing.assert_close(plain, expected, rtol=1e-4, atol=1e-4)
     # With it, the target and the `span` tokens after it outrank every key outside the pooled, spread run.
     spread = FrequencyScorer(stats=stats, prompt_window=8, vote_span=span).score(keys, ctx)
