@@ -14,10 +14,9 @@ from .base import ScoreContext, standardize
 from .attention import pool_along_tokens, spread_forward, window_attention
 from .key_novelty import key_novelty
 
-# At a compaction right after a prompt, the window's vote (a z-score) is lifted by this many standard deviations:
-# a key the prompt attends to outranks the other keys, which key novelty orders. With the plain maximum of the vote
-# and RoPE's z-score, RoPE's outliers took the budget at 16x and retrieval kept 2 of 8 codes (tune seeds), 8 of 8
-# with the lead.
+# At a compaction right after a prompt, the window's vote (a z-score) is lifted by this many standard deviations
+# where the prompt points (POINTED): those keys outrank every other. With the plain maximum of the vote and RoPE's
+# z-score, RoPE's outliers took the budget at 16x and retrieval kept 2 of 8 codes (tune seeds), 8 of 8 with the lead.
 VOTE_LEAD = 8.0
 # The pooled vote z-score from which a key counts as pointed at by the prompt and gets the lead. Below it the vote
 # competes with key novelty: a document's end points at nothing in particular, and with every key lifted by its
@@ -42,9 +41,9 @@ class FrequencyScorer:
         head_shrink: online statistics only: a pseudo-count, in queries, pulling each query head's means toward
             its layer's head average (0: every head on its own).
         prompt_window: at a compaction right after a prompt (a turn, a prefill chunk), the keys its last
-            ``prompt_window`` queries attend to rank first (:mod:`.prompt_window`), and the others by key novelty
-            (:mod:`.key_novelty`: a question that comes later needs what stands out, not what average queries
-            attend to); 0: RoPE geometry alone, at every compaction.
+            ``prompt_window`` queries point at rank first (:mod:`.prompt_window`), the others by the larger of that
+            vote and key novelty (:mod:`.key_novelty`: a question that comes later needs what stands out, not what
+            average queries attend to); 0: RoPE geometry alone, at every compaction.
         vote_span: tokens after each key the prompt window attends to that rank with it: an answer is read
             forward from where a question points (a name, then the code after it).
         offsets: future offsets the mean query is placed at (default 1, 2, 4, ..., 65536).

@@ -1,7 +1,7 @@
 """The default scorer's observation window: the last queries of the most recent prompt (or turn, or prefill chunk),
 for the compaction right after it. There, the input's own attention says what it needs (SnapKV's vote), where RoPE
 geometry predicts an unknown future; a decoding step makes the window stale, so compactions during generation score
-by RoPE alone. ``FrequencyScorer`` ranks the window's vote first and key novelty after it.
+by RoPE alone. ``FrequencyScorer`` ranks the keys the window points at first, the rest by its vote or key novelty.
 """
 
 from __future__ import annotations
