@@ -154,8 +154,8 @@ def _vs_full(task: str, value: float) -> str:
 
 def quality_summary(rows: list[dict[str, Any]]) -> str:
     """The default's score against the full cache's (tune runs left out), one line per task, setting and device, one
-    column per model
-    (accuracy: a fraction of full; perplexity: the increase over full); the cells' params in the first column."""
+    column per model (accuracy: a fraction of full; perplexity: the increase over full); the cells' params in the
+    first column."""
     table: dict[tuple, dict[str, dict[str, str]]] = {}
     for r in finalize_rows(rows):
         if r["policy"] == "default" and r.get("vs_full") is not None and r["setting"] != "tune":

@@ -76,15 +76,32 @@ class FrequencyScorer:
         return self.score_layers([keys], [ctx])[0]
 
     def score_layers(self, keys: list[torch.Tensor], contexts: list[ScoreContext]) -> torch.Tensor:
-        """:meth:`score` of several layers of one shape and device at once: float32 ``[L, B, H_kv, S]`` (the query
-        weights of every layer from one set of ops, the kernel once per layer)."""
+        """:meth:`score` of several layers of one shape and device at once: float32 ``[L, B, H_kv, S]``. Right after a
+        prompt the prompt window's vote and key novelty; else RoPE geometry (the query weights of every layer from
+        one set of ops, the kernel once per layer)."""
         if self.stats is None:
             raise RuntimeError(
                 "FrequencyScorer has no statistics: pass stats=, or let RopeKVCache(model, ...) gather them.")
-        first, ctx = keys[0], contexts[0]
-        batch, kv_heads, slots = first.shape[:3]
+        first = keys[0]
         if any(k.shape[:3] != first.shape[:3] for k in keys):
             raise ValueError("score_layers needs layers of one shape; score them one by one with score().")
+        after_prompt = [bool(self.prompt_window) and context.queries is not None for context in contexts]
+        if not any(after_prompt):
+            return self._rope_scores(keys, contexts)
+        z = torch.empty(len(keys), *first.shape[:3], dtype=torch.float32, device=first.device)
+        rope = [i for i, prompt in enumerate(after_prompt) if not prompt]
+        if rope:
+            z[rope] = self._rope_scores([keys[i] for i in rope], [contexts[i] for i in rope])
+        for i, (layer_keys, context) in enumerate(zip(keys, contexts)):
+            if after_prompt[i]:  # its own attention ranks first, key novelty orders the rest
+                z[i] = torch.maximum(key_novelty(layer_keys, context.candidates),
+                                     self._prompt_vote(layer_keys, context))
+        return z
+
+    def _rope_scores(self, keys: list[torch.Tensor], contexts: list[ScoreContext]) -> torch.Tensor:
+        """RoPE geometry's z-scores of the layers, ``[L, B, H_kv, S]``."""
+        first, ctx = keys[0], contexts[0]
+        batch, kv_heads, slots = first.shape[:3]
         tensors = [self._layer_tensors(c.layer_idx, first.device, kv_heads) for c in contexts]
         q_mean = torch.stack([t[0] for t in tensors])  # [L, H_q, F] or [L, B, H_q, F]
         q_abs_mean = torch.stack([t[1] for t in tensors])
@@ -104,13 +121,7 @@ class FrequencyScorer:
             score_keys_weighted(layer_keys, w[i], c[i], out=raw[i], layout=layout)
         group = q_heads // kv_heads
         candidates = torch.stack([context.candidates for context in contexts]).repeat_interleave(group, dim=2)
-        z = standardize(raw, candidates).view(layers, batch, kv_heads, group, slots).amax(dim=3)
-        if self.prompt_window:  # right after a prompt: its own attention ranks first, key novelty orders the rest
-            for i, (layer_keys, context) in enumerate(zip(keys, contexts)):
-                if context.queries is not None:
-                    z[i] = torch.maximum(key_novelty(layer_keys, context.candidates),
-                                         self._prompt_vote(layer_keys, context))
-        return z
+        return standardize(raw, candidates).view(layers, batch, kv_heads, group, slots).amax(dim=3)
 
     def _prompt_vote(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
         """z-score of the attention the prompt window puts on each key (SnapKV's vote, pooled over 5 tokens), lifted

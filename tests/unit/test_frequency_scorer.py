@@ -214,3 +214,21 @@ def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> No
     # A decoding step leaves no window: RoPE geometry alone.
     no_window = ScoreContext(ctx.layer_idx, ctx.position, ctx.tokens_seen, ctx.slot_positions, ctx.candidates)
     torch.testing.assert_close(FrequencyScorer(stats=stats).score(keys, no_window), rope, rtol=1e-4, atol=1e-4)
+
+
+def test_score_layers_mixes_layers_after_a_prompt_and_not() -> None:
+    """Layers right after a prompt and layers without a window, scored together, equal each scored alone."""
+    gen = torch.Generator()
+    gen.seed()
+    stats, slots = random_stats(2), 200
+    keys = [torch.randn(2, GEOMETRY.num_kv_heads, slots, GEOMETRY.head_dim, generator=gen) for _ in range(3)]
+    after = prompt_context(keys[1], 10, 8, gen)
+    def no_window(layer: int) -> ScoreContext:
+        return ScoreContext(layer, after.position, after.tokens_seen, after.slot_positions, after.candidates)
+
+    contexts = [no_window(0), after, no_window(2)]
+    scorer = FrequencyScorer(stats=stats, prompt_window=8)
+    together = scorer.score_layers(keys, contexts)
+    alone = torch.stack([scorer.score(k, c) for k, c in zip(keys, contexts)])
+    torch.testing.assert_close(together, alone)
+    assert not torch.equal(together[1], scorer.score(keys[1], no_window(1)))  # layer 1 took the prompt path
