@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import types
 from typing import Any
 
 import torch
@@ -55,34 +54,14 @@ def cache_bytes(cache: Any) -> int:
     return sum(tensor_bytes(value, seen) for layer in cache.layers for value in vars(layer).values())
 
 
-def quanto_cache(model: torch.nn.Module) -> Any:
-    """transformers' ``QuantizedCache`` (quanto backend, int4). quanto's ``unpack`` is served from PyTorch ops so
-    that its C++/CUDA extensions are never compiled (minutes with nvcc on every fresh machine)."""
-    from optimum.quanto.library.extensions import get_extension
-    from transformers import QuantizedCache
-
-    def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:  # quanto's own pure-PyTorch unpack
-        parts = [(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]
-        return torch.cat(parts).to(torch.uint8)
-
-    for name in ("quanto_cpp", "quanto_cuda"):
-        try:
-            extension = get_extension(name)
-        except KeyError:
-            continue
-        if getattr(extension, "_lib", None) is None:
-            extension._lib = types.SimpleNamespace(unpack=unpack)
-    return QuantizedCache(backend="quanto", config=model.config, nbits=4)
-
-
 def make_cache(kind: str, model: torch.nn.Module, budget: int) -> Any:
     from transformers import DynamicCache
 
     if kind == "dynamic":
         return DynamicCache(config=model.config)
     if kind == "quantized":
-        return quanto_cache(model)
-    return policies.make_cache(model, budget, "default", **({"kv_bits": 8} if kind == "ropekv-int8" else {}))
+        return policies.quanto_cache(model)
+    return policies.make_cache(model, budget, "int8" if kind == "ropekv-int8" else "default")
 
 
 def forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tensor:

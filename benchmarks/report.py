@@ -5,11 +5,12 @@
     python benchmarks/report.py --check    # exit 1 if a block is stale (what a test or CI runs)
 
 A block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; NAME is one of
-``BLOCKS``: quality_matrix, quality_summary (the default against full), quality_vs_peers, speed, speed_summary, memory,
-runs. A NAME with no result files says "no results yet". Result files are ``benchmarks/results/*.json``, each
-with ``name``, ``date``, ``device``, ``commit`` and ``command``; quality rows of several files are merged (for one
-cell and device the newest run wins); memory comes from the newest file of its name, speed from the newest run and
-the other runs of its commit and device, point by point. Pure Python: no torch needed.
+``BLOCKS``: quality_matrix, quality_summary (the default against full), quality_vs_peers, speed, speed_summary,
+speed_int8, memory, runs. A NAME with no result files says "no results yet". Result files are
+``benchmarks/results/*.json``, each with ``name``, ``date``, ``device``, ``commit`` and ``command``; quality rows of
+several files are merged (for one cell and device the newest run wins); memory and speed_int8 come from the newest
+file of their name, speed from the newest run and the other runs of its library code and device, point by point.
+Pure Python: no torch needed.
 """
 
 from __future__ import annotations
@@ -329,6 +330,7 @@ BLOCKS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "quality_vs_peers": lambda results: _quality(results, quality_vs_peers),
     "speed": lambda results: _speed(results, speed_table),
     "speed_summary": lambda results: _speed(results, speed_summary, _brief_source),
+    "speed_int8": lambda results: _single(results, "speed_int8", speed_table),
     "memory": lambda results: _single(results, "memory", memory_table),
     "runs": runs_table,
 }

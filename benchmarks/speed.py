@@ -40,7 +40,10 @@ import common  # first: makes the run offline before transformers is imported
 import policies
 from report import speed_table
 
-CACHES = {"dynamic": "DynamicCache eager", "static": "StaticCache compiled", "ropekv": "RopeKVCache default"}
+CACHES = {"dynamic": "DynamicCache eager", "static": "StaticCache compiled", "ropekv": "RopeKVCache default",
+          "ropekv-int8": "RopeKVCache kv_bits=8", "quantized": "QuantizedCache (quanto int4)"}
+#: The caches a run times by default; a run that times ``ropekv-int8`` is named ``speed_int8`` (its own table).
+DEFAULT_CACHES = ("dynamic", "static", "ropekv")
 ATTENTION = ("attention", "attn", "fmha", "flash", "sdpa", "softmax")
 MATMUL = ("gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "splitk", "matmul", "_mm")
 
@@ -53,7 +56,10 @@ def make_cache(name: str, model: torch.nn.Module, prompt_len: int, new_tokens: i
         return DynamicCache(config=model.config)
     if name == "static":  # generate compiles the decode step of a compileable cache by itself on CUDA
         return StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
-    return policies.make_cache(model, args.budget, "default", protect_prompt=False)
+    if name == "quantized":
+        return policies.quanto_cache(model)
+    return policies.make_cache(model, args.budget, "int8" if name == "ropekv-int8" else "default",
+                               protect_prompt=False)
 
 
 def random_prompt(model: torch.nn.Module, batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -212,7 +218,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     common.add_run_args(p)
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(common.SHAPES))
     p.add_argument("--points", default="1x4096,1x32768,32x4096", help="BATCHxPROMPT,... ('none': e2e only)")
-    p.add_argument("--caches", default=",".join(CACHES), help=f"from {','.join(CACHES)}")
+    p.add_argument("--caches", default=",".join(DEFAULT_CACHES), help=f"from {','.join(CACHES)}")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per cache and point, alternated")
@@ -246,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device, dtype = run_device(args)
     log = common.Clock(args.max_minutes)
-    path = common.out_path("speed", args.out, device)
-    result = {**common.run_metadata("speed", "speed.py", argv, device, args.commit), "rows": [], "e2e": [],
+    name = "speed_int8" if "ropekv-int8" in args.caches else "speed"
+    path = common.out_path(name, args.out, device)
+    result = {**common.run_metadata(name, "speed.py", argv, device, args.commit), "rows": [], "e2e": [],
               "settings": {"shape": args.shape, "dtype": str(dtype), "budget": args.budget,
                            "new_tokens": args.new_tokens, "repeats": args.repeats, "cudnn_sdpa": False,
                            "protect_prompt": False, "e2e_new_tokens": args.e2e_new_tokens}, "not_run": []}

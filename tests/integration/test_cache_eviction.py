@@ -146,26 +146,23 @@ class _OldestFirst:
         return -ctx.slot_positions.float()
 
 
-@pytest.mark.parametrize("floor", [None, 0])
-def test_default_window_leaves_the_scorer_part_of_a_tight_room(floor, monkeypatch) -> None:
-    """A pinned prompt of 100 tokens and budget 124: the room for generated tokens is 24. The default window leaves
-    the scorer min(16, 24 // 2) = 12 of it, so an oldest-first scorer keeps the 12 first generated tokens; with the
-    window taking the whole room (``SCORER_FLOOR = 0``, the rule before) it keeps none of them."""
-    from hf_ropekv.eviction import compactor
-
-    if floor is not None:
-        monkeypatch.setattr(compactor, "SCORER_FLOOR", floor)
+@pytest.mark.parametrize(("room", "window"), [(24, 12), (40, 20), (47, 23), (48, 32), (60, 32)])
+def test_default_window_splits_a_tight_room_with_the_scorer(room, window) -> None:
+    """A pinned prompt of 128 tokens and budget ``128 + room``. Below 48 slots (the 32-slot window plus the 16 the
+    scorer keeps beside it) the window takes half the room; from 48 on, all 32 slots. An oldest-first scorer then
+    keeps exactly the ``room - window`` first generated tokens, and the window the newest."""
     model = tiny_model("llama", num_hidden_layers=2)
-    prompt = 100
-    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(5))
-    cache = RopeKVCache(model, budget=prompt + 24, compress_every=4, scorer=_OldestFirst(), static=False)
-    assert cache.options.recent_window == 31  # min(32, budget // 4): the cut to the room is what is tested
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+    prompt = 128
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(room))
+    cache = RopeKVCache(model, budget=prompt + room, compress_every=4, scorer=_OldestFirst(), static=False)
+    assert cache.options.recent_window == 32  # min(32, budget // 4): the cut to the room is what is tested
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=room + 24, do_sample=False,
                    pad_token_id=0, **cache_kw(model, cache))
     assert cache.evicted
-    kept = set(cache.kept_positions(0)[0].flatten().tolist())
-    first_generated = set(range(prompt, prompt + 12))
-    if floor is None:
-        assert first_generated <= kept, f"the scorer's 12 slots went to the window: kept {sorted(kept)[-30:]}"
-    else:
-        assert not first_generated & kept
+    seen = cache.tokens_seen
+    generated = sorted(set(cache.kept_positions(0)[0, 0].tolist()) - set(range(prompt)))
+    chosen, recent = generated[: room - window], generated[room - window:]
+    assert chosen == list(range(prompt, prompt + room - window)), generated
+    # the window at the last compaction, and the tokens appended since (fewer than compress_every)
+    assert recent == list(range(seen - len(recent), seen)) and window <= len(recent) < window + 4, generated
+    assert recent[0] > chosen[-1] + 1  # evicted tokens lie between: the scorer's part is exactly its own

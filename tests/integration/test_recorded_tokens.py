@@ -17,6 +17,9 @@ Recorded again when the default window began to leave the scorer part of a tight
 ``llama-beam2``, ``llama-sampled``, ``qwen3-default-padded`` and ``gemma3-default-padded``, whose 12-token prompt
 leaves a room of 4 at budget 16 (the window now takes 2 of it).
 
+Recorded again when a tight room became split evenly, the window taking its floor half (2026-12-06): every
+configuration whose 9-token row has a room of 7 at budget 16 (its window went from 4 to 3 slots); the others held.
+
 Record again only for a deliberate behaviour change, and say why in the commit:
 
     HF_ROPEKV_RECORD=1 python -m pytest tests/test_recorded_tokens.py
