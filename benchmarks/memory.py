@@ -17,6 +17,7 @@ of 4 real decode steps. Writes one JSON, after every cache.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from typing import Any
@@ -70,8 +71,8 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> torch.Tens
     return logits[:, -1:].argmax(-1)
 
 
-def measure(kind: str, model: torch.nn.Module, args: argparse.Namespace, device: torch.device,
-            log: common.Clock) -> list[dict[str, Any]]:
+def measure(kind: str, model: torch.nn.Module, args: argparse.Namespace, device: torch.device, log: common.Clock,
+            weights: int) -> list[dict[str, Any]]:
     """One cache to every checkpoint: bytes held, peak growth, decode step."""
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -79,11 +80,15 @@ def measure(kind: str, model: torch.nn.Module, args: argparse.Namespace, device:
         return torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=gen)
 
     cuda = device.type == "cuda"
+    gc.collect()
     common.sync(device)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if cuda else 0
+    # Growth is counted from the weights alone, so what an earlier cache left allocated counts against this one.
+    leftover = torch.cuda.memory_allocated(device) - weights if cuda else 0
+    if leftover > 2**20:
+        log(f"  {leftover / 2**20:.1f} MiB of an earlier cache still allocated: counted in {kind}'s peak growth")
     cache = make_cache(kind, model, args.budget)
     label = {"dynamic": "DynamicCache", "quantized": "QuantizedCache (quanto int4)",
              "ropekv": f"RopeKVCache(budget={args.budget})",
@@ -101,10 +106,10 @@ def measure(kind: str, model: torch.nn.Module, args: argparse.Namespace, device:
             token, seconds = common.timed(lambda t=token: forward(model, t, cache), device)
             times.append(1e3 * seconds)
         seen += DECODE_STEPS
-        peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+        peak = torch.cuda.max_memory_allocated(device) - weights if cuda else None
         rows.append({"cache": label, "kind": kind, "budget": None if kind in ("dynamic", "quantized") else args.budget,
                      "tokens": seen, "kept": getattr(cache, "tokens_kept", None), "cache_bytes": cache_bytes(cache),
-                     "peak_bytes": peak, "step_ms": common.percentile(times, 50)})
+                     "peak_bytes": peak, "leftover_bytes": leftover, "step_ms": common.percentile(times, 50)})
         log(f"  {label} at {seen} tokens: {rows[-1]['cache_bytes'] / 2**20:.1f} MiB held")
     return rows
 
@@ -127,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     log = common.Clock(args.max_minutes)
     path = common.out_path("memory", args.out, device)
     model = common.build_random_model(args.shape, dtype=dtype, device=device)
+    gc.collect()
+    weights = torch.cuda.memory_allocated(device) if cuda else 0
     result = {**common.run_metadata("memory", "memory.py", argv, device, args.commit), "rows": [], "notes": [],
               "settings": {"shape": args.shape, "dtype": str(dtype), "budget": args.budget, "prompt": PROMPT,
                            "kv_bytes_per_token": common.kv_bytes_per_token(model.config, dtype)}}
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         start = time.perf_counter()
         try:
-            result["rows"] += measure(kind, model, args, device, log)
+            result["rows"] += measure(kind, model, args, device, log, weights)
         except Exception as err:  # noqa: BLE001 - e.g. no optimum-quanto here: the other caches go on
             result["notes"].append(f"{kind}: {type(err).__name__}: {str(err)[:300]}")
             log(f"{kind} failed: {result['notes'][-1]}")
