@@ -222,13 +222,15 @@ def speed_table(result: dict[str, Any]) -> str:
 
 def memory_table(result: dict[str, Any]) -> str:
     full = {r["tokens"]: r["cache_bytes"] for r in result["rows"] if r.get("kind") == "dynamic"}
-    lines = ["| cache | tokens | kept | cache MiB | x DynamicCache | peak growth MiB | step ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| cache | tokens | kept | cache MiB | x DynamicCache | peak growth MiB | of it, held at start MiB | "
+             "step ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        ref, peak = full.get(r["tokens"]), r.get("peak_bytes")
+        ref, peak, start = full.get(r["tokens"]), r.get("peak_bytes"), r.get("leftover_bytes")
         ratio = "" if not ref else f"{r['cache_bytes'] / ref:.3f}"
         lines.append(f"| {r['cache']} | {r['tokens']} | {_num(r.get('kept'), 'd')} | {r['cache_bytes'] / MIB:.1f} | "
-                     f"{ratio} | {'' if peak is None else f'{peak / MIB:.1f}'} | {_num(r.get('step_ms'))} |")
+                     f"{ratio} | {'' if peak is None else f'{peak / MIB:.1f}'} | "
+                     f"{'' if start is None else f'{start / MIB:.1f}'} | {_num(r.get('step_ms'))} |")
     return "\n".join(lines)
 
 
