@@ -5,12 +5,12 @@
     python benchmarks/report.py --check    # exit 1 if a block is stale (what a test or CI runs)
 
 A block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; NAME is one of
-``BLOCKS``: quality_matrix, quality_summary (the default against full), quality_vs_peers, speed, speed_summary,
-speed_int8, memory, runs. A NAME with no result files says "no results yet". Result files are
-``benchmarks/results/*.json``, each with ``name``, ``date``, ``device``, ``commit`` and ``command``; quality rows of
-several files are merged (for one cell and device the newest run wins); memory and speed_int8 come from the newest
-file of their name, speed from the newest run and the other runs of its library code and device, point by point.
-Pure Python: no torch needed.
+``BLOCKS``: quality_matrix (the default, the peers, int8), quality_variants (the default's variants),
+quality_summary (the default against full), quality_vs_peers, speed, speed_summary, speed_int8, memory, runs. A
+NAME with no result files says "no results yet". Result files are ``benchmarks/results/*.json``, each with
+``name``, ``date``, ``device``, ``commit`` and ``command``; quality rows of several files are merged (for one cell
+and device the newest run wins); memory and speed_int8 come from the newest file of their name, speed from the
+newest run and the other runs of its library code and device, point by point. Pure Python: no torch needed.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ MIB = 2**20
 # ---------------------------------------------------------------------------------------------- quality rows
 #: The policies from other work that the default is held against (the other names are the default's variants).
 PEERS = ("recency", "sink_recent", "snapkv", "h2o", "rkv")
+#: The matrix's columns beside the peers: the library's own options. Every other policy is a variant of the default
+#: (a mechanism switched off, an earlier rule), shown in the variants table.
+OPTIONS = ("int8", "int8_2x")
 
 
 def _ref(row: dict[str, Any]) -> tuple:
@@ -86,19 +89,40 @@ def _cell(row: dict[str, Any] | None) -> str:
     return text + ("" if row.get("vs_full") is None else f" ({row['vs_full']:.2f})")
 
 
+def peer_of(policy: str) -> str | None:
+    """The peer a policy runs (``snapkv_fullroom``: SnapKV under an earlier window rule), else None."""
+    return policy if policy in PEERS else next((p for p in PEERS if policy.startswith(p + "_")), None)
+
+
 def _column_order(policy: str) -> tuple[int, str]:
-    """The default first, the peers next in their order, then the default's variants by name."""
+    """The default first, the peers next in their order (each with its earlier windows), then the rest by name."""
     if policy == "default":
         return 0, ""
-    return (1 + PEERS.index(policy), "") if policy in PEERS else (1 + len(PEERS), policy)
+    peer = peer_of(policy)
+    return (1 + PEERS.index(peer), policy) if peer else (1 + len(PEERS), policy)
 
 
-def quality_table(rows: list[dict[str, Any]]) -> str:
+def is_variant(policy: str) -> bool:
+    """A variant of the default (not the default, full, a peer or a library option)."""
+    return policy not in ("default", "full", *OPTIONS) and peer_of(policy) is None
+
+
+def quality_table(rows: list[dict[str, Any]], variants: bool = False) -> str:
     """The matrix: one line per cell (task, model, setting, param), one column per policy; full's score in its
-    own column; accuracy cells show correct / n (fraction of full), perplexity cells ppl (+% over full)."""
+    own column; accuracy cells show correct / n (fraction of full), perplexity cells ppl (+% over full). The
+    default, the peers and the library's options; with ``variants``, the default and its variants instead (cells
+    where one ran)."""
     if not rows:
         return NO_RESULTS
     finalize_rows(rows)
+    if variants:
+        cells_run = {(r["task"], r["model"], r.get("device", ""), r["setting"], r["param"])
+                     for r in rows if is_variant(r["policy"])}
+        rows = [r for r in rows if r["policy"] == "full" or (
+            (r["task"], r["model"], r.get("device", ""), r["setting"], r["param"]) in cells_run
+            and (r["policy"] == "default" or is_variant(r["policy"])))]
+    else:
+        rows = [r for r in rows if not is_variant(r["policy"])]
     names = sorted(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"), key=_column_order)
     full = {_ref(r): r for r in rows if r["policy"] == "full"}
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
@@ -122,7 +146,7 @@ def quality_vs_peers(rows: list[dict[str, Any]]) -> str:
     """Per cell: the default against full, the best peer, and whether the default beats every peer there."""
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in finalize_rows(rows):
-        if r["policy"] in ("default", *PEERS) and r.get("vs_full") is not None:
+        if (r["policy"] == "default" or peer_of(r["policy"])) and r.get("vs_full") is not None:
             cells.setdefault((r["task"], r["model"], r.get("device", ""), r["setting"], r["param"]), {})[
                 r["policy"]] = r
     lines = ["| task | model | device | setting | cell | default vs full | best peer (vs full) | default above every "
@@ -328,6 +352,7 @@ def runs_table(results: list[dict[str, Any]]) -> str:
 
 BLOCKS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "quality_matrix": lambda results: _quality(results, quality_table),
+    "quality_variants": lambda results: _quality(results, functools.partial(quality_table, variants=True)),
     "quality_summary": lambda results: _quality(results, quality_summary, _brief_source),
     "quality_vs_peers": lambda results: _quality(results, quality_vs_peers),
     "speed": lambda results: _speed(results, speed_table),
