@@ -230,6 +230,20 @@ def test_quality_rows_pair_with_the_full_cache_of_their_own_device() -> None:
     assert report.device_label("CPU (x86_64, 2 cores)") == "CPU"
 
 
+def test_matrix_keeps_peers_and_options_and_the_variants_table_the_default_and_its_variants() -> None:
+    rows = [_row("full", 1.0, "1111"), _row("default", 0.75, "1110"), _row("snapkv_fullroom", 0.5, "1100"),
+            _row("int8_2x", 1.0, "1111"), _row("default_share50", 0.25, "1000"),
+            _row("full", 1.0, "1111", param="G=96"), _row("default", 1.0, "1111", param="G=96")]
+    matrix = report.quality_table(report.merge_rows([_quality_result("2026-12-01T00:00:00", rows)]))
+    assert "| full | default | snapkv_fullroom | int8_2x |" in matrix and "share50" not in matrix
+    assert "| G=96 | 4/4 | 4/4 (1.00) |  |  |" in matrix
+    variants = report.quality_table(report.merge_rows([_quality_result("2026-12-01T00:00:00", rows)]), variants=True)
+    assert "| full | default | default_share50 |" in variants and "G=96" not in variants  # no variant ran there
+    assert "| G=48 | 4/4 | 3/4 (0.75) | 1/4 (0.25) |" in variants
+    assert report.peer_of("snapkv_fullroom") == "snapkv" and report.peer_of("sink_recent") == "sink_recent"
+    assert report.peer_of("default_share50") is None
+
+
 def test_speed_tables_take_each_point_whole_from_the_newest_run_of_the_same_code() -> None:
     def run(date: str, commit: str, points: dict[str, float]) -> dict:
         rows = [{"point": p, "cache": c, "decode_p50_ms": ms * (3 if c == "dynamic" else 1)}
