@@ -39,6 +39,11 @@ PEERS = ("recency", "sink_recent", "snapkv", "h2o", "rkv")
 OPTIONS = ("int8", "int8_2x")
 
 
+def _cell_key(row: dict[str, Any]) -> tuple:
+    """The matrix line a row belongs to: task, model, device, setting, param."""
+    return row["task"], row["model"], row.get("device", ""), row["setting"], row["param"]
+
+
 def _ref(row: dict[str, Any]) -> tuple:
     """What a row is compared with: the full cache's row of the same task, model, setting, device (greedy decoding
     differs between GPUs, so a fraction of full pairs runs of one device) and prompt length."""
@@ -116,11 +121,9 @@ def quality_table(rows: list[dict[str, Any]], variants: bool = False) -> str:
         return NO_RESULTS
     finalize_rows(rows)
     if variants:
-        cells_run = {(r["task"], r["model"], r.get("device", ""), r["setting"], r["param"])
-                     for r in rows if is_variant(r["policy"])}
-        rows = [r for r in rows if r["policy"] == "full" or (
-            (r["task"], r["model"], r.get("device", ""), r["setting"], r["param"]) in cells_run
-            and (r["policy"] == "default" or is_variant(r["policy"])))]
+        cells_run = {_cell_key(r) for r in rows if is_variant(r["policy"])}
+        rows = [r for r in rows if r["policy"] == "full"
+                or (_cell_key(r) in cells_run and (r["policy"] == "default" or is_variant(r["policy"])))]
     else:
         rows = [r for r in rows if not is_variant(r["policy"])]
     names = sorted(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"), key=_column_order)
@@ -128,8 +131,7 @@ def quality_table(rows: list[dict[str, Any]], variants: bool = False) -> str:
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in rows:
         if r["policy"] != "full":
-            cells.setdefault((r["task"], r["model"], r.get("device", ""), r["setting"], r["param"]), {})[
-                r["policy"]] = r
+            cells.setdefault(_cell_key(r), {})[r["policy"]] = r
     lines = ["| task | model | device | setting | cell | full | " + " | ".join(names) + " |",
              "|" + "---|" * (6 + len(names))]
     for (task, model, device, setting, param), by_policy in cells.items():
@@ -147,8 +149,7 @@ def quality_vs_peers(rows: list[dict[str, Any]]) -> str:
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in finalize_rows(rows):
         if (r["policy"] == "default" or peer_of(r["policy"])) and r.get("vs_full") is not None:
-            cells.setdefault((r["task"], r["model"], r.get("device", ""), r["setting"], r["param"]), {})[
-                r["policy"]] = r
+            cells.setdefault(_cell_key(r), {})[r["policy"]] = r
     lines = ["| task | model | device | setting | cell | default vs full | best peer (vs full) | default above every "
              "peer |", "|---|---|---|---|---|---|---|---|"]
     for (task, model, device, setting, param), by_policy in cells.items():
