@@ -144,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             result["rows"] += measure(kind, model, args, device, log, weights)
-            policies.hf_ropekv.detach(model)  # a static cache's arena stays pooled on the model for its next cache
         except Exception as err:  # noqa: BLE001 - e.g. no optimum-quanto here: the other caches go on
             result["notes"].append(f"{kind}: {type(err).__name__}: {str(err)[:300]}")
             log(f"{kind} failed: {result['notes'][-1]}")
+        policies.hf_ropekv.detach(model)  # a static cache's arena stays pooled on the model for its next cache
         log(f"{kind} done in {time.perf_counter() - start:.0f} s")
         common.write_json(path, result)
     from report import memory_table
