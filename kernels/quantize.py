@@ -8,6 +8,10 @@ For ``x`` [B, H, S, D] every (row, head, token) vector gets one float32 scale::
 
 int8 rounds half to even (``|x - q * scale| <= scale / 2``); float8_e4m3fn keeps 3 mantissa bits (relative error
 <= 2**-4). Scales are clamped at ``1e-12``, so an all-zero vector quantizes to zeros.
+
+Keys have outlier channels (a key bias, massive activations) that would set every token's scale and leave the other
+channels a few levels; the storage quantizes ``x / balance`` instead, with one float32 ``balance [B, H, 1, D]`` per
+row and head (``channel_balance``), and reads ``q * scale * balance``.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 
 from ._triton import HAS_TRITON, tl, triton
 
-__all__ = ["QUANT_DTYPES", "dequantize_kv", "quantize_kv"]
+__all__ = ["QUANT_DTYPES", "channel_balance", "dequantize_kv", "quantize_kv"]
 
 #: Storage dtypes ``decode_attention`` reads with per-token scales, and the largest magnitude of each.
 QUANT_DTYPES = {torch.int8: 127.0}
@@ -45,8 +49,35 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch
     return q, scale
 
 
-def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() * scale[..., None].float()).to(dtype)
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  balance: torch.Tensor | None = None) -> torch.Tensor:
+    """``q * scale[..., None]`` (times ``balance [B, H, 1, D]`` when given) in ``dtype``."""
+    x = q.float() * scale[..., None].float()
+    return (x if balance is None else x * balance).to(dtype)
+
+
+#: A channel's balance is at least this fraction of its head's largest: a channel silent in the prompt that wakes up
+#: later cannot blow up a token's scale by more than this.
+BALANCE_FLOOR = 1e-3
+
+
+def channel_balance(x: torch.Tensor, real_from: torch.Tensor | None = None,
+                    partner: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[B, H, 1, D]``: each channel's largest ``|x|`` over the tokens of ``x [B, H, S, D]`` from
+    ``real_from [B]`` on (a row's left padding left out, so a row's balance is its own), divided by the head's
+    largest and floored at ``BALANCE_FLOOR``. ``partner [D]``: the other channel of each rotary pair, which gets the
+    same balance (RoPE turns a key's magnitude from one channel of a pair to the other as positions grow); a row
+    with no real token gets ones."""
+    magnitude = x.float().abs()
+    if real_from is not None:
+        slot = torch.arange(x.shape[2], device=x.device)
+        padding = slot[None, :] < real_from.to(x.device)[:, None]
+        magnitude = magnitude.masked_fill(padding[:, None, :, None], 0.0)
+    largest = magnitude.amax(dim=2, keepdim=True)
+    if partner is not None:
+        largest = torch.maximum(largest, largest[..., partner.to(x.device)])
+    top = largest.amax(dim=-1, keepdim=True)
+    return torch.where(top > 0, (largest / top).clamp_min(BALANCE_FLOOR), torch.ones_like(largest))
 
 
 # --------------------------------------------------------------------------- writing new tokens into an int8 arena

@@ -13,6 +13,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .. import _compat
 from ..model.geometry import FULL, ModelGeometry
+from ..model.layouts import pair_strides
 from ..storage.buffers import step_is_recorded
 from ..storage.paged import PagedKV
 from ..storage.static import StaticKV
@@ -65,6 +66,8 @@ class BudgetedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         # Compaction happens here, before writing: no tensor this forward returned still aliases the arena.
         self._cache.coordinator.before_update(self, key_states, kwargs)
+        if self.storage.needs_balance:
+            self.storage.balance_keys(key_states, self._cache.coordinator.rows.pads)
         self.keys, self.values = self.storage.append(key_states, value_states, first_position=self.tokens_seen)
         self.tokens_seen += key_states.shape[-2]
         return self.keys, self.values
@@ -127,6 +130,8 @@ class StaticBudgetedLayer(BudgetedLayer):
             self._cache.coordinator.check_announced()
         if not self.is_initialized:  # the cache could not allocate before the forward: the arena's shape is known now
             self.initialize(key_states, value_states, self.kv_length)
+        if self.storage.needs_balance:  # the first forward, eager
+            self.storage.balance_keys(key_states, self._cache.coordinator.rows.pads)
         self.keys, self.values = self.storage.write(key_states, value_states)
         return self.keys, self.values
 
@@ -154,14 +159,28 @@ def make_layers(cache: Any, geometry: ModelGeometry, options: CacheOptions, leas
     """One layer per model layer; ``lease``: a static cache's buffers; ``static``: whether the layers are static
     (``options.static`` may be ``"auto"``)."""
     hint, bits = options.steady_slots, options.kv_bits
+    partner = rotary_partner(geometry) if bits is not None else None
     layers: list[CacheLayerMixin] = []
     for idx, (kind, sliding_window) in enumerate(zip(geometry.layer_types, geometry.sliding_windows)):
         if kind == FULL and static:
-            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, PAGE_SIZE, idx, lease, bits)))
+            layers.append(StaticBudgetedLayer(cache, idx, StaticKV(hint, PAGE_SIZE, idx, lease, bits, partner)))
         elif kind == FULL:
-            layers.append(BudgetedLayer(cache, idx, PagedKV(PAGE_SIZE, capacity_hint=hint, bits=bits)))
+            layers.append(BudgetedLayer(cache, idx, PagedKV(PAGE_SIZE, hint, bits, partner)))
         elif static:
             layers.append(StaticWindowLayer(sliding_window, idx, lease))
         else:
             layers.append(DynamicSlidingWindowLayer(sliding_window=sliding_window))
     return layers
+
+
+def rotary_partner(geometry: ModelGeometry) -> torch.Tensor | None:
+    """int64 ``[head_dim]``: the other channel of each channel's rotary pair (a channel RoPE leaves alone is its own);
+    None when the layout is unknown."""
+    if geometry.rotary_layout is None:
+        return None
+    pairs = geometry.rotary_dim // 2
+    stride, offset = pair_strides(geometry.rotary_layout, pairs)
+    real = torch.arange(pairs) * stride
+    partner = torch.arange(geometry.head_dim)
+    partner[real], partner[real + offset] = real + offset, real
+    return partner

@@ -36,16 +36,27 @@ def ropekv_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         mask = None if attention_mask is None else attention_mask[:, 0, -1, :].expand(query.shape[0], -1)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask == 0  # an additive mask: 0 where attended
-        out = decode_attention(query[:, :, 0], key, value, mask, scale=scaling or query.shape[-1] ** -0.5,
+        out = decode_attention(balanced_query(query[:, :, 0], None if scales is None else scales[2]), key, value,
+                               mask, scale=scaling or query.shape[-1] ** -0.5,
                                softcap=kwargs.get("softcap"), key_scale=None if scales is None else scales[0],
                                value_scale=None if scales is None else scales[1])
         return out.unsqueeze(1), None
     if scales is not None:  # a prefill chunk, or the CPU: attend over the dequantized arena
-        key, value = dequantize_kv(key, scales[0], query.dtype), dequantize_kv(value, scales[1], query.dtype)
+        key, value = dequantize_kv(key, scales[0], query.dtype, scales[2]), dequantize_kv(value, scales[1], query.dtype)
     elif not getattr(key, FIXED, False):
         return _compat.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                               scaling=scaling, is_causal=is_causal, **kwargs)
     return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def balanced_query(query: torch.Tensor, balance: torch.Tensor | None) -> torch.Tensor:
+    """``query [B, H, D]`` times the int8 keys' channel balance ``[B, H_kv, 1, D]`` of its key/value head: the decode
+    kernel then reads the balanced keys' codes as they are (``q . (k * b) = (q * b) . k``)."""
+    if balance is None:
+        return query
+    batch, heads, dim = query.shape
+    grouped = query.float().reshape(batch, balance.shape[1], heads // balance.shape[1], dim) * balance
+    return grouped.reshape(batch, heads, dim).to(query.dtype)
 
 
 GROUPED_SDPA = "hf_ropekv_sdpa"

@@ -1,9 +1,11 @@
 """Paged key/value storage of one attention layer, compacted in place.
 
 A layer's slots live in *planes* ``[batch, kv_heads, capacity, *]``: keys and values, or with ``kv_bits=8`` their
-int8 codes plus a float32 scale per token and head. Live slots are the prefix ``[0, length)`` of every (row, head):
-attention reads a view (no copy), and compaction moves survivors forward in place (``kernels.compact``). Capacity
-grows in whole pages up to the steady state (``budget + compress_every``); ``static.py`` has the fixed arena.
+int8 codes plus a float32 scale per token and head (keys divided first by their channel balance, fixed at the
+layer's first write: ``kernels.quantize.channel_balance``). Live slots are the prefix ``[0, length)`` of every
+(row, head): attention reads a view (no copy), and compaction moves survivors forward in place
+(``kernels.compact``). Capacity grows in whole pages up to the steady state (``budget + compress_every``);
+``static.py`` has the fixed arena.
 """
 
 from __future__ import annotations
@@ -11,23 +13,28 @@ from __future__ import annotations
 import torch
 
 from ..kernels.compact import compact_
-from ..kernels.quantize import dequantize_kv, quantize_kv
+from ..kernels.quantize import channel_balance, dequantize_kv, quantize_kv
 from .buffers import normal_tensors
 
 # Attributes of the keys a layer hands the model's attention (read by ``hf_ropekv.model.attention``): the int8
-# codes' float32 [B, H, S] scales ``(key_scale, value_scale)``; whether to attend with the decode kernel (once the
-# layer compacted: before, sdpa keeps DynamicCache's tokens); whether they are a static cache's fixed arena.
+# codes' float32 [B, H, S] scales and the keys' [B, H, 1, D] channel balance ``(key_scale, value_scale, balance)``;
+# whether to attend with the decode kernel (once the layer compacted: before, sdpa keeps DynamicCache's tokens);
+# whether they are a static cache's fixed arena.
 SCALES, DECODE, FIXED = "_hf_ropekv_scales", "_hf_ropekv_decode", "_hf_ropekv_fixed"
 
 
 class PagedKV:
     """Keys, values (int8 codes and scales with ``bits=8``; ``None``: the model's dtype) and slot positions of one
-    layer, in pages of ``page_size`` slots up to ``capacity_hint`` (the steady state, ``budget + compress_every``)."""
+    layer, in pages of ``page_size`` slots up to ``capacity_hint`` (the steady state, ``budget + compress_every``).
+    ``pair_partner [D]``: the other channel of each key channel's rotary pair (None: unknown), for the balance."""
 
-    def __init__(self, page_size: int, capacity_hint: int | None = None, bits: int | None = None) -> None:
+    def __init__(self, page_size: int, capacity_hint: int | None = None, bits: int | None = None,
+                 pair_partner: torch.Tensor | None = None) -> None:
         self.page_size = page_size
         self.capacity_hint = capacity_hint
         self.bits = bits
+        self.pair_partner = pair_partner
+        self.balance: torch.Tensor | None = None  # float32 [B, H, 1, D] with bits=8, from the first write on
         self.planes: list[torch.Tensor] | None = None  # keys, values[, key scales, value scales] [B, H, C, *]
         self.dtype: torch.dtype | None = None  # what keys and values come in (and are dequantized to)
         # int64 [B, H, capacity]: the token index of each slot, made when first read (scoring, compaction).
@@ -60,16 +67,34 @@ class PagedKV:
         return -(-self.length // self.page_size)
 
     @property
+    def needs_balance(self) -> bool:
+        """Whether the next write is the first of an int8 layer: :meth:`balance_keys` must see its keys first."""
+        return self.bits is not None and self.balance is None
+
+    @property
     def bytes_held(self) -> int:
-        tensors = [*(self.planes or ()), self.positions]
+        tensors = [*(self.planes or ()), self.positions, self.balance]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- writes --------------------------------------------------------------------------------
+    @normal_tensors
+    def balance_keys(self, key_states: torch.Tensor, real_from: torch.Tensor | None) -> None:
+        """Fix the keys' channel balance from the layer's first keys (``real_from [B]``: each row's first real token
+        among them), before they are written."""
+        partner = self.pair_partner
+        if partner is not None and partner.numel() != key_states.shape[-1]:
+            partner = None
+        self.balance = channel_balance(key_states, real_from, partner)
+
+    def balanced(self, key_states: torch.Tensor) -> torch.Tensor:
+        """Keys as the int8 planes hold them: divided by the channel balance (float32; :meth:`balance_keys` first)."""
+        return key_states.float() / self.balance
+
     def encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[torch.Tensor]:
         """New tokens as planes: keys and values, or their int8 codes and ``[B, H, q, 1]`` scales."""
         if self.bits is None:
             return [key_states, value_states]
-        key_codes, key_scale = quantize_kv(key_states)
+        key_codes, key_scale = quantize_kv(key_states if self.balance is None else self.balanced(key_states))
         value_codes, value_scale = quantize_kv(value_states)
         return [key_codes, value_codes, key_scale.unsqueeze(-1), value_scale.unsqueeze(-1)]
 
@@ -92,7 +117,7 @@ class PagedKV:
                 plane[:, :, self.length : end] = part
             live = [plane[:, :, :end] for plane in self.planes]
         self.advance(q, first_position)
-        return attention_view(live, decode=self.num_compactions > 0)
+        return attention_view(live, decode=self.num_compactions > 0, balance=self.balance)
 
     def advance(self, new: int, first_position: int) -> None:
         """Count ``new`` tokens (positions ``first_position, ...``) as written after the live slots (host only)."""
@@ -124,6 +149,8 @@ class PagedKV:
             self.planes = [plane.index_select(0, index) for plane in self.planes]
             if self.positions is not None:
                 self.positions = self.positions.index_select(0, index)
+            if self.balance is not None:
+                self.balance = self.balance.index_select(0, index)
 
     @normal_tensors
     def repeat_batch(self, repeats: int) -> None:
@@ -131,9 +158,11 @@ class PagedKV:
             self.planes = [plane.repeat_interleave(repeats, dim=0) for plane in self.planes]
             if self.positions is not None:
                 self.positions = self.positions.repeat_interleave(repeats, dim=0)
+            if self.balance is not None:
+                self.balance = self.balance.repeat_interleave(repeats, dim=0)
 
     def clear(self) -> None:
-        self.planes = self.positions = None
+        self.planes = self.positions = self.balance = None
         self.length = self._positions_valid = self._pending_position = self.num_compactions = 0
         self._step_views = _StepViews()
 
@@ -142,7 +171,8 @@ class PagedKV:
         """The live keys ``[B, H, length, D]`` in the model's dtype (dequantized, a copy, with ``bits=8``)."""
         if self.bits is None:
             return self.keys[:, :, : self.length]
-        return dequantize_kv(self.keys[:, :, : self.length], self.planes[2][:, :, : self.length, 0], self.dtype)
+        return dequantize_kv(self.keys[:, :, : self.length], self.planes[2][:, :, : self.length, 0], self.dtype,
+                             self.balance)
 
     def live_positions(self) -> torch.Tensor:
         """int64 ``[B, H, length]``: the token index (padding included) held by each live slot."""
@@ -195,14 +225,15 @@ def _empty_planes(like: list[torch.Tensor], capacity: int) -> list[torch.Tensor]
     return [torch.empty(*p.shape[:2], capacity, p.shape[3], dtype=p.dtype, device=p.device) for p in like]
 
 
-def attention_view(planes: list[torch.Tensor], decode: bool, fixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_view(planes: list[torch.Tensor], decode: bool, fixed: bool = False,
+                   balance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``(keys, values)`` a layer hands the model's attention, marked for ``hf_ropekv.model.attention`` (with int8
-    planes: the codes, carrying their scales)."""
+    planes: the codes, carrying their scales and the keys' channel balance)."""
     keys, values = planes[0], planes[1]
     setattr(keys, DECODE, decode)
     setattr(keys, FIXED, fixed)
     if len(planes) > 2:
-        setattr(keys, SCALES, (planes[2][..., 0], planes[3][..., 0]))
+        setattr(keys, SCALES, (planes[2][..., 0], planes[3][..., 0], balance))
     return keys, values
 
 

@@ -19,8 +19,8 @@ class StaticKV(PagedKV):
     """
 
     def __init__(self, capacity: int, page_size: int, layer_idx: int = 0, lease: BufferLease | None = None,
-                 bits: int | None = None) -> None:
-        super().__init__(page_size, capacity_hint=capacity, bits=bits)
+                 bits: int | None = None, pair_partner: torch.Tensor | None = None) -> None:
+        super().__init__(page_size, capacity_hint=capacity, bits=bits, pair_partner=pair_partner)
         self.layer_idx = layer_idx
         self._lease = lease  # where the arena's planes come from (hf_ropekv.storage.buffers)
         self.steady_capacity = self.static_capacity = -(-capacity // page_size) * page_size
@@ -82,6 +82,15 @@ class StaticKV(PagedKV):
         for plane in self.planes:
             plane[:, :, slot:].zero_()
 
+    def balance_keys(self, key_states: torch.Tensor, real_from: torch.Tensor | None) -> None:
+        """As :meth:`PagedKV.balance_keys`, into a buffer at a static address (a recorded step reads it)."""
+        super().balance_keys(key_states, real_from)
+        balance = self.balance
+        self.balance = static_buffer(self._lease, ("balance", self.layer_idx, balance.device), tuple(balance.shape),
+                                     balance.dtype, balance.device)
+        self.balance.copy_(balance)
+        self._mark()
+
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's tokens at ``write_index``; return the whole arena (the mask hides unused slots)."""
         if self.write_index is None:  # allocated by this forward's first write: its slots are known now
@@ -91,14 +100,15 @@ class StaticKV(PagedKV):
             self.keys.index_copy_(2, self.write_index, key_states)
             self.values.index_copy_(2, self.write_index, value_states)
         else:  # codes and scales in one launch per tensor
-            quantize_into_(self.planes[0], self.planes[2], key_states, self.write_index)
+            keys = key_states if self.balance is None else self.balanced(key_states)
+            quantize_into_(self.planes[0], self.planes[2], keys, self.write_index)
             quantize_into_(self.planes[1], self.planes[3], value_states, self.write_index)
         return self.keys, self.values  # marked for attention outside the step (see _mark), so it traces no setattr
 
     def _mark(self) -> None:
         """Mark the planes attention reads now (``attention_view``): eagerly, between steps, never inside one."""
         if self.planes is not None:
-            attention_view(self.planes, decode=self.num_compactions > 0, fixed=True)
+            attention_view(self.planes, decode=self.num_compactions > 0, fixed=True, balance=self.balance)
 
     def _after_compaction(self, keep: torch.Tensor, start: torch.Tensor | None) -> None:
         super()._after_compaction(keep, start)
@@ -118,7 +128,7 @@ class StaticKV(PagedKV):
             return
         index = index.to(self.keys.device)
         if self.planes is self._arena and index.numel() == self.keys.shape[0]:
-            for plane in self._arena:
+            for plane in [*self._arena, *([] if self.balance is None else [self.balance])]:
                 plane.copy_(plane.index_select(0, index))
             if self.positions is not None:
                 self.positions = self.positions.index_select(0, index)
@@ -130,15 +140,18 @@ class StaticKV(PagedKV):
         super().repeat_batch(repeats)
         self._adopt_as_arena()
 
-    def clear(self) -> None:
-        self._give_back_arena()
-        super().clear()
-        self._arena = self.write_index = None
 
     def _give_back_arena(self) -> None:
         if self._arena is not None and self._lease is not None:
             for plane in self._arena:
                 self._lease.give_back(plane)
+
+    def clear(self) -> None:
+        if self._lease is not None:
+            self._lease.give_back(self.balance)
+        self._give_back_arena()
+        super().clear()
+        self._arena = self.write_index = None
 
     def _adopt_as_arena(self) -> None:
         """A new row count: what ``select_batch`` built becomes the fixed arena (when it has the fixed size)."""
