@@ -172,8 +172,7 @@ def test_kv_bits_needs_the_model_on_sdpa() -> None:
 def test_eviction_matches_the_masked_int8_reference_on_cuda(static: bool, deterministic_sdpa) -> None:
     """The decode kernel reads the int8 codes after the first eviction (plain forwards: no graph, no compile); it
     sums in another order than sdpa (and multiplies the query, not the keys, by the balance), so the logits agree to
-    float32 accumulation, not bit for bit: 1.006e-4 at most on an H100 (0003bc9), where int8 itself moves them by more
-    than 1e-3 and a balance left out of either side by about 1e-1."""
+    float32 accumulation, not bit for bit (1.006e-4 at most on an H100 at 0003bc9)."""
     model = tiny_model("llama", head_dim=64, hidden_size=256, num_hidden_layers=3).cuda()
     ids, mask = padded_batch(model.config.vocab_size)
     cache = RopeKVCache(model, budget=16, compress_every=4, kv_bits=8, static=static)
