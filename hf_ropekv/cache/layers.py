@@ -13,7 +13,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .. import _compat
 from ..model.geometry import FULL, ModelGeometry
-from ..model.layouts import pair_strides
+from ..model.layouts import pair_partner
 from ..storage.buffers import step_is_recorded
 from ..storage.paged import PagedKV
 from ..storage.static import StaticKV
@@ -159,7 +159,9 @@ def make_layers(cache: Any, geometry: ModelGeometry, options: CacheOptions, leas
     """One layer per model layer; ``lease``: a static cache's buffers; ``static``: whether the layers are static
     (``options.static`` may be ``"auto"``)."""
     hint, bits = options.steady_slots, options.kv_bits
-    partner = rotary_partner(geometry) if bits is not None else None
+    partner = None  # the balance of int8 keys ties the two channels of each rotary pair
+    if bits is not None and geometry.rotary_layout is not None:
+        partner = pair_partner(geometry.rotary_layout, geometry.rotary_dim // 2, geometry.head_dim)
     layers: list[CacheLayerMixin] = []
     for idx, (kind, sliding_window) in enumerate(zip(geometry.layer_types, geometry.sliding_windows)):
         if kind == FULL and static:
@@ -171,16 +173,3 @@ def make_layers(cache: Any, geometry: ModelGeometry, options: CacheOptions, leas
         else:
             layers.append(DynamicSlidingWindowLayer(sliding_window=sliding_window))
     return layers
-
-
-def rotary_partner(geometry: ModelGeometry) -> torch.Tensor | None:
-    """int64 ``[head_dim]``: the other channel of each channel's rotary pair (a channel RoPE leaves alone is its own);
-    None when the layout is unknown."""
-    if geometry.rotary_layout is None:
-        return None
-    pairs = geometry.rotary_dim // 2
-    stride, offset = pair_strides(geometry.rotary_layout, pairs)
-    real = torch.arange(pairs) * stride
-    partner = torch.arange(geometry.head_dim)
-    partner[real], partner[real + offset] = real + offset, real
-    return partner

@@ -24,3 +24,11 @@ def split_pairs(x: torch.Tensor, layout: str, pairs: int) -> tuple[torch.Tensor,
     stride, offset = pair_strides(layout, pairs)
     return x[..., 0 : stride * pairs : stride], x[..., offset : offset + stride * pairs : stride]
 
+
+def pair_partner(layout: str, pairs: int, dim: int) -> torch.Tensor:
+    """int64 ``[dim]``: the other channel of each channel's rotary pair (a channel RoPE leaves alone is its own)."""
+    stride, offset = pair_strides(layout, pairs)
+    real = torch.arange(pairs) * stride
+    partner = torch.arange(dim)
+    partner[real], partner[real + offset] = real + offset, real
+    return partner

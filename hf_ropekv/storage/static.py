@@ -128,7 +128,7 @@ class StaticKV(PagedKV):
             return
         index = index.to(self.keys.device)
         if self.planes is self._arena and index.numel() == self.keys.shape[0]:
-            for plane in [*self._arena, *([] if self.balance is None else [self.balance])]:
+            for plane in self._arena if self.balance is None else [*self._arena, self.balance]:
                 plane.copy_(plane.index_select(0, index))
             if self.positions is not None:
                 self.positions = self.positions.index_select(0, index)
@@ -139,7 +139,6 @@ class StaticKV(PagedKV):
     def repeat_batch(self, repeats: int) -> None:
         super().repeat_batch(repeats)
         self._adopt_as_arena()
-
 
     def _give_back_arena(self) -> None:
         if self._arena is not None and self._lease is not None:
