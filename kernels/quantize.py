@@ -86,17 +86,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _quantize_into_kernel(
-        x_ptr, codes_ptr, scale_ptr, index_ptr,
+        x_ptr, codes_ptr, scale_ptr, index_ptr, balance_ptr,
         stride_xb, stride_xh, stride_xs,
+        stride_bb, stride_bh,
         stride_cb, stride_ch, stride_cs,
         stride_sb, stride_sh, stride_ss,
-        D: tl.constexpr, BLOCK_D: tl.constexpr,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BALANCE: tl.constexpr,
     ):
         # One program: one new token of one (row, head); its codes and scale go to arena slot index[token].
         i, h, b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
         offs = tl.arange(0, BLOCK_D)
         x = tl.load(x_ptr + b * stride_xb + h * stride_xh + i * stride_xs + offs, mask=offs < D, other=0.0)
         x = x.to(tl.float32)
+        if HAS_BALANCE:
+            x = tl.math.div_rn(x, tl.load(balance_ptr + b * stride_bb + h * stride_bh + offs, mask=offs < D, other=1.0))
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12 * 127.0) / 127.0
         y = tl.math.div_rn(x, scale)
         r = tl.floor(y + 0.5)
@@ -107,25 +110,30 @@ if HAS_TRITON:
         tl.store(scale_ptr + b * stride_sb + h * stride_sh + slot * stride_ss, scale)
 
 
-def quantize_into_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, index: torch.Tensor) -> None:
-    """Quantize ``x [B, H, q, D]`` (as :func:`quantize_kv`) straight into an arena: ``codes [B, H, C, D]`` int8 and
-    ``scale [B, H, C]`` (or ``[B, H, C, 1]``) float32 at slots ``index [q]``. One launch on CUDA (a recorded decoding
-    step would otherwise run a dozen small kernels per layer), :func:`quantize_into_reference_` elsewhere."""
+def quantize_into_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
+                   balance: torch.Tensor | None = None) -> None:
+    """Quantize ``x [B, H, q, D]`` (``x / balance`` with a float32 ``balance [B, H, 1, D]``; as :func:`quantize_kv`)
+    straight into an arena: ``codes [B, H, C, D]`` int8 and ``scale [B, H, C]`` (or ``[B, H, C, 1]``) float32 at
+    slots ``index [q]``. One launch on CUDA (a recorded decoding step would otherwise run a dozen small kernels per
+    layer), :func:`quantize_into_reference_` elsewhere."""
     scale = scale.view(scale.shape[:3])
-    if not (HAS_TRITON and x.is_cuda and x.stride(-1) == 1 and codes.stride(-1) == 1):
-        quantize_into_reference_(codes, scale, x, index)
+    contiguous = balance is None or balance.stride(-1) == 1
+    if not (HAS_TRITON and x.is_cuda and x.stride(-1) == 1 and codes.stride(-1) == 1 and contiguous):
+        quantize_into_reference_(codes, scale, x, index, balance)
         return
     B, H, q, D = x.shape
     _quantize_into_kernel[(q, H, B)](
-        x, codes, scale, index,
+        x, codes, scale, index, x if balance is None else balance,
         x.stride(0), x.stride(1), x.stride(2),
+        *((0, 0) if balance is None else (balance.stride(0), balance.stride(1))),
         codes.stride(0), codes.stride(1), codes.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
-        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+        D=D, BLOCK_D=triton.next_power_of_2(D), HAS_BALANCE=balance is not None, num_warps=1)
 
 
-def quantize_into_reference_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, index: torch.Tensor) -> None:
+def quantize_into_reference_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
+                             balance: torch.Tensor | None = None) -> None:
     """Plain-PyTorch twin of :func:`quantize_into_`."""
-    new_codes, new_scale = quantize_kv(x)
+    new_codes, new_scale = quantize_kv(x if balance is None else x.float() / balance)
     codes.index_copy_(2, index, new_codes)
     scale.view(scale.shape[:3]).index_copy_(2, index, new_scale)

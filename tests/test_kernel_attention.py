@@ -371,9 +371,11 @@ def test_gpu_torch_compile_fullgraph(fresh_dynamo):
     _assert_close(compiled(q, k, v, mask), step(q, k, v, mask), torch.bfloat16, "compiled vs eager")
 
 
+@pytest.mark.parametrize("balanced", [False, True], ids=["plain", "balanced"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_quantize_into_matches_quantize_kv_at_the_index(dtype, triton_interpreter, monkeypatch):
-    """The fused write of a static int8 arena gives quantize_kv's codes and scales, at exactly the given slots."""
+def test_quantize_into_matches_quantize_kv_at_the_index(dtype, balanced, triton_interpreter, monkeypatch):
+    """The fused write of a static int8 arena gives quantize_kv's codes and scales (of ``x / balance`` with a
+    balance), at exactly the given slots."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from hf_ropekv.kernels import quantize as kq
@@ -386,11 +388,13 @@ def test_quantize_into_matches_quantize_kv_at_the_index(dtype, triton_interprete
     index = torch.randperm(12, generator=gen)[:5]
     codes = torch.full((2, 3, 12, 80), 99, dtype=torch.int8)  # poison
     scale = torch.full((2, 3, 12, 1), float("nan"))
+    balance = torch.rand(2, 3, 1, 80, generator=gen) + 1e-3 if balanced else None
     B, H, q, D = x.shape
     flat = scale.view(2, 3, 12)
-    kq._quantize_into_kernel[(q, H, B)](x, codes, flat, index, *x.stride()[:3], *codes.stride()[:3], *flat.stride(),
-                                        D=D, BLOCK_D=128, num_warps=1)
-    want_codes, want_scale = quantize_kv(x)
+    kq._quantize_into_kernel[(q, H, B)](x, codes, flat, index, x if balance is None else balance, *x.stride()[:3],
+                                        *((0, 0) if balance is None else balance.stride()[:2]), *codes.stride()[:3],
+                                        *flat.stride(), D=D, BLOCK_D=128, HAS_BALANCE=balanced, num_warps=1)
+    want_codes, want_scale = quantize_kv(x if balance is None else x.float() / balance)
     assert torch.equal(codes[:, :, index], want_codes) and torch.equal(flat[:, :, index], want_scale)
     untouched = torch.ones(12, dtype=torch.bool)
     untouched[index] = False

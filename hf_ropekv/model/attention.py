@@ -55,7 +55,7 @@ def balanced_query(query: torch.Tensor, balance: torch.Tensor | None) -> torch.T
     if balance is None:
         return query
     batch, heads, dim = query.shape
-    grouped = query.float().reshape(batch, balance.shape[1], heads // balance.shape[1], dim) * balance
+    grouped = query.reshape(batch, balance.shape[1], heads // balance.shape[1], dim) * balance  # float32 product
     return grouped.reshape(batch, heads, dim).to(query.dtype)
 
 

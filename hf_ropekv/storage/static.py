@@ -100,8 +100,7 @@ class StaticKV(PagedKV):
             self.keys.index_copy_(2, self.write_index, key_states)
             self.values.index_copy_(2, self.write_index, value_states)
         else:  # codes and scales in one launch per tensor
-            keys = key_states if self.balance is None else self.balanced(key_states)
-            quantize_into_(self.planes[0], self.planes[2], keys, self.write_index)
+            quantize_into_(self.planes[0], self.planes[2], key_states, self.write_index, self.balance)
             quantize_into_(self.planes[1], self.planes[3], value_states, self.write_index)
         return self.keys, self.values  # marked for attention outside the step (see _mark), so it traces no setattr
 
