@@ -39,6 +39,7 @@ class AttachedCache(Protocol):
 
     def get_seq_length(self) -> int: ...
     def _expect_tokens(self, tokens: int | None) -> None: ...
+    def _forward_ends(self) -> None: ...
     def _forward_starts(self, attention_mask: torch.Tensor | None, new: int, batch: int,
                         device: torch.device) -> torch.Tensor | None: ...
     def _query_consumers(self) -> list[Any]: ...  # each with add(layer_idx, queries [B, S, H, D]) and end_forward()
@@ -167,11 +168,10 @@ class ModelAttachment(StepPreparer):
         self._collecting = False
 
     def _forward_ends(self) -> None:
-        """This cache's forward ended (raised or not): the next one must be announced again (a compiled step skips
-        the layers' check that consumes the announcement)."""
+        """This cache's forward ended (raised or not)."""
         cache = self._cache_ref()
         if cache is not None:
-            cache.coordinator.announced = False
+            cache._forward_ends()
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         if self._collecting:

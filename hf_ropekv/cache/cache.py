@@ -292,6 +292,13 @@ class RopeKVCache(Cache):
             self._queries.begin_forward(seen, new, pads, new_token_mask)
         return replaced
 
+    def _forward_ends(self) -> None:
+        """After every forward with this cache, raised or not: the next one must be announced again (a compiled step
+        skips the layers' check that consumes the announcement), and ``get_seq_length`` counts this one's tokens."""
+        self.coordinator.announced = False
+        if self._static_driver is not None:
+            self._static_driver.seen_before = None
+
     def _expect_tokens(self, tokens: int | None) -> None:
         """A generate() call holds at most ``tokens`` tokens per row (a static cache sizes its arenas for it)."""
         if self._static_driver is not None and tokens is not None:
@@ -328,8 +335,11 @@ class RopeKVCache(Cache):
         return driver.query_offset
 
     def get_seq_length(self, layer_idx: int = 0) -> Any:
-        if self._static_driver is not None and step_is_recorded():
-            return self._static_driver.clock_on_first_device()[1]  # a device scalar: see get_query_offset
+        driver = self._static_driver
+        if driver is not None and step_is_recorded():
+            return driver.clock_on_first_device()[1]  # a device scalar: see get_query_offset
+        if driver is not None and driver.seen_before is not None:
+            return driver.seen_before  # a forward is under way: the tokens before it, as a growing cache reports
         attachment = self._attachment
         if attachment is not None and attachment.detached:  # hf_ropekv.detach(model) took its hooks off
             attachment.check_attached()

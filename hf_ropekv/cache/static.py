@@ -32,9 +32,13 @@ class StaticForwardDriver:
         self.query_offset = 0  # slots in front of the running forward's first new token
         #: Tokens per row the running generate() call holds at most, when it said so: the arenas are sized for it.
         self.expected_tokens: int | None = None
+        #: Tokens seen before the forward now prepared or running (None between forwards): ``get_seq_length`` while
+        #: it runs, since the model derives the new tokens' positions from it and ``prepare`` counted them already.
+        self.seen_before: int | None = None
 
     def reset(self) -> None:
         self.query_offset = 0
+        self.seen_before = None
 
     def prepare(self, attention_mask: torch.Tensor | None, new: int, batch: int, device: torch.device,
                 model: nn.Module | None, online: Any) -> torch.Tensor:
@@ -47,7 +51,7 @@ class StaticForwardDriver:
         elif rows.pads is None or rows.pads.shape[0] != batch:
             rows.assume_no_padding(batch, device)
         if not layers:  # sliding-window layers only: the clock and the windows, nothing to plan or compact
-            seen = self.window_layers[0].get_seq_length()
+            seen = self.seen_before = self.window_layers[0].get_seq_length()
             if not self.window_layers[0].is_initialized:
                 self._initialize_layers(model, batch, 0)
             self.query_offset = seen
@@ -55,6 +59,7 @@ class StaticForwardDriver:
             mask = self._prepare_windows(attention_mask, seen, new, batch, device, 0)
             return mask if attention_mask is None else mask.to(attention_mask.dtype)
         first, seen = layers[0], layers[0].tokens_seen
+        self.seen_before = seen
         plan = coordinator.prologue(seen, new)
         needed = plan.slots_after + new
         for layer in layers:

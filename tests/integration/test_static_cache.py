@@ -127,6 +127,47 @@ def test_a_compaction_right_after_the_prompt_keeps_what_the_growing_cache_keeps(
     _same_kept(cache, reference)
 
 
+def _forward_without_positions(model, cache, ids) -> torch.Tensor:
+    """``model(input_ids=ids)`` with ``cache`` and nothing else: the model derives positions from the cache."""
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=True, **cache_kw(model, cache)).logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forwards_that_pass_no_positions_equal_dynamic_cache(arch: str) -> None:
+    """A prompt, then tokens one at a time, each a bare ``model(input_ids=...)`` call: the model takes the new
+    tokens' positions from ``get_seq_length()``, which must count the tokens before the forward, not with them
+    (once it counted them, every token was rotated one position too far, the prompt by its own length)."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
+    caches = {"dynamic": DynamicCache(config=model.config), "static": RopeKVCache(model, budget=200, static=True)}
+    logits = {name: [_forward_without_positions(model, cache, ids[:, :20])] for name, cache in caches.items()}
+    for step in range(20, 30):
+        for name, cache in caches.items():
+            logits[name].append(_forward_without_positions(model, cache, ids[:, step:step + 1]))
+    for expected, got in zip(logits["dynamic"], logits["static"]):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert caches["static"].get_seq_length() == 30 and not caches["static"].evicted
+
+
+def test_a_question_after_a_compacted_document_matches_the_growing_cache() -> None:
+    """A later turn: a document goes in by bare forwards (its last token alone, so the cache compacts), then
+    generate() gets the whole sequence and feeds the question the cache has not seen. The static cache keeps and
+    generates what the growing cache does."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(4))
+    document, options = 80, dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False)
+    tokens, caches = {}, {}
+    for static in (False, True):
+        cache = caches[static] = RopeKVCache(model, **options, static=static)
+        _forward_without_positions(model, cache, ids[:, :document - 1])
+        _forward_without_positions(model, cache, ids[:, document - 1:document])
+        assert cache.evicted
+        tokens[static] = generate(model, cache, ids, torch.ones_like(ids), new=16)
+    torch.testing.assert_close(tokens[True], tokens[False], atol=0, rtol=0)
+    _same_kept(caches[True], caches[False])
+
+
 @pytest.mark.parametrize("prefill_chunk", [None, 8])
 def test_arenas_exist_before_the_first_forward_and_stay(prefill_chunk: int | None) -> None:
     """Every arena is allocated before the first decoder layer runs (so a compiled or captured prefill never

@@ -86,7 +86,9 @@ def test_a_prepared_static_step_that_never_runs_does_not_block_another_thread() 
     dropped = RopeKVCache(model, **OPTIONS, static=True)
     inputs = model.prepare_inputs_for_generation(prompts[0], attention_mask=torch.ones_like(prompts[0]),
                                                  **{_compat.cache_kwarg(model): dropped})
-    assert dropped.tokens_seen == 12  # the step was prepared: the cache counts the prompt as arriving
+    # The step was prepared: the layers count the prompt as arriving, and until its forward ends the cache reports
+    # the tokens before it (the model places the new tokens from that).
+    assert dropped.layers[0].tokens_seen == 12 and dropped.get_seq_length() == 0
     del inputs
     result: list = []
     thread = threading.Thread(
