@@ -492,6 +492,28 @@ def test_the_default_cache_on_one_gpu_replays_graphs_of_the_eager_static_step(ar
 
 
 @pytest.mark.gpu
+def test_the_default_cache_on_one_gpu_takes_bare_forwards_and_a_later_question(deterministic_sdpa) -> None:
+    """On one CUDA device the default cache is static: bare ``model(...)`` forwards equal ``DynamicCache``'s with
+    nothing evicted, and a question generated after a document fed by bare forwards (compacted) gives the growing
+    cache's tokens."""
+    model = tiny_model("qwen3").cuda()
+    ids = torch.randint(3, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(4)).cuda()
+    dynamic, cache = DynamicCache(config=model.config), RopeKVCache(model, budget=200)
+    assert cache.static
+    for part in (ids[:, :60], ids[:, 60:61], ids[:, 61:62]):
+        torch.testing.assert_close(_forward_without_positions(model, cache, part),
+                                   _forward_without_positions(model, dynamic, part), atol=1e-4, rtol=1e-4)
+    tokens = {}
+    for static in ("auto", False):
+        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, protect_prompt=False, static=static)
+        _forward_without_positions(model, cache, ids[:, :79])
+        _forward_without_positions(model, cache, ids[:, 79:80])
+        assert cache.evicted
+        tokens[static] = generate(model, cache, ids, torch.ones_like(ids), new=16)
+    torch.testing.assert_close(tokens["auto"], tokens[False], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.compile
 def test_where_graphs_cannot_hold_the_model_generate_compiles_the_step(monkeypatch, fresh_dynamo,
                                                                       deterministic_sdpa) -> None:
