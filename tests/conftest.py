@@ -203,20 +203,26 @@ def generate_with_logits(model, cache, ids, mask, **kwargs):
                           output_logits=True, **kwargs)
 
 
-def hand_written_loop(model, cache, forward, ids, mask, steps: int) -> torch.Tensor:
+def hand_written_loop(model, cache, forward, ids, mask, steps: int, positions: bool = True) -> torch.Tensor:
     """Greedy tokens from calling ``forward`` step by step with ``cache`` (a left-padded prompt, then one token per
-    call), as a user's own decoding loop does."""
+    call), as a user's own decoding loop does; ``positions=False``: no ``position_ids``, the model derives them from
+    the cache's ``get_seq_length()``."""
     attention = mask.clone()
-    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    position_ids = (attention.cumsum(-1) - 1).clamp_min(0)
     kw = cache_kw(model, cache)
-    logits = forward(input_ids=ids, attention_mask=attention, position_ids=positions, **kw).logits
+
+    def step(input_ids: torch.Tensor) -> torch.Tensor:
+        given = {"position_ids": position_ids} if positions else {}
+        return forward(input_ids=input_ids, attention_mask=attention, **given, **kw).logits
+
+    logits = step(ids)
     tokens = []
     for _ in range(steps):
         token = logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
         attention = torch.cat([attention, torch.ones_like(token)], dim=1)
-        positions = positions[:, -1:] + 1
-        logits = forward(input_ids=token, attention_mask=attention, position_ids=positions, **kw).logits
+        position_ids = position_ids[:, -1:] + 1
+        logits = step(token)
     return torch.cat(tokens, dim=1)
 
 

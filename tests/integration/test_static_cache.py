@@ -239,21 +239,23 @@ FORWARD_COMPILED = "model.forward = torch.compile(model.forward)"
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize(("arch", "pattern", "steps", "compactions"), [
-    ("llama", FORWARD_COMPILED, 30, 5),
-    ("llama", "torch.compile(model)", 30, 5),
-    ("qwen2_sliding", FORWARD_COMPILED, 24, 4),  # a hybrid model: its sliding-window layers are static too
+@pytest.mark.parametrize(("arch", "pattern", "steps", "compactions", "positions"), [
+    ("llama", FORWARD_COMPILED, 30, 5, True),
+    ("llama", FORWARD_COMPILED, 30, 5, False),  # position_ids left to the model: from get_seq_length()
+    ("llama", "torch.compile(model)", 30, 5, True),
+    ("qwen2_sliding", FORWARD_COMPILED, 24, 4, True),  # a hybrid model: its sliding-window layers are static too
+    ("qwen2_sliding", FORWARD_COMPILED, 24, 4, False),
 ])
 def test_compiled_forward_in_a_hand_written_loop(arch: str, pattern: str, steps: int, compactions: int,
-                                                 fresh_dynamo) -> None:
+                                                 positions: bool, fresh_dynamo) -> None:
     """transformers' documented pattern, model.forward = torch.compile(model.forward), and the whole module
-    compiled, called step by step: the model's hooks prepare each forward eagerly in both; at most the prompt's
-    graph and the decode step's, the growing cache's tokens."""
+    compiled, called step by step, with position_ids or without: the model's hooks prepare each forward eagerly in
+    both; at most the prompt's graph and the decode step's, the growing cache's tokens."""
     model = tiny_model(arch)
     ids, mask = padded_batch(model.config.vocab_size, lengths=(9, 5))
 
     def loop(cache, forward) -> torch.Tensor:
-        return hand_written_loop(model, cache, forward, ids, mask, steps=steps)
+        return hand_written_loop(model, cache, forward, ids, mask, steps=steps, positions=positions)
 
     with torch.no_grad():
         expected = loop(RopeKVCache(model, budget=BUDGET, compress_every=EVERY), model)
