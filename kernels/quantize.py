@@ -29,17 +29,20 @@ if hasattr(torch, "float8_e4m3fn"):
 _MIN_SCALE = 1e-12
 
 
-def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` [B, H, S, D] (fp16/bf16/fp32) to ``dtype`` with one scale per (row, head, token).
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.int8,
+                balance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` [B, H, S, D] (fp16/bf16/fp32; divided by ``balance [B, H, 1, D]`` in float32 when given) to
+    ``dtype`` with one scale per (row, head, token).
 
-    Returns ``(q [B, H, S, D] of dtype, scale float32 [B, H, S])`` with ``x ~ q * scale[..., None]``.
+    Returns ``(q [B, H, S, D] of dtype, scale float32 [B, H, S])`` with ``x ~ q * scale[..., None]`` (times
+    ``balance``: :func:`dequantize_kv` with the same ``balance``).
     """
     if dtype not in QUANT_DTYPES:
         raise ValueError(f"dtype must be one of {list(QUANT_DTYPES)}, got {dtype}")
     if not x.is_floating_point() or x.dim() != 4:
         raise ValueError(f"x must be a floating [B, H, S, D] tensor, got {x.dtype} of shape {tuple(x.shape)}")
     qmax = QUANT_DTYPES[dtype]
-    xf = x.float()
+    xf = x.float() if balance is None else x.float() / balance
     scale = (xf.abs().amax(dim=-1) / qmax).clamp_min(_MIN_SCALE)
     y = xf / scale[..., None]
     if dtype == torch.int8:
@@ -134,6 +137,6 @@ def quantize_into_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, in
 def quantize_into_reference_(codes: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
                              balance: torch.Tensor | None = None) -> None:
     """Plain-PyTorch twin of :func:`quantize_into_`."""
-    new_codes, new_scale = quantize_kv(x if balance is None else x.float() / balance)
+    new_codes, new_scale = quantize_kv(x, balance=balance)
     codes.index_copy_(2, index, new_codes)
     scale.view(scale.shape[:3]).index_copy_(2, index, new_scale)

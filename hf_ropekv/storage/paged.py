@@ -86,15 +86,11 @@ class PagedKV:
             partner = None
         self.balance = channel_balance(key_states, real_from, partner)
 
-    def balanced(self, key_states: torch.Tensor) -> torch.Tensor:
-        """Keys as the int8 planes hold them: divided by the channel balance (float32; :meth:`balance_keys` first)."""
-        return key_states.float() / self.balance
-
     def encode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[torch.Tensor]:
         """New tokens as planes: keys and values, or their int8 codes and ``[B, H, q, 1]`` scales."""
         if self.bits is None:
             return [key_states, value_states]
-        key_codes, key_scale = quantize_kv(key_states if self.balance is None else self.balanced(key_states))
+        key_codes, key_scale = quantize_kv(key_states, balance=self.balance)
         value_codes, value_scale = quantize_kv(value_states)
         return [key_codes, value_codes, key_scale.unsqueeze(-1), value_scale.unsqueeze(-1)]
 
