@@ -150,22 +150,27 @@ def test_forwards_that_pass_no_positions_equal_dynamic_cache(arch: str) -> None:
     assert caches["static"].get_seq_length() == 30 and not caches["static"].evicted
 
 
+def _question_after_document(model, ids, static) -> tuple[torch.Tensor, RopeKVCache]:
+    """A later turn: all but the last 10 tokens of ``ids`` (a document) go in by bare forwards, its last token alone,
+    so the cache compacts; then generate() gets the whole sequence and feeds the question the cache has not seen.
+    Returns 16 new tokens and the cache."""
+    cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, protect_prompt=False, static=static)
+    document = ids.shape[1] - 10
+    _forward_without_positions(model, cache, ids[:, :document - 1])
+    _forward_without_positions(model, cache, ids[:, document - 1:document])
+    assert cache.evicted
+    return generate(model, cache, ids, torch.ones_like(ids), new=16), cache
+
+
 def test_a_question_after_a_compacted_document_matches_the_growing_cache() -> None:
-    """A later turn: a document goes in by bare forwards (its last token alone, so the cache compacts), then
-    generate() gets the whole sequence and feeds the question the cache has not seen. The static cache keeps and
-    generates what the growing cache does."""
+    """A question after a document fed by bare forwards: the static cache keeps and generates what the growing
+    cache does."""
     model = tiny_model("qwen3")
     ids = torch.randint(3, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(4))
-    document, options = 80, dict(budget=BUDGET, compress_every=EVERY, protect_prompt=False)
-    tokens, caches = {}, {}
-    for static in (False, True):
-        cache = caches[static] = RopeKVCache(model, **options, static=static)
-        _forward_without_positions(model, cache, ids[:, :document - 1])
-        _forward_without_positions(model, cache, ids[:, document - 1:document])
-        assert cache.evicted
-        tokens[static] = generate(model, cache, ids, torch.ones_like(ids), new=16)
-    torch.testing.assert_close(tokens[True], tokens[False], atol=0, rtol=0)
-    _same_kept(caches[True], caches[False])
+    static_tokens, static = _question_after_document(model, ids, True)
+    growing_tokens, growing = _question_after_document(model, ids, False)
+    torch.testing.assert_close(static_tokens, growing_tokens, atol=0, rtol=0)
+    _same_kept(static, growing)
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 8])
@@ -505,14 +510,9 @@ def test_the_default_cache_on_one_gpu_takes_bare_forwards_and_a_later_question(d
     for part in (ids[:, :60], ids[:, 60:61], ids[:, 61:62]):
         torch.testing.assert_close(_forward_without_positions(model, cache, part),
                                    _forward_without_positions(model, dynamic, part), atol=1e-4, rtol=1e-4)
-    tokens = {}
-    for static in ("auto", False):
-        cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, protect_prompt=False, static=static)
-        _forward_without_positions(model, cache, ids[:, :79])
-        _forward_without_positions(model, cache, ids[:, 79:80])
-        assert cache.evicted
-        tokens[static] = generate(model, cache, ids, torch.ones_like(ids), new=16)
-    torch.testing.assert_close(tokens["auto"], tokens[False], atol=0, rtol=0)
+    graphed, _ = _question_after_document(model, ids, "auto")
+    growing, _ = _question_after_document(model, ids, False)
+    torch.testing.assert_close(graphed, growing, atol=0, rtol=0)
 
 
 @pytest.mark.gpu
