@@ -20,6 +20,7 @@ from common import import_hf_ropekv
 
 hf_ropekv = import_hf_ropekv()
 from hf_ropekv import scorers  # noqa: E402  (after the checkout import above)
+from vote_candidates import CANDIDATES  # noqa: E402
 
 FULL = "full"
 
@@ -36,6 +37,7 @@ POLICIES: dict[str, Callable[[], dict[str, Any]]] = {
     "rkv": lambda: {"scorer": scorers.RKVScorer()},
     "keynorm": lambda: {"scorer": scorers.KeyNormScorer()},
 }
+POLICIES.update(CANDIDATES)  # screened prompt votes (vote_candidates.py), not library options
 NAMES = (FULL, *POLICIES)
 
 

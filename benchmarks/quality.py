@@ -222,6 +222,7 @@ def run_retrieval(m: Matrix, name: str, model: torch.nn.Module, tokenizer: Any) 
     stop_ids = common.stop_token_ids(tokenizer, model)
 
     def cell(policy: str, length: int, ratio: int | None, setting: str) -> dict[str, Any]:
+        label = setting if a.split == "report" else f"{setting}, {a.split}"  # tune rows never merge with report rows
         size = f"{length // 1024}K" if length % 1024 == 0 else str(length)
         param = size + ("" if ratio is None else f"/{ratio}x")
         budget = None if ratio is None else length // ratio
@@ -232,9 +233,9 @@ def run_retrieval(m: Matrix, name: str, model: torch.nn.Module, tokenizer: Any) 
                 outputs[h.seed] = tokenizer.decode(tokens, skip_special_tokens=True)
         haystacks = [h for batch in batches[length] for h in batch]
         hits = {h.seed: retrieval.found(outputs[h.seed], h.key) for h in haystacks}
-        m.raw([{"task": "retrieval", "model": name, "policy": policy, "param": param, "setting": setting,
+        m.raw([{"task": "retrieval", "model": name, "policy": policy, "param": param, "setting": label,
                 "seed": h.seed, "key": h.key, "output": outputs[h.seed], "correct": hits[h.seed]} for h in haystacks])
-        return row("retrieval", name, policy, param, setting, sum(hits.values()) / len(hits), len(hits),
+        return row("retrieval", name, policy, param, label, sum(hits.values()) / len(hits), len(hits),
                    correct=sum(hits.values()), length=length, ratio=ratio, budget=budget,
                    correct_by_kind=counts_by(haystacks, hits, "kind"),
                    correct_by_needles=counts_by(haystacks, hits, "needles"))

@@ -184,7 +184,7 @@ def quality_summary(rows: list[dict[str, Any]]) -> str:
     first column."""
     table: dict[tuple, dict[str, dict[str, str]]] = {}
     for r in finalize_rows(rows):
-        if r["policy"] == "default" and r.get("vs_full") is not None and r["setting"] != "tune":
+        if r["policy"] == "default" and r.get("vs_full") is not None and r["setting"].split(", ")[-1] != "tune":
             group = (r["task"], f"{r['setting']}, {r['device']}" if r.get("device") else r["setting"])
             table.setdefault(group, {}).setdefault(r["model"], {})[r["param"]] = _vs_full(r["task"], r["vs_full"])
     if not table:

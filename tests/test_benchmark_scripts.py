@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCH) not in sys.path:
@@ -151,6 +152,28 @@ def test_haystacks_are_deterministic_sized_and_hold_their_key() -> None:
     assert retrieval.found("The code is 4718265.", "4718265")
     assert not retrieval.found("The code is 47182651.", "4718265")
     assert not retrieval.found("lanterns", "lantern") and retrieval.found("lantern", "lantern")
+
+
+
+def test_the_plain_vote_candidate_is_the_default_and_the_ratio_vote_keeps_other_slots() -> None:
+    """``vote_candidates.py`` rewrites the default's prompt vote to vary it: written plainly it must keep the very
+    slots the library's keeps (else a screen compares against something else), and the ratio vote must differ."""
+    import policies
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(7))
+
+    def kept(policy: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        cache = policies.make_cache(model, 64, policy, protect_prompt=False)
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+            logits = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        return [cache.kept_positions(i) for i in range(model.config.num_hidden_layers)], logits
+
+    default, plain, ratio = kept("default"), kept("v_plain"), kept("v_ratio")
+    assert all(torch.equal(a, b) for a, b in zip(default[0], plain[0])) and torch.equal(default[1], plain[1])
+    assert not all(torch.equal(a, b) for a, b in zip(default[0], ratio[0]))
 
 
 # ---------------------------------------------------------------------------------------------- programs
