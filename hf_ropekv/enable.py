@@ -288,7 +288,8 @@ def _prepare_cache_call(original: Callable[..., Any], args: tuple, kwargs: dict)
     generation_config, model_kwargs = bound.get("generation_config"), bound.get("model_kwargs")
     if generation_config is None or not isinstance(model_kwargs, dict):
         warn("hf_ropekv.enable: this transformers version calls `_prepare_cache_for_generation` in an unknown way; "
-             "generate() uses transformers' own cache. Pass past_key_values=RopeKVCache(model, ...) explicitly.")
+             "generate() uses transformers' own cache. Pass RopeKVCache(model, ...) to generate() explicitly "
+             "(`cache=` from transformers 5.24 on, `past_key_values=` before).")
         return None
     mode = bound.get("generation_mode")
     return generation_config, model_kwargs, getattr(mode, "value", mode), bound.get("batch_size")

@@ -86,6 +86,24 @@ def window_mask(
     return _additive(allowed.expand(-1, kv_heads, -1, -1), query_pos, columns, group, dtype)
 
 
+def kv_head_count(config) -> int:
+    """KV heads per layer, under each family's own name (GPT-NeoX and Persimmon have one per query head)."""
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1  # Falcon's old multi-query layout
+    for name in ("num_key_value_heads", "num_kv_heads"):
+        if getattr(config, name, None):
+            return getattr(config, name)
+    return config.num_attention_heads
+
+
+def decoder_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's attention module (``self_attn``; Falcon ``self_attention``; GPT-NeoX ``attention``)."""
+    decoder = model.get_decoder()
+    layers = decoder.layers if hasattr(decoder, "layers") else decoder.h
+    names = ("self_attn", "self_attention", "attention")
+    return [next(getattr(layer, n) for n in names if hasattr(layer, n)) for layer in layers]
+
+
 def reference_masks(model: nn.Module, cache, mask2d: torch.Tensor, new: int, layers_alike: bool) -> list[torch.Tensor]:
     """One additive 4-D mask per decoder layer for the forward that just ran on ``cache``.
 
@@ -93,7 +111,7 @@ def reference_masks(model: nn.Module, cache, mask2d: torch.Tensor, new: int, lay
     after checking every full layer holds the same). Sliding layers: their window.
     """
     config = model.config
-    kv_heads = config.num_key_value_heads
+    kv_heads = kv_head_count(config)
     group = config.num_attention_heads // kv_heads
     types = layer_types(model)
     full = [i for i, kind in enumerate(types) if kind == FULL]
@@ -117,7 +135,7 @@ def attention_masks(model: nn.Module, masks: list[torch.Tensor]) -> Iterator[lis
 
     Yields a list of per-layer call counts, so the caller can check every mask was really used.
     """
-    layers = model.get_decoder().layers
+    layers = decoder_attention_modules(model)
     if len(layers) != len(masks):
         raise ValueError(f"{len(masks)} masks for {len(layers)} decoder layers")
     calls = [0] * len(layers)
@@ -134,7 +152,7 @@ def attention_masks(model: nn.Module, masks: list[torch.Tensor]) -> Iterator[lis
 
     try:
         for i, layer in enumerate(layers):
-            handles.append(layer.self_attn.register_forward_pre_hook(hook_for(i), with_kwargs=True))
+            handles.append(layer.register_forward_pre_hook(hook_for(i), with_kwargs=True))
         yield calls
     finally:
         for handle in handles:

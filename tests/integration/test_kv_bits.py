@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import cache_kw, padded_batch, tiny_model
+from conftest import FAMILIES, FAMILY_NAMES, cache_kw, family_model, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache, enable
 from hf_ropekv.enable import is_enabled
 from hf_ropekv.kernels.quantize import channel_balance
@@ -33,12 +33,23 @@ def round_trip(x: torch.Tensor, balance: torch.Tensor | None = None) -> torch.Te
     return (y if balance is None else y * balance).to(x.dtype)
 
 
-def balance_by_definition(keys: torch.Tensor, pads: list[int]) -> torch.Tensor:
-    """Each channel's largest |key| over row b's tokens from ``pads[b]`` on, rotate-half pairs tied, over the head's
-    largest, floored at 1e-3."""
+def rotary_partner(layout: str, rotary_dim: int, head_dim: int) -> torch.Tensor:
+    """The other channel of each channel's rotary pair: ``i`` and ``i + rotary_dim / 2`` (rotate-half) or ``2i`` and
+    ``2i + 1`` (interleaved), for the first ``rotary_dim`` channels; the channels RoPE leaves alone are their own."""
+    partner = list(range(head_dim))
+    for i in range(rotary_dim // 2):
+        a, b = (i, i + rotary_dim // 2) if layout == "rotate_half" else (2 * i, 2 * i + 1)
+        partner[a], partner[b] = b, a
+    return torch.tensor(partner)
+
+
+def balance_by_definition(keys: torch.Tensor, pads: list[int], partner: torch.Tensor | None = None) -> torch.Tensor:
+    """Each channel's largest |key| over row b's tokens from ``pads[b]`` on, the two channels of a rotary pair tied
+    (``partner``; default: rotate-half over the whole head), over the head's largest, floored at 1e-3."""
     largest = torch.stack([keys[b, :, pad:].float().abs().amax(dim=1) for b, pad in enumerate(pads)])[:, :, None]
-    half = keys.shape[-1] // 2
-    largest = torch.maximum(largest, torch.cat([largest[..., half:], largest[..., :half]], dim=-1))
+    if partner is None:
+        partner = rotary_partner("rotate_half", keys.shape[-1], keys.shape[-1])
+    largest = torch.maximum(largest, largest[..., partner])
     return (largest / largest.amax(dim=-1, keepdim=True)).clamp_min(1e-3)
 
 
@@ -46,16 +57,17 @@ class Int8FullLayers(DynamicCache):
     """A full cache whose full-attention layers hold int8-round-tripped keys (balanced from the first update, the
     rows' left padding ``(mask == 0).sum(-1)`` left out) and values."""
 
-    def __init__(self, model, mask: torch.Tensor) -> None:
+    def __init__(self, model, mask: torch.Tensor, partner: torch.Tensor | None = None) -> None:
         super().__init__()  # no config: every layer keeps every token (the masks do the rest)
         self.full = {i for i, kind in enumerate(layer_types(model)) if kind == FULL}
         self.pads = (mask == 0).sum(-1).tolist()
+        self.partner = partner
         self.balance: dict[int, torch.Tensor] = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx in self.full:
             if layer_idx not in self.balance:
-                self.balance[layer_idx] = balance_by_definition(key_states, self.pads)
+                self.balance[layer_idx] = balance_by_definition(key_states, self.pads, self.partner)
             key_states = round_trip(key_states, self.balance[layer_idx])
             value_states = round_trip(value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -100,6 +112,30 @@ def test_eviction_matches_the_masked_int8_reference(arch: str, static: bool) -> 
     cache = RopeKVCache(model, budget=16, compress_every=4, kv_bits=8, static=static)
     max_kept = run_and_compare(model, cache, [ids], mask, decode_steps=30, reference=Int8FullLayers(model, mask))
     assert cache.num_compactions >= 5 and cache.evicted and max_kept <= 16 + 4
+
+
+def keys_head_dim(model) -> int:
+    config = model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_every_rope_family_evicts_through_int8(name: str, static: bool) -> None:
+    """Every RoPE family of ``conftest.FAMILIES`` (fused QKV, partial rotary, interleaved pairs, sinks, ...) attends
+    to exactly the int8 tokens it kept; the families that run on eager attention only get the clear error."""
+    model = family_model(name)
+    if model.config._attn_implementation != "sdpa":
+        with pytest.raises(ValueError, match="kv_bits=8 needs a model on sdpa attention"):
+            RopeKVCache(model, budget=16, kv_bits=8, static=static)
+        return
+    _, _, layout, rotary_dim = FAMILIES[name]
+    ids, mask = padded_batch(model.config.vocab_size)
+    partner = rotary_partner(layout, rotary_dim, keys_head_dim(model))
+    cache = RopeKVCache(model, budget=16, compress_every=4, kv_bits=8, static=static)
+    max_kept = run_and_compare(model, cache, [ids], mask, decode_steps=20,
+                               reference=Int8FullLayers(model, mask, partner))
+    assert cache.num_compactions >= 2 and cache.evicted and max_kept <= 16 + 4
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
