@@ -98,7 +98,11 @@ def check_kv_bits(kv_bits: int | None, model_or_config: Any) -> None:
         raise ValueError("kv_bits=8 needs the model, not its config: RopeKVCache(model, budget=..., kv_bits=8). The "
                          "cache switches the model's attention to one that reads int8 keys and values.")
     implementation = getattr(getattr(model_or_config, "config", None), "_attn_implementation", None)
-    if implementation not in ("sdpa", GROUPED_SDPA) or not dispatches_by_name(model_or_config):
+    if implementation not in ("sdpa", GROUPED_SDPA):
         raise ValueError("kv_bits=8 needs a model on sdpa attention that transformers dispatches by name; this "
                          f"{type(model_or_config).__name__} uses {implementation!r}. Load it with "
                          "attn_implementation='sdpa', or use kv_bits=None.")
+    if not dispatches_by_name(model_or_config):
+        raise ValueError(f"kv_bits=8 needs attention that transformers looks up by name; this transformers version's "
+                         f"{type(model_or_config).__name__} calls sdpa itself, so its attention cannot read int8 keys "
+                         "and values. Use kv_bits=None, or a transformers version where the model dispatches by name.")
