@@ -259,6 +259,13 @@ def memory_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def precision_table(result: dict[str, Any]) -> str:
+    """Each storage's mean NLL and its perplexity against unquantized storage."""
+    lines = ["| storage | mean NLL | perplexity against unquantized |", "|---|---|---|"]
+    lines += [f"| {r['storage']} | {r['mean_nll']:.4f} | {r['perplexity_vs_unquantized']:.4f}x |" for r in result["rows"]]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- blocks
 def load_results(folder: Path = RESULTS) -> list[dict[str, Any]]:
     """Every result file of ``folder`` (top level only), each with its file name as ``file``."""
@@ -360,6 +367,7 @@ BLOCKS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "speed_summary": lambda results: _speed(results, speed_summary, _brief_source),
     "speed_int8": lambda results: _single(results, "speed_int8", speed_table),
     "memory": lambda results: _single(results, "memory", memory_table),
+    "kv_precision": lambda results: _single(results, "kv_precision", precision_table),
     "runs": runs_table,
 }
 # A marker is a line of its own: the same text inside prose (`<!-- generated:NAME -->` in backquotes) is no block.

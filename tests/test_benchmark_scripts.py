@@ -109,6 +109,18 @@ def test_memory_dry_run_bounds_the_budgeted_cache(tmp_path: Path) -> None:
     assert rows[("ropekv", last)]["cache_bytes"] < rows[("dynamic", last)]["cache_bytes"]
 
 
+
+def test_kv_precision_dry_run_measures_every_storage_against_unquantized(tmp_path: Path) -> None:
+    import kv_precision
+
+    out = tmp_path / "p.json"
+    assert kv_precision.main(["--dry-run", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["storage"]: r for r in result["rows"]}
+    assert RUN_KEYS <= result.keys() and list(rows) == list(kv_precision.STORAGES)
+    assert rows["unquantized"]["perplexity_vs_unquantized"] == 1.0
+    assert len({r["mean_nll"] for r in result["rows"]}) > 1  # the quantizers did touch the keys and values
+
 # ---------------------------------------------------------------------------------------------- GSM8K
 @pytest.mark.parametrize("text, expected", [
     ("so 3 + 4 = 7.\nThe answer is 7", "7"),
