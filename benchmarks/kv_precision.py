@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 import torch
 from transformers import DynamicCache
