@@ -262,7 +262,8 @@ def memory_table(result: dict[str, Any]) -> str:
 def precision_table(result: dict[str, Any]) -> str:
     """Each storage's mean NLL and its perplexity against unquantized storage."""
     lines = ["| storage | mean NLL | perplexity against unquantized |", "|---|---|---|"]
-    lines += [f"| {r['storage']} | {r['mean_nll']:.4f} | {r['perplexity_vs_unquantized']:.4f}x |" for r in result["rows"]]
+    lines += [f"| {r['storage']} | {r['mean_nll']:.4f} | {r['perplexity_vs_unquantized']:.4f}x |"
+              for r in result["rows"]]
     return "\n".join(lines)
 
 
