@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from conftest import cache_kw
+from conftest import attention_modules, cache_kw
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -96,14 +96,6 @@ def kv_head_count(config) -> int:
     return config.num_attention_heads
 
 
-def decoder_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Each decoder layer's attention module (``self_attn``; Falcon ``self_attention``; GPT-NeoX ``attention``)."""
-    decoder = model.get_decoder()
-    layers = decoder.layers if hasattr(decoder, "layers") else decoder.h
-    names = ("self_attn", "self_attention", "attention")
-    return [next(getattr(layer, n) for n in names if hasattr(layer, n)) for layer in layers]
-
-
 def reference_masks(model: nn.Module, cache, mask2d: torch.Tensor, new: int, layers_alike: bool) -> list[torch.Tensor]:
     """One additive 4-D mask per decoder layer for the forward that just ran on ``cache``.
 
@@ -135,7 +127,7 @@ def attention_masks(model: nn.Module, masks: list[torch.Tensor]) -> Iterator[lis
 
     Yields a list of per-layer call counts, so the caller can check every mask was really used.
     """
-    layers = decoder_attention_modules(model)
+    layers = attention_modules(model)
     if len(layers) != len(masks):
         raise ValueError(f"{len(masks)} masks for {len(layers)} decoder layers")
     calls = [0] * len(layers)

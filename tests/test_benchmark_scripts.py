@@ -109,7 +109,6 @@ def test_memory_dry_run_bounds_the_budgeted_cache(tmp_path: Path) -> None:
     assert rows[("ropekv", last)]["cache_bytes"] < rows[("dynamic", last)]["cache_bytes"]
 
 
-
 def test_kv_precision_dry_run_measures_every_storage_against_unquantized(tmp_path: Path) -> None:
     import kv_precision
 
@@ -120,6 +119,7 @@ def test_kv_precision_dry_run_measures_every_storage_against_unquantized(tmp_pat
     assert RUN_KEYS <= result.keys() and list(rows) == list(kv_precision.STORAGES)
     assert rows["unquantized"]["perplexity_vs_unquantized"] == 1.0
     assert len({r["mean_nll"] for r in result["rows"]}) > 1  # the quantizers did touch the keys and values
+
 
 # ---------------------------------------------------------------------------------------------- GSM8K
 @pytest.mark.parametrize("text, expected", [
@@ -166,12 +166,11 @@ def test_haystacks_are_deterministic_sized_and_hold_their_key() -> None:
     assert not retrieval.found("lanterns", "lantern") and retrieval.found("lantern", "lantern")
 
 
-
 def test_the_plain_vote_candidate_is_the_default_and_the_ratio_vote_keeps_other_slots() -> None:
     """``vote_candidates.py`` rewrites the default's prompt vote to vary it: written plainly it must keep the very
     slots the library's keeps (else a screen compares against something else), and the ratio vote must differ."""
     import policies
-    from conftest import tiny_model
+    from conftest import cache_kw, tiny_model
 
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(7))
@@ -179,8 +178,8 @@ def test_the_plain_vote_candidate_is_the_default_and_the_ratio_vote_keeps_other_
     def kept(policy: str) -> tuple[list[torch.Tensor], torch.Tensor]:
         cache = policies.make_cache(model, 64, policy, protect_prompt=False)
         with torch.no_grad():
-            model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
-            logits = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+            model(input_ids=ids[:, :-1], use_cache=True, **cache_kw(model, cache))
+            logits = model(input_ids=ids[:, -1:], use_cache=True, **cache_kw(model, cache)).logits
         return [cache.kept_positions(i) for i in range(model.config.num_hidden_layers)], logits
 
     default, plain, ratio = kept("default"), kept("v_plain"), kept("v_ratio")

@@ -19,11 +19,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import FAMILIES, FAMILY_NAMES, cache_kw, family_model, padded_batch, tiny_model
+from conftest import FAMILIES, FAMILY_NAMES, attention_modules, cache_kw, family_model, padded_batch, tiny_model
 from hf_ropekv import RopeKVCache, enable
 from hf_ropekv.enable import is_enabled
 from hf_ropekv.kernels.quantize import channel_balance
-from reference import FULL, decoder_attention_modules, layer_types, run_and_compare
+from reference import FULL, layer_types, run_and_compare
 
 
 def round_trip(x: torch.Tensor, balance: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,7 +132,7 @@ def test_every_rope_family_evicts_through_int8(name: str, static: bool) -> None:
         with pytest.raises(ValueError, match="kv_bits=8 needs a model on sdpa attention"):
             RopeKVCache(model, budget=16, kv_bits=8, static=static)
         return
-    attention_forward = type(decoder_attention_modules(model)[0]).forward
+    attention_forward = type(attention_modules(model)[0]).forward
     if "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(attention_forward):  # Falcon on transformers 5.17
         with pytest.raises(ValueError, match="kv_bits=8 needs attention that transformers looks up by name.*Falcon"):
             RopeKVCache(model, budget=16, kv_bits=8, static=static)
