@@ -56,17 +56,11 @@ class RoundTripCache(DynamicCache):
 
 
 def document_nll(model: torch.nn.Module, ids: torch.Tensor, cache: DynamicCache, context: int, chunk: int) -> float:
-    """Mean NLL of ``ids[context + 1:]`` (each chunk's first token is predicted by the previous chunk's last logit,
-    so it is left out), ``ids`` fed as ``context`` tokens and then ``chunk``-token forwards."""
-    kw = {common.cache_kwarg(model): cache, "use_cache": True}
-    nll = []
+    """Mean NLL of ``ids[context + 1:]``: the first ``context`` tokens go in as one forward, the rest in
+    ``chunk``-token forwards (``doc_ppl.chunked_nll``)."""
     with torch.no_grad():
-        model(input_ids=ids[:, :context], **kw)
-        for start in range(context, ids.shape[1], chunk):
-            logits = model(input_ids=ids[:, start:start + chunk], **kw).logits[0, :-1].float()
-            target = ids[0, start + 1:start + chunk]
-            nll.append(-torch.log_softmax(logits, -1).gather(-1, target[:, None]).squeeze(-1))
-    return torch.cat(nll).mean().item()
+        model(input_ids=ids[:, :context], use_cache=True, **{common.cache_kwarg(model): cache})
+        return doc_ppl.chunked_nll(model, ids[0, context:].tolist(), cache, chunk).mean().item()
 
 
 def main(argv: list[str] | None = None) -> int:
