@@ -13,7 +13,8 @@ A random-weight model of a published shape (Qwen3-8B by default, bf16 on CUDA; e
 ``--new-tokens`` tokens from random ids. A decode step is the gap between two successive logits on the host (the
 first decode step is left out; compaction steps count): p50 and p90; prefill = time to the first logits. One more
 run per cache goes under ``torch.profiler`` for ``--profile-steps`` steps: GPU time per step by kernel class
-(attention, matmul, other), GPU busy time, and host time = step wall - GPU busy (the GPU waiting for the host).
+(attention, matmul, other), GPU busy time, host time = step wall - GPU busy (the GPU waiting for the host), and
+the kernels that took the most GPU time, one by one (``top_kernels``: what remains of a step, kernel by kernel).
 
 ``--e2e``: a fresh process per cache (the order reversed every other round, ``--e2e-rounds``) runs one generation of
 ``--e2e-new-tokens`` tokens at ``--e2e-point``, timed from the cache's construction: time to first token and end to
@@ -75,6 +76,10 @@ def kernel_class(name: str) -> str:
     return "matmul" if any(k in lowered for k in MATMUL) else "other"
 
 
+#: Kernels per cache and point whose GPU time a result file lists one by one (the profile of what remains).
+TOP_KERNELS = 30
+
+
 class ProfilingClock(common.StepClock):
     """A step clock that runs ``torch.profiler`` over decode steps ``[start, start + steps)`` of one generate."""
 
@@ -99,22 +104,30 @@ class ProfilingClock(common.StepClock):
         return super().__call__(input_ids, scores)
 
     def summary(self) -> dict[str, Any]:
-        """Per step: GPU ms by kernel class, GPU busy ms (the union of kernel intervals), host ms (wall - busy)."""
+        """Per step: GPU ms by kernel class, GPU busy ms (the union of kernel intervals), host ms (wall - busy),
+        and the ``TOP_KERNELS`` kernels that took the most GPU time (name, class, launches and ms per step)."""
         wall = 1e3 * (self.window[1] - self.window[0]) / self.steps
         if self.device.type != "cuda":
-            return {"gpu_ms": None, "gpu_busy_ms": None, "host_ms": wall, "kernels_per_step": None}
+            return {"gpu_ms": None, "gpu_busy_ms": None, "host_ms": wall, "kernels_per_step": None, "top_kernels": []}
         intervals, by_class = [], {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+        by_name: dict[str, list[float]] = {}
         for event in self.profiler.events():
             if getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
-                intervals.append((event.time_range.start, event.time_range.end))
-                by_class[kernel_class(event.name)] += event.time_range.end - event.time_range.start
+                start, end = event.time_range.start, event.time_range.end
+                intervals.append((start, end))
+                by_class[kernel_class(event.name)] += end - start
+                named = by_name.setdefault(event.name[:120], [0, 0.0])
+                named[0], named[1] = named[0] + 1, named[1] + end - start
         busy, reached = 0.0, float("-inf")  # the union of the intervals: count only what passes the last end
         for start, end in sorted(intervals):
             busy += max(0.0, end - max(start, reached))
             reached = max(reached, end)
         busy_ms = busy / 1e3 / self.steps
+        top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
         return {"gpu_ms": {k: v / 1e3 / self.steps for k, v in by_class.items()}, "gpu_busy_ms": busy_ms,
-                "host_ms": max(0.0, wall - busy_ms), "kernels_per_step": len(intervals) / self.steps}
+                "host_ms": max(0.0, wall - busy_ms), "kernels_per_step": len(intervals) / self.steps,
+                "top_kernels": [{"name": name, "class": kernel_class(name), "per_step": count / self.steps,
+                                 "ms": total / 1e3 / self.steps} for name, (count, total) in top]}
 
 
 def measure_point(model: torch.nn.Module, batch: int, length: int, args: argparse.Namespace,
