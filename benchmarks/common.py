@@ -178,20 +178,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def markdown_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A Markdown table; ``None`` cells print empty, floats with 3 significant digits."""
-    def cell(value: Any) -> str:
-        if value is None:
-            return ""
-        if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-        return str(value)
-
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------------------------------- generate timing
 class StepClock:
     """A logits processor that stamps the host time each step's logits arrive, and changes nothing.

@@ -11,6 +11,7 @@ tokens fed in ``--chunk``-token forwards after a ``--context``-token prefix, on 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -18,6 +19,7 @@ from transformers import DynamicCache
 
 import common
 import doc_ppl
+import report
 
 hf_ropekv = common.import_hf_ropekv()
 from hf_ropekv.kernels.quantize import channel_balance, dequantize_kv, quantize_kv  # noqa: E402
@@ -94,13 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{doc['name']} {name}: NLL {nll[name][-1]:.5f}")
     base = sum(nll["unquantized"]) / len(docs)
     result["rows"] = [{"storage": name, "nll": values, "mean_nll": sum(values) / len(docs),
-                       "perplexity_vs_unquantized": float(torch.tensor(sum(values) / len(docs) - base).exp())}
+                       "perplexity_vs_unquantized": math.exp(sum(values) / len(docs) - base)}
                       for name, values in nll.items()]
     out = common.out_path("kv_precision", args.out, device)
     common.write_json(out, result)
-    print(common.markdown_table(["storage", "mean NLL", "perplexity vs unquantized"],
-                                [[r["storage"], f"{r['mean_nll']:.5f}", f"{r['perplexity_vs_unquantized']:.4f}x"]
-                                 for r in result["rows"]]))
+    print(report.precision_table(result))  # the table docs/quality.md generates from the result file
     log(f"wrote {out}")
     return 0
 
