@@ -1,3 +1,4 @@
+# ruff: noqa - a one-off device script (issue 46), kept with the branch it measures; not benchmark code
 """Issue 46 profile: warm prefill (dynamic vs ropekv), fresh-process first token breakdown, graphed step kernels."""
 import collections, cProfile, io, json, os, pstats, subprocess, sys, time
 t_start = time.perf_counter()
