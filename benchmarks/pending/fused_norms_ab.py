@@ -76,9 +76,7 @@ if "prefill" in SECTIONS:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
             r = gen(model, cache, prompt, 1)
         print(f"=== prefill profile {name}: first logits {r['first_logits_ms']:.1f} ms", flush=True)
-        if name == "ropekv":
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=55))
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=55))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))
 if "host" in SECTIONS:
     gen(model, cache_for("ropekv", model), prompt, 20)
     pr = cProfile.Profile(); c = cache_for("ropekv", model)
