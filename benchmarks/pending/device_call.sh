@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED=1
 T0=$SECONDS
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-deps --no-build-isolation --no-index . 2>&1 | tail -2
-timeout 120 python3 benchmarks/pending/fused_norms_ab.py main ab,prefill 2>&1 | grep -v Warning | tail -75
+COMMIT=$1 timeout 120 python3 benchmarks/pending/fused_norms_ab.py main ab,prefill 2>&1 | grep -v Warning | tail -75
 PYTEST_ADDOPTS="--durations=5" GPU_TIMEOUT=270 bash .ci/gpu "$1" 2>&1 | tail -14
 LEFT=$(( 575 - (SECONDS - T0) ))
 echo "speed.py gets ${LEFT}s"

@@ -57,11 +57,18 @@ if "ab" in SECTIONS:
         for f in ((True, False) if rnd % 2 else (False, True)):
             res[f].append(step_ms(f))
     print("STEP fused", [round(x, 3) for x in res[True]], "unfused", [round(x, 3) for x in res[False]], flush=True)
+    record = {"name": "fused_norms_ab", "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+              "commit": os.environ.get("COMMIT", "?"), "command": "python benchmarks/pending/fused_norms_ab.py main ab,prefill",
+              "settings": "Qwen3-8B shape, random bf16 weights, batch 1, 4096-token random prompt, RopeKVCache(model, 2048, protect_prompt=False), greedy generate of 150 tokens, step p50 over steps 20+, fused and eager norms alternated in one process, two rounds",
+              "step_p50_ms": {"kernel_norms": res[True], "eager_norms": res[False]}, "profiles": {}}
     for fused in (False, True):
         use_fused(fused)
         clock = speed.ProfilingClock(dev, 40, 8)
         gen(model, cache_for("ropekv", model), prompt, 60, clock=clock)
-        print("PROFILE fused" if fused else "PROFILE unfused", json.dumps(clock.summary()), flush=True)
+        print("PROFILE fused" if fused else "PROFILE unfused", json.dumps({k: v for k, v in clock.summary().items() if k != "top_kernels"}), flush=True)
+        record["profiles"]["kernel_norms" if fused else "eager_norms"] = clock.summary()
+        if os.environ.get("OUT"):
+            json.dump(record, open(os.path.join(os.environ["OUT"], "fused_norms_ab.json"), "w"), indent=1)
         if fused and "census" in SECTIONS:
             agg = collections.defaultdict(lambda: [0, 0.0])
             for e in clock.profiler.events():
