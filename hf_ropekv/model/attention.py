@@ -13,6 +13,7 @@ prefill chunk). :func:`ropekv_attention` is registered as ``"hf_ropekv_sdpa"`` (
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -121,10 +122,18 @@ def dispatches_by_name(model: nn.Module) -> bool:
     """Whether the model's attention looks its function up by name (``ALL_ATTENTION_FUNCTIONS``); Falcon on
     transformers 5.17 tests ``_attn_implementation == "sdpa"`` itself, and under another name runs eager attention."""
     try:
-        forward = type(find_attention_modules(model)[0]).forward
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(forward)
-    except (ValueError, OSError, TypeError):
+        attention = type(find_attention_modules(model)[0])
+    except ValueError:
         return False
+    if attention not in _DISPATCHES_BY_NAME:  # by class: reading the source costs milliseconds, at every attach
+        try:
+            _DISPATCHES_BY_NAME[attention] = "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(attention.forward)
+        except (OSError, TypeError):
+            _DISPATCHES_BY_NAME[attention] = False
+    return _DISPATCHES_BY_NAME[attention]
+
+
+_DISPATCHES_BY_NAME: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
 
 
 def restore_attention(model: nn.Module, previous: str | None) -> None:

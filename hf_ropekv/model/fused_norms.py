@@ -33,7 +33,17 @@ hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
 return self.weight * hidden_states.to(input_dtype)"""
 
 
+#: Verdicts by class: reading a forward's source costs milliseconds, and every cache attaches anew.
+_VERDICTS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
 def _computes_llama_rms_norm(cls: type) -> bool:
+    if cls not in _VERDICTS:
+        _VERDICTS[cls] = _reads_as_llama_rms_norm(cls)
+    return _VERDICTS[cls]
+
+
+def _reads_as_llama_rms_norm(cls: type) -> bool:
     try:
         lines = textwrap.dedent(inspect.getsource(cls.forward)).strip().splitlines()
     except (OSError, TypeError):
@@ -49,14 +59,10 @@ def runs_the_kernel(tensor: torch.Tensor) -> bool:
 
 def fusable_norms(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` whose class computes transformers' Llama RMSNorm over a row the kernel holds."""
-    verdicts: dict[type, bool] = {}
     found = []
     for module in model.modules():
-        cls = type(module)
-        if cls not in verdicts:
-            verdicts[cls] = _computes_llama_rms_norm(cls)
         weight = getattr(module, "weight", None)
-        if verdicts[cls] and isinstance(weight, torch.Tensor) and weight.dim() == 1 \
+        if _computes_llama_rms_norm(type(module)) and isinstance(weight, torch.Tensor) and weight.dim() == 1 \
                 and weight.numel() <= MAX_NORM_DIM and isinstance(getattr(module, "variance_epsilon", None), float):
             found.append(module)
     return found

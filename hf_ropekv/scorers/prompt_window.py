@@ -41,17 +41,28 @@ class PromptWindow:
     def add(self, layer_idx: int, queries: torch.Tensor) -> None:
         """One layer's pre-RoPE queries ``[B, S, H, D]`` (single-token forwards are ignored, also when recorded)."""
         if self._forward is not None and queries.shape[1] > 1:
-            index, rope = self._forward
-            q = queries[:, -index.shape[1]:].detach()
-            inv_freq = on_device(self._inv_freq, self.geometry.inv_freq, q.device)
-            rotated = rotate(q, rope.to(q.device), inv_freq, self.geometry.rotary_layout)
-            self._pending[layer_idx] = rotated.to(q.dtype).transpose(1, 2)
+            # A copy: a view would keep the layer's queries of the whole prompt alive until the forward ends.
+            self._pending[layer_idx] = queries[:, -self._forward[0].shape[1]:].detach().clone()
 
     def end_forward(self) -> None:
         """A multi-token forward replaces the window; a decoding step makes it stale."""
-        self._queries = self._pending
+        self._queries = self._rotated(self._pending) if self._forward is not None else {}
         self._positions = None if self._forward is None else self._forward[0]
         self._pending, self._forward = {}, None
+
+    def _rotated(self, pending: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every layer's window rotated to its positions, ``[B, H, w, D]``: one rotation for all layers of a shape
+        and device (a prefill's host issues a few launches, not a dozen per layer)."""
+        groups: dict[tuple, list[int]] = {}
+        for layer_idx, q in pending.items():
+            groups.setdefault((q.device, q.dtype, tuple(q.shape)), []).append(layer_idx)
+        rope, rotated = self._forward[1], {}
+        for (device, dtype, _), layers in groups.items():
+            inv_freq = on_device(self._inv_freq, self.geometry.inv_freq, device)
+            stacked = torch.stack([pending[i] for i in layers])  # [L, B, w, H, D]
+            out = rotate(stacked, rope.to(device), inv_freq, self.geometry.rotary_layout).to(dtype)
+            rotated.update((i, out[n].transpose(1, 2)) for n, i in enumerate(layers))
+        return rotated
 
     def take(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """``(queries, positions, new)`` of one layer, as ``QueryWindow.take``; ``(None, None, 0)`` when stale."""

@@ -14,8 +14,8 @@ from ..model.geometry import ModelGeometry
 
 def rotate(queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
            layout: str = ROTATE_HALF) -> torch.Tensor:
-    """RoPE of ``layout`` applied to ``queries [B, S, H, D]`` at ``positions [B, S]`` (float64 phases; dims beyond
-    ``2F`` pass through)."""
+    """RoPE of ``layout`` applied to ``queries [..., B, S, H, D]`` at ``positions [B, S]`` (float64 phases; dims
+    beyond ``2F`` pass through)."""
     pairs = inv_freq.numel()
     angle = positions.to(torch.float64)[..., None] * inv_freq.to(queries.device, torch.float64)  # [B, S, F]
     cos, sin = angle.cos().float()[:, :, None, :], angle.sin().float()[:, :, None, :]

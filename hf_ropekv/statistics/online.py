@@ -122,22 +122,21 @@ class OnlineStatistics:
             for value in (*self._sums.values(), *self._counts.values()):
                 value.mul_(self._factor(self._new))
         touched = set()
+        # One fold per device, a handful of launches whatever the depth: a multi-token forward's per-layer sums, or
+        # a decoding step's queries.
+        summed: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for layer_idx, sums in self._pending.items():
-            device, index = self._place(layer_idx, sums)
-            self._sums[device][index] += sums
+            summed.setdefault(sums.device, []).append((layer_idx, sums))
+        for device, items in summed.items():
+            self._fold(device, tuple(layer_idx for layer_idx, _ in items), torch.stack([s for _, s in items], dim=1))
             touched.add(device)
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for layer_idx, q in self._stash:
             by_device.setdefault(q.device, []).append((layer_idx, q))
-        for device, items in by_device.items():  # one fold per device: a handful of launches whatever the depth
+        for device, items in by_device.items():
             stacked = torch.cat([q for _, q in items], dim=1) if len(items) > 1 else items[0][1]
             parts = masked_parts(query_parts(stacked, self._layout, self._pairs), self._mask_on(stacked[:, :1]))
-            index = self._index_of(device, tuple(layer_idx for layer_idx, _ in items), parts)
-            parts = parts.transpose(0, 1)  # [L, B, 3, H, F], as the sums
-            if index is None:
-                self._sums[device].add_(parts)
-            else:
-                self._sums[device].index_add_(0, index, parts.to(torch.float64))
+            self._fold(device, tuple(layer_idx for layer_idx, _ in items), parts)
             touched.add(device)
         for device in touched:
             if self._mask is None:
@@ -145,6 +144,15 @@ class OnlineStatistics:
             else:
                 self._counts[device] += self._count_on(device)
         self._pending, self._stash, self._snapshot = {}, [], None
+
+    def _fold(self, device: torch.device, layers: tuple[int, ...], parts: torch.Tensor) -> None:
+        """Add ``parts [B, L, 3, H, F]`` (of ``layers``, in order) to their layers' sums on ``device``."""
+        index = self._index_of(device, layers, parts)
+        parts = parts.transpose(0, 1)  # [L, B, 3, H, F], as the sums
+        if index is None:
+            self._sums[device].add_(parts)
+        else:
+            self._sums[device].index_add_(0, index, parts.to(torch.float64))
 
     def _defer(self, layers: tuple[int, ...], stacked: torch.Tensor) -> bool:
         """Keep a finished decoding step for a later fold (every layer of its one device, in order, no padding
@@ -271,20 +279,19 @@ class OnlineStatistics:
         return self._mask.to(device).sum(dim=1, dtype=torch.float64)
 
     @normal_tensors
-    def _place(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.device, int]:
-        """``(device, row)`` of ``layer_idx``'s sums, made at its first queries."""
-        if layer_idx not in self._slot:
-            device, batch = like.device, like.shape[0]
-            zeros = torch.zeros((1, batch, *like.shape[1:]), dtype=torch.float64, device=device)
-            if device in self._sums:
-                self._slot[layer_idx] = (device, self._sums[device].shape[0])
-                self._sums[device] = torch.cat([self._sums[device], zeros])
-            else:
-                self._slot[layer_idx] = (device, 0)
-                self._sums[device] = zeros
-                self._counts[device] = torch.zeros(batch, dtype=torch.float64, device=device)
-            mark_static(self._sums[device], self._counts[device])
-        return self._slot[layer_idx]
+    def _place(self, layers: list[int], like: torch.Tensor) -> None:
+        """Make the sums of ``layers`` (none placed yet) at their first queries, rows after the device's others;
+        ``like`` ``[B, 3, H, F]``."""
+        device, batch = like.device, like.shape[0]
+        zeros = torch.zeros((len(layers), batch, *like.shape[1:]), dtype=torch.float64, device=device)
+        first = self._sums[device].shape[0] if device in self._sums else 0
+        self._slot.update((layer_idx, (device, first + n)) for n, layer_idx in enumerate(layers))
+        if first:
+            self._sums[device] = torch.cat([self._sums[device], zeros])
+        else:
+            self._sums[device] = zeros
+            self._counts[device] = torch.zeros(batch, dtype=torch.float64, device=device)
+        mark_static(self._sums[device], self._counts[device])
 
     def _index_of(self, device: torch.device, layers: tuple[int, ...], parts: torch.Tensor) -> torch.Tensor | None:
         """Rows of ``device``'s sums that ``layers`` (``parts [B, L, 3, H, F]``) go to, placing new layers; None
@@ -292,8 +299,9 @@ class OnlineStatistics:
         memo = self._fold_index.get((device, layers))
         if memo is not None and memo[1] == self._sums[device].shape[0]:
             return memo[0]
-        for position, layer_idx in enumerate(layers):
-            self._place(layer_idx, parts[:, position])
+        new = [layer_idx for layer_idx in layers if layer_idx not in self._slot]
+        if new:
+            self._place(new, parts[:, 0])
         index = [self._slot[layer_idx][1] for layer_idx in layers]
         rows = self._sums[device].shape[0]
         result = None if index == list(range(rows)) else torch.tensor(index, device=device)

@@ -207,9 +207,9 @@ def test_statistics_are_never_allocated_inside_a_compiled_forward(monkeypatch, f
     places: list[bool] = []
     place = OnlineStatistics._place
 
-    def recording_place(self, layer_idx, like):
+    def recording_place(self, layers, like):
         places.append(torch.compiler.is_compiling())
-        return place(self, layer_idx, like)
+        return place(self, layers, like)
 
     monkeypatch.setattr(OnlineStatistics, "_place", recording_place)
     cache = RopeKVCache(model, budget=BUDGET, compress_every=EVERY, protect_prompt=False, static=True)
