@@ -3,6 +3,7 @@ read from its own config and rotary module (so scaled and partial RoPE come out 
 
 from __future__ import annotations
 
+import copy
 import json
 import weakref
 from dataclasses import dataclass, field, fields
@@ -160,11 +161,11 @@ def _layers_without_rope(config: PretrainedConfig, layer_types: tuple[str, ...])
 def _frequencies_and_layout(rotary: nn.Module, config: PretrainedConfig,
                             name: str) -> tuple[torch.Tensor, str | None, str | None]:
     """``(inv_freq, layout, problem)`` from the rotary module's buffer and a probe of the model's own RoPE."""
-    buffer = _full_attention_inv_freq(rotary)
     if any(b.is_meta for b in rotary.buffers()):  # not materialised: rebuild it from the config
         rebuilt = _rotary_from_config(config)
-        if rebuilt is not None:
-            rotary, buffer = rebuilt, _full_attention_inv_freq(rebuilt)
+        rotary = rotary if rebuilt is None else rebuilt
+    rotary = _on_cpu(rotary)
+    buffer = _full_attention_inv_freq(rotary)
     function = find_rotary_function(getattr(rotary, "modeling_module", type(rotary).__module__))
     if function is None:
         problem = (f"hf_ropekv could not find how '{name}' applies RoPE: {type(rotary).__module__} has no "
@@ -180,6 +181,27 @@ def _frequencies_and_layout(rotary: nn.Module, config: PretrainedConfig,
         raise ValueError(f"Could not find the RoPE frequencies (inv_freq) of '{name}' on {type(rotary).__name__}: "
                          f"{problem}")
     return buffer.detach().to("cpu", torch.float32).contiguous(), None, problem
+
+
+def _on_cpu(rotary: nn.Module) -> nn.Module:
+    """The rotary module to probe: a CPU copy of one on another device. Probing on a GPU launches float32 kernels the
+    model never runs (in a fresh process each is loaded first: about 0.1 s of the first token on an H100) and waits
+    for them; the CPU gives the same frequencies and layout."""
+    devices = {t.device.type for t in (*rotary.buffers(), *rotary.parameters())}
+    return rotary if devices <= {"cpu"} or "meta" in devices else _cpu_copy(rotary)
+
+
+def _cpu_copy(rotary: nn.Module) -> nn.Module:
+    """A copy of ``rotary`` on the CPU sharing its config (``rotary`` itself if it cannot be copied)."""
+    # The copy's tensors are made on the CPU directly (a copy on the GPU would be a kernel too); the config is shared.
+    memo: dict[int, Any] = {id(value): value for value in vars(rotary).values() if isinstance(value, PretrainedConfig)}
+    tensors = (*rotary.buffers(), *(v for v in vars(rotary).values() if isinstance(v, torch.Tensor)))
+    memo.update((id(t), t.detach().to("cpu", copy=True)) for t in tensors)
+    memo.update((id(p), nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad)) for p in rotary.parameters())
+    try:
+        return copy.deepcopy(rotary, memo)
+    except (TypeError, RuntimeError):  # a module that cannot be copied is probed where it is
+        return rotary
 
 
 def _full_attention_rope_parameters(config: PretrainedConfig) -> dict[str, Any]:

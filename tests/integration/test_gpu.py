@@ -96,3 +96,26 @@ def test_long_generation_stays_bounded_on_cuda() -> None:
     assert cache.tokens_seen == ids.shape[1] + 599
     assert cache.tokens_kept <= 96 and cache.pages_allocated == 2 * model.config.num_hidden_layers
     assert cache.bytes_held < cache.full_cache_bytes / 5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_describe_probes_a_cuda_models_rope_on_the_cpu(arch: str) -> None:
+    """The RoPE probe runs on a CPU copy of the rotary module: no CUDA kernel (in a fresh process each would be loaded
+    before the first token), the model's own module untouched, and the geometry the CPU model gives."""
+    from hf_ropekv.model.geometry import describe
+
+    model = tiny_model(arch).cuda()
+    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    before = {name: buffer.clone() for name, buffer in rotary.named_buffers()}
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        geometry = describe(model)
+        torch.cuda.synchronize()
+    launched = [e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                and not e.name.startswith(("Memcpy", "Memset"))]  # reading the buffers to the host is expected
+    assert not launched, launched[:5]
+    want = describe(tiny_model(arch))
+    assert geometry.rotary_layout == want.rotary_layout
+    assert torch.equal(geometry.inv_freq, want.inv_freq)
+    for name, buffer in rotary.named_buffers():
+        assert buffer.is_cuda and torch.equal(buffer, before[name])

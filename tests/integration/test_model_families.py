@@ -77,6 +77,22 @@ def test_detected_layout_matches_the_models_own_rope(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_the_probes_cpu_copy_of_the_rotary_module_gives_the_same_geometry(name: str) -> None:
+    """A model on a GPU is probed through a CPU copy of its rotary module (``geometry._cpu_copy``): every family's
+    module copies, shares its config, owns its tensors, and the probe of the copy learns what the module gives."""
+    from hf_ropekv.model.geometry import _cpu_copy, _frequencies_and_layout, _rotary_module
+
+    model = family_model(name)
+    config = model.config.get_text_config(decoder=True)
+    rotary = _rotary_module(model, config, name)
+    copied = _cpu_copy(rotary)
+    assert copied is not rotary and getattr(copied, "config", None) is getattr(rotary, "config", None)
+    assert not {t.data_ptr() for t in copied.buffers()} & {t.data_ptr() for t in rotary.buffers()}
+    got, want = _frequencies_and_layout(copied, config, name), _frequencies_and_layout(rotary, config, name)
+    assert got[1:] == want[1:] and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_calibrated_statistics_are_those_of_the_pre_rope_queries(name: str) -> None:
     """calibrate() of two sequences: the means of ``q_f`` and ``|q_f|`` over every token, per layer and query head,
     where ``q`` is recomputed by hand from each attention's input, in the model's pair layout. Query norms
