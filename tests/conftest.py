@@ -503,7 +503,7 @@ def triton_interpreter(monkeypatch):
     ``TRITON_INTERPRET=1`` (which the launchers check before taking CPU tensors); both are undone after the test.
     Skips when Triton is not installed.
     """
-    from hf_ropekv.kernels import HAS_TRITON, compact, score
+    from hf_ropekv.kernels import HAS_TRITON, compact, rms_norm, score
 
     if not HAS_TRITON:
         pytest.skip("Triton is not installed")
@@ -515,7 +515,7 @@ def triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     # The kernels (private names of hf_ropekv.kernels: no public handle exists to swap the launch target) and the
     # jitted helpers of triton.language they call (tl.cdiv, ...), which are compiled-mode objects there too.
-    targets = [(compact, "_compact_kernel"), (score, "_score_kernel")]
+    targets = [(compact, "_compact_kernel"), (score, "_score_kernel"), (rms_norm, "_rms_norm_kernel")]
     targets += [(tl, name) for name in dir(tl) if isinstance(getattr(tl, name), JITFunction)]
     for module, name in targets:
         function = getattr(module, name)

@@ -63,6 +63,12 @@ class ModelAttachment(StepPreparer):
         self.detached = False  # hf_ropekv.detach(model) took the hooks off: the cache cannot be used any more
         weakref.finalize(cache, self._hooks.remove, self)
 
+    def fuses_norms(self) -> bool:
+        """Whether this cache's forward runs the model's RMSNorms in one kernel each: once its numbers left
+        ``DynamicCache``'s (it compacted, or stores int8), as its attention's decode kernel does."""
+        cache = self._cache_ref()
+        return cache is not None and (cache.num_compactions > 0 or cache.options.kv_bits is not None)
+
     def expect_tokens(self, tokens: int | None) -> None:
         cache = self._cache_ref()
         if cache is not None:

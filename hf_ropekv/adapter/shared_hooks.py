@@ -16,6 +16,7 @@ from torch._guards import TracingContext
 
 from .. import _compat
 from ..model.attention import restore_attention, use_ropekv_attention
+from ..model.fused_norms import FusedNorms
 from ..model.query_hooks import query_capture
 from ..model.geometry import ModelGeometry
 from .generate_methods import (GENERATE_WRAPPERS, _GetCompiledCall, _PrepareInputsForGeneration,
@@ -29,6 +30,7 @@ class Attachment(Protocol):
     static: bool
 
     def owns(self, cache: Any) -> bool: ...
+    def fuses_norms(self) -> bool: ...
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None: ...
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None: ...
     def _forward_ends(self) -> None: ...
@@ -61,6 +63,8 @@ class SharedHooks:
         self.attachments: list[Attachment] = []
         self.capture: Any = None  # the model's query capture, while a cache collects queries
         self.active: Attachment | None = None  # the attachment of the forward in progress
+        self.norms: FusedNorms | None = None  # the model's one-kernel RMSNorms (CUDA models)
+        self.norms_open = False  # whether the forward in progress runs them (model.fused_norms)
         self._detach_pending = False  # the last attachment went during a compile: detach at the next forward
         self._attention_before: str | None = None  # the implementation the caches replaced
         self.gate = ForwardGate()
@@ -77,6 +81,8 @@ class SharedHooks:
             self.capture = query_capture(self._model_ref(), geometry, self._on_query, self._on_step).attach()
         self.attachments = [*self.attachments, attachment]  # a new list: a forward in progress iterates the old one
         _PrepareInputsForGeneration.install(self._model_ref())
+        if self.norms is None:
+            self.norms = FusedNorms.of(self._model_ref(), self._norms_are_open)
         if attachment.static:
             _GetCompiledCall.install(self._model_ref())
             _ValidAutoCompileCriteria.install(self._model_ref())
@@ -123,6 +129,9 @@ class SharedHooks:
         self._handles = []
         if self.capture is not None:
             self.capture.detach()
+        if self.norms is not None:
+            self.norms.detach()
+            self.norms = None
         model = self._model_ref()
         if model is not None:
             restore_attention(model, self._attention_before)
@@ -140,9 +149,14 @@ class SharedHooks:
         cache = _compat.cache_from_forward_kwargs(kwargs)
         # Another cache's forward, or none: every attachment's query hooks stay idle through it.
         self.active = next((a for a in self.attachments if a.owns(cache)), None)
-        if self.active is None and self.capture is not None:
-            self.capture.begin_forward(False)  # and no recording of an earlier forward that raised goes on
-        return None if self.active is None else self.active._pre_forward(module, args, kwargs)
+        if self.active is None:
+            if self.capture is not None:
+                self.capture.begin_forward(False)  # and no recording of an earlier forward that raised goes on
+            return None
+        replaced = self.active._pre_forward(module, args, kwargs)
+        # After the attachment's preparation: a static cache's compaction of this forward counts already.
+        self.norms_open = self.norms is not None and self.active.fuses_norms()
+        return replaced
 
     # Never compiled: folding queries makes tensors that outlive the call, which a CUDA graph's pool would overwrite.
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
@@ -150,11 +164,15 @@ class SharedHooks:
             self.active._post_forward(module, args, kwargs, output)
 
     def _release(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.norms_open = False
         try:
             if self.active is not None:
                 self.active._forward_ends()
         finally:
             self.gate.leave()
+
+    def _norms_are_open(self) -> bool:
+        return self.norms_open
 
     def _on_query(self, layer_idx: int, queries: torch.Tensor) -> None:
         if self.active is not None:
@@ -200,7 +218,8 @@ class ForwardGate:
 def _copied_hooks() -> SharedHooks:
     """What a copy of a model (deepcopy, pickle) gets for the original's hooks: pass-throughs until replaced."""
     hooks = SharedHooks.__new__(SharedHooks)
-    vars(hooks).update(_model_ref=lambda: None, attachments=[], capture=None, active=None, _detach_pending=False,
+    vars(hooks).update(_model_ref=lambda: None, attachments=[], capture=None, active=None, norms=None, norms_open=False,
+                       _detach_pending=False,
                        _attention_before=None, _handles=[], gate=ForwardGate(), copied=True)
     return hooks
 
