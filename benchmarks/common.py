@@ -180,15 +180,18 @@ def sync(device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------------------------- generate timing
 class StepClock:
-    """A logits processor that stamps the host time each step's logits arrive, and changes nothing.
+    """A logits processor that stamps the time each step's logits are computed on the device, and changes nothing.
 
-    ``generate`` calls it for the prefill's logits (``stamps[0]``) and once per decode step after that; it
-    synchronises with the device once per step, so the gaps between stamps are the decode steps."""
+    ``generate`` calls it for the prefill's logits (``stamps[0]``) and once per decode step after that. It waits for
+    the device before stamping: a forward that never synchronises returns to the host before the GPU has run it, so
+    an unsynchronised stamp measures how fast the host queued the prefill for one cache and when the GPU finished it
+    for another (one that synchronises inside its forward). The gaps between stamps are the decode steps."""
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(scores.device)
         self.stamps.append(time.perf_counter())
         return scores
 

@@ -10,11 +10,12 @@ The RopeKVCache is the library's default with ``protect_prompt=False`` (the prom
 A random-weight model of a published shape (Qwen3-8B by default, bf16 on CUDA; exact for speed), cuDNN's sdpa off
 (it plans every new K/V length on the host). At each point (batch x prompt tokens) every cache is warmed up once
 (compiles, graph recordings), then timed ``--repeats`` times in alternation: greedy ``generate()`` of
-``--new-tokens`` tokens from random ids. A decode step is the gap between two successive logits on the host (the
-first decode step is left out; compaction steps count): p50 and p90; prefill = time to the first logits. One more
-run per cache goes under ``torch.profiler`` for ``--profile-steps`` steps: GPU time per step by kernel class
-(attention, matmul, other), GPU busy time, host time = step wall - GPU busy (the GPU waiting for the host), and
-the kernels that took the most GPU time, one by one (``top_kernels``: what remains of a step, kernel by kernel).
+``--new-tokens`` tokens from random ids. A decode step is the gap between two successive logits, each stamped once
+the device has computed it (the first decode step is left out; compaction steps count): p50 and p90; prefill = time
+to the first logits. One more run per cache goes under ``torch.profiler`` for ``--profile-steps`` steps: GPU time
+per step by kernel class (attention, matmul, other), GPU busy time, host time = step wall - GPU busy (the GPU
+waiting for the host), and the kernels that took the most GPU time, one by one (``top_kernels``: what remains of a
+step, kernel by kernel).
 
 ``--e2e``: a fresh process per cache (the order reversed every other round, ``--e2e-rounds``) runs one generation of
 ``--e2e-new-tokens`` tokens at ``--e2e-point``, timed from the cache's construction: time to first token and end to
