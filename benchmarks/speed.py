@@ -95,14 +95,14 @@ class ProfilingClock(common.StepClock):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         index = len(self.stamps)  # 0: the prefill's logits; i: after decode step i
+        scores = super().__call__(input_ids, scores)  # waits for the device, then stamps
         if index in (self.start, self.start + self.steps):
-            common.sync(self.device)
-            self.window.append(time.perf_counter())
+            self.window.append(self.stamps[-1])
             if index == self.start:
                 self.profiler.start()
             else:
                 self.profiler.stop()
-        return super().__call__(input_ids, scores)
+        return scores
 
     def summary(self) -> dict[str, Any]:
         """Per step: GPU ms by kernel class, GPU busy ms (the union of kernel intervals), host ms (wall - busy),

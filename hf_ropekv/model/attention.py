@@ -12,8 +12,8 @@ prefill chunk). :func:`ropekv_attention` is registered as ``"hf_ropekv_sdpa"`` (
 
 from __future__ import annotations
 
+import functools
 import inspect
-import weakref
 from typing import Any
 
 import torch
@@ -125,15 +125,15 @@ def dispatches_by_name(model: nn.Module) -> bool:
         attention = type(find_attention_modules(model)[0])
     except ValueError:
         return False
-    if attention not in _DISPATCHES_BY_NAME:  # by class: reading the source costs milliseconds, at every attach
-        try:
-            _DISPATCHES_BY_NAME[attention] = "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(attention.forward)
-        except (OSError, TypeError):
-            _DISPATCHES_BY_NAME[attention] = False
-    return _DISPATCHES_BY_NAME[attention]
+    return _looks_up_by_name(attention)
 
 
-_DISPATCHES_BY_NAME: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+@functools.cache  # by class: reading the source costs milliseconds, and every cache attaches anew
+def _looks_up_by_name(attention: type) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(attention.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def restore_attention(model: nn.Module, previous: str | None) -> None:

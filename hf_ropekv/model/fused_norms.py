@@ -13,6 +13,7 @@ gets pass-throughs to the class's forward instead.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import textwrap
 import weakref
@@ -33,17 +34,8 @@ hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
 return self.weight * hidden_states.to(input_dtype)"""
 
 
-#: Verdicts by class: reading a forward's source costs milliseconds, and every cache attaches anew.
-_VERDICTS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
-
-
+@functools.cache  # by class: reading a forward's source costs milliseconds, and every cache attaches anew
 def _computes_llama_rms_norm(cls: type) -> bool:
-    if cls not in _VERDICTS:
-        _VERDICTS[cls] = _reads_as_llama_rms_norm(cls)
-    return _VERDICTS[cls]
-
-
-def _reads_as_llama_rms_norm(cls: type) -> bool:
     try:
         lines = textwrap.dedent(inspect.getsource(cls.forward)).strip().splitlines()
     except (OSError, TypeError):
