@@ -9,9 +9,11 @@ Tune on ``SEEDS["tune"]``, report on ``SEEDS["report"]``: the split is in the se
 Two settings:
 
 - ``seen``: the question ends the prompt, so it is in the cache when the prompt is compressed;
-- ``unseen``: the document is prefilled and compressed first (its last token goes in by itself, so the cache
-  compacts before anything else arrives), then the question is appended to the same cache as a second turn:
-  ``generate`` gets the whole token sequence and feeds the part the cache has not seen.
+- ``unseen``: the document is prefilled first, then the question is appended to the same cache as a second turn:
+  ``generate`` gets the whole token sequence and feeds the part the cache has not seen. The cache compacts when the
+  question arrives, before any of its tokens is stored, so the document is compressed without it. (The document's
+  last token used to go in by itself, to compact before anything else arrived; a single-token forward is a
+  decoding step, which the default now reads as the input being answered.)
 """
 
 from __future__ import annotations
@@ -144,9 +146,7 @@ def answer(model: torch.nn.Module, batch: list[Haystack], cache: Any, setting: s
     cache = DynamicCache(config=model.config) if cache is None else cache
     kwarg = cache_kwarg(model)
     if setting == "unseen":
-        head = ids[:, : len(batch[0].head)]
-        model(input_ids=head[:, :-1], use_cache=True, logits_to_keep=1, **{kwarg: cache})
-        model(input_ids=head[:, -1:], use_cache=True, logits_to_keep=1, **{kwarg: cache})
+        model(input_ids=ids[:, : len(batch[0].head)], use_cache=True, logits_to_keep=1, **{kwarg: cache})
     elif setting != "seen":
         raise ValueError(f"setting is seen or unseen, not {setting!r}")
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

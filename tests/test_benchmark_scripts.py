@@ -166,25 +166,28 @@ def test_haystacks_are_deterministic_sized_and_hold_their_key() -> None:
     assert not retrieval.found("lanterns", "lantern") and retrieval.found("lantern", "lantern")
 
 
-def test_the_plain_vote_candidate_is_the_default_and_the_ratio_vote_keeps_other_slots() -> None:
-    """``vote_candidates.py`` rewrites the default's prompt vote to vary it: written plainly it must keep the very
-    slots the library's keeps (else a screen compares against something else), and the ratio vote must differ."""
+def test_the_plain_vote_ablation_differs_from_the_default_only_when_a_decoding_step_compacts() -> None:
+    """``plain_vote`` (``vote_candidates.py``) is the default with the plain prompt vote always: where more input
+    follows a prompt it must keep the very slots the default keeps (else a screen compares against something else),
+    and where a decoding step compacts it must keep others."""
     import policies
     from conftest import cache_kw, tiny_model
 
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(7))
 
-    def kept(policy: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def kept(policy: str, split: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         cache = policies.make_cache(model, 64, policy, protect_prompt=False)
         with torch.no_grad():
-            model(input_ids=ids[:, :-1], use_cache=True, **cache_kw(model, cache))
-            logits = model(input_ids=ids[:, -1:], use_cache=True, **cache_kw(model, cache)).logits
+            model(input_ids=ids[:, :split], use_cache=True, **cache_kw(model, cache))
+            logits = model(input_ids=ids[:, split:], use_cache=True, **cache_kw(model, cache)).logits
+        assert cache.num_compactions == 1
         return [cache.kept_positions(i) for i in range(model.config.num_hidden_layers)], logits
 
-    default, plain, ratio = kept("default"), kept("v_plain"), kept("v_ratio")
-    assert all(torch.equal(a, b) for a, b in zip(default[0], plain[0])) and torch.equal(default[1], plain[1])
-    assert not all(torch.equal(a, b) for a, b in zip(default[0], ratio[0]))
+    more_input, plain = kept("default", 250), kept("plain_vote", 250)  # 50 tokens follow: more input
+    assert all(torch.equal(a, b) for a, b in zip(more_input[0], plain[0])) and torch.equal(more_input[1], plain[1])
+    answered, plain = kept("default", 299), kept("plain_vote", 299)  # one token follows: a decoding step
+    assert not all(torch.equal(a, b) for a, b in zip(answered[0], plain[0]))
 
 
 # ---------------------------------------------------------------------------------------------- programs

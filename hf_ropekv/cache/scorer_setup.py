@@ -45,7 +45,8 @@ def resolve_scorer(scorer: Scorer | None, budget: int | None, geometry: ModelGeo
                              "hf_ropekv.calibrate, or another scorer (hf_ropekv.scorers).")
         online = OnlineStatistics(geometry, half_life=scorer.half_life, head_shrink=scorer.head_shrink)
     if frequency and scorer.prompt_window and budget is not None and model is not None:
-        return scorer, online, PromptWindow(geometry, scorer.prompt_window)
+        # Twice the window: when a decoding step compacts, the vote weighs the last queries against those before.
+        return scorer, online, PromptWindow(geometry, 2 * scorer.prompt_window)
     window = getattr(scorer, "query_window", None)
     if window is None or budget is None:
         return scorer, online, None

@@ -91,7 +91,8 @@ class Compactor:
         candidates = (~(is_hole | protected)).view(slot_positions.shape)
         if self.online is not None:
             self.scorer.stats = self.online.snapshot()
-        scores = self._score(layers, seen - pads, seen, slot_positions, candidates, is_hole.view(slot_positions.shape))
+        scores = self._score(layers, seen - pads, seen, slot_positions, candidates, is_hole.view(slot_positions.shape),
+                             decoding=plan.new == 1)
         # Tie-break noise that depends on the token (real index) and head only, never on the batch.
         heads = torch.arange(flat_positions.shape[1], device=device).view(1, -1, 1)
         noise = hashed_uniform(self.seed, flat_positions - row_pads.view(-1, 1, 1), heads)
@@ -103,7 +104,7 @@ class Compactor:
         return keep.view(rows, *slot_positions.shape[1:3], keep.shape[-1]), start[: targets.shape[0]]
 
     def _score(self, layers: Sequence[StoredLayer], position: torch.Tensor, seen: int, slot_positions: torch.Tensor,
-               candidates: torch.Tensor, is_hole: torch.Tensor) -> torch.Tensor:
+               candidates: torch.Tensor, is_hole: torch.Tensor, decoding: bool) -> torch.Tensor:
         """float32 ``[L, B, H, S]`` scores of ``layers``, all on one device (in one call to a scorer with
         ``score_layers``)."""
         contexts = []
@@ -112,7 +113,7 @@ class Compactor:
             if self.queries is not None:  # an attention-based scorer's fields
                 queries, positions, new = self.queries.take(layer.layer_idx)
                 fields = dict(queries=queries, query_positions=positions, new_queries=new, valid=~is_hole[i],
-                              attention_scale=self.queries.scales[layer.layer_idx])
+                              attention_scale=self.queries.scales[layer.layer_idx], decoding=decoding)
             contexts.append(ScoreContext(layer.layer_idx, position, seen, slot_positions[i], candidates[i], **fields))
         keys = [layer.storage.live_keys() for layer in layers]
         score_layers = getattr(self.scorer, "score_layers", None)

@@ -25,6 +25,8 @@ class ScoreContext:
         new_queries: how many of the last ``N`` queries are new since the previous compaction.
         valid: bool ``[B, H_kv, S]``, slots holding a real token (None: all).
         attention_scale: the model's logit scale (None: ``D ** -0.5``).
+        decoding: the forward that compacts is a decoding step (one token): the input before it is complete and
+            being answered, rather than followed by more input.
     """
 
     layer_idx: int
@@ -37,6 +39,7 @@ class ScoreContext:
     new_queries: int | None = None
     valid: torch.Tensor | None = None
     attention_scale: float | None = None
+    decoding: bool = False
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ import torch
 from ..model.layouts import ROTATE_HALF
 from .rope_scoring import query_weights, score_keys_weighted
 from .base import ScoreContext, standardize
-from .attention import pool_along_tokens, spread_forward, window_attention
+from .attention import context_scale, group_mean, pool_along_tokens, spread_forward, summed_attention
 from .key_novelty import key_novelty
 
 # At a compaction right after a prompt, the window's vote (a z-score) is lifted by this many standard deviations
@@ -43,7 +43,8 @@ class FrequencyScorer:
         prompt_window: at a compaction right after a prompt (a turn, a prefill chunk), the keys its last
             ``prompt_window`` queries point at rank first (:mod:`.prompt_window`), the others by the larger of that
             vote and key novelty (:mod:`.key_novelty`: a question that comes later needs what stands out, not what
-            average queries attend to); 0: RoPE geometry alone, at every compaction.
+            average queries attend to); when a decoding step compacts (the input is being answered), the vote is
+            taken against the ``prompt_window`` queries before them; 0: RoPE geometry alone, at every compaction.
         vote_span: tokens after each key the prompt window attends to that rank with it: an answer is read
             forward from where a question points (a name, then the code after it).
         offsets: future offsets the mean query is placed at (default 1, 2, 4, ..., 65536).
@@ -125,11 +126,30 @@ class FrequencyScorer:
 
     def _prompt_vote(self, keys: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
         """z-score of the attention the prompt window puts on each key (SnapKV's vote, pooled over 5 tokens), lifted
-        by ``VOTE_LEAD`` where it reaches ``POINTED``, spread ``vote_span`` tokens forward."""
-        votes, _ = window_attention(keys, ctx, self.prompt_window, type(self).__name__)
-        pooled = standardize(pool_along_tokens(votes, ctx.slot_positions, ctx.valid, 5, "avgpool"), ctx.candidates)
+        by ``VOTE_LEAD`` where it reaches ``POINTED``, spread ``vote_span`` tokens forward.
+
+        When a decoding step compacts, the input before it is being answered: its last queries (a question, an
+        instruction) are weighed against the ``prompt_window`` queries before them, ``log((window + u) / (before +
+        u))`` with ``u`` a uniform share, so attention sinks and the instruction that every query attends to lose
+        their lead to what the question asks for. When more input follows, the window is one more stretch of text
+        and that ratio would lift filler: the plain vote."""
+        window = self.prompt_window
+        mass = self._pooled_attention(keys, ctx, slice(-window, None))
+        if ctx.decoding and ctx.queries.shape[2] > window:
+            before = self._pooled_attention(keys, ctx, slice(None, -window))
+            uniform = window / ctx.candidates.sum(-1, keepdim=True).clamp_min(1).float()
+            mass = torch.log((mass + uniform) / (before + uniform))
+        pooled = standardize(mass, ctx.candidates)
         lifted = torch.where(pooled >= POINTED, pooled + VOTE_LEAD, pooled)
         return spread_forward(lifted, ctx.slot_positions, ctx.valid, self.vote_span)
+
+    @staticmethod
+    def _pooled_attention(keys: torch.Tensor, ctx: ScoreContext, queries: slice) -> torch.Tensor:
+        """The attention the window's ``queries`` put on each key, summed, averaged over each GQA group and pooled
+        over 5 tokens: ``[B, H_kv, S]``."""
+        mass = summed_attention(ctx.queries[:, :, queries], keys, ctx.query_positions[:, queries], ctx.slot_positions,
+                                ctx.valid, context_scale(ctx, keys.shape[-1]))
+        return pool_along_tokens(group_mean(mass, keys.shape[1]), ctx.slot_positions, ctx.valid, 5, "avgpool")
 
     def _layer_tensors(self, layer_idx: int, device: torch.device, kv_heads: int) -> tuple[torch.Tensor, ...]:
         if self._cached_stats is not self.stats:

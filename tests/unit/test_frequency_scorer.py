@@ -216,6 +216,58 @@ def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> No
     torch.testing.assert_close(FrequencyScorer(stats=stats).score(keys, no_window), rope, rtol=1e-4, atol=1e-4)
 
 
+def pooled_mass_reference(keys: torch.Tensor, queries: torch.Tensor, query_positions: torch.Tensor,
+                          slot_positions: torch.Tensor) -> torch.Tensor:
+    """float64 ``[B, H_kv, S]``: the attention the queries put on each slot (softmax over the causal slots, scale
+    ``D ** -0.5``), summed over the queries, averaged over each GQA group, then averaged over 5 neighbouring tokens
+    (zero beyond the ends), one (row, head) at a time."""
+    batch, kv_heads, slots, dim = keys.shape
+    group = queries.shape[1] // kv_heads
+    out = torch.zeros(batch, kv_heads, slots, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(kv_heads):
+            k, tokens = keys[b, h].double(), slot_positions[b, h]
+            for g in range(group):
+                for n in range(queries.shape[2]):
+                    logits = (k @ queries[b, h * group + g, n].double()) * dim**-0.5
+                    logits[tokens > query_positions[b, n]] = float("-inf")
+                    out[b, h] += torch.softmax(logits, 0) / group
+            order = torch.argsort(tokens)
+            padded = torch.nn.functional.pad(out[b, h, order], (2, 2))
+            pooled = torch.stack([padded[i:i + 5].sum() / 5 for i in range(slots)])
+            out[b, h, order] = pooled
+    return out
+
+
+@pytest.mark.parametrize("decoding", [True, False])
+def test_a_decoding_step_weighs_the_window_against_the_queries_before_it(decoding: bool) -> None:
+    """When a decoding step compacts (the input is being answered), the vote is the z-scored log ratio of the
+    window's pooled attention to that of the ``prompt_window`` queries before it, plus a uniform share; when more
+    input follows, the window's plain vote."""
+    gen = torch.Generator()
+    gen.seed()
+    stats, slots, window = random_stats(3), 120, 8
+    keys = torch.randn(2, GEOMETRY.num_kv_heads, slots, GEOMETRY.head_dim, generator=gen)
+    ctx = prompt_context(keys, 10, 2 * window, gen)
+    ctx = ScoreContext(**{**ctx.__dict__, "decoding": decoding})
+    got = FrequencyScorer(stats=stats, prompt_window=window, vote_span=0).score(keys, ctx)
+    last = pooled_mass_reference(keys, ctx.queries[:, :, window:], ctx.query_positions[:, window:],
+                                 ctx.slot_positions)
+    vote = last
+    if decoding:
+        before = pooled_mass_reference(keys, ctx.queries[:, :, :window], ctx.query_positions[:, :window],
+                                       ctx.slot_positions)
+        uniform = window / ctx.candidates.sum(-1, keepdim=True).double()
+        vote = torch.log((last + uniform) / (before + uniform))
+    z = (vote - vote.mean(-1, keepdim=True)) / vote.std(-1, unbiased=False, keepdim=True)
+    assert bool((z >= POINTED).any())
+    expected = torch.maximum(novelty_reference(keys, ctx.candidates), torch.where(z >= POINTED, z + VOTE_LEAD, z))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+    other = FrequencyScorer(stats=stats, prompt_window=window, vote_span=0).score(
+        keys, ScoreContext(**{**ctx.__dict__, "decoding": not decoding}))
+    assert not torch.allclose(got, other, rtol=1e-3, atol=1e-3)  # the two votes differ on these inputs
+
+
 def test_score_layers_mixes_layers_after_a_prompt_and_not() -> None:
     """Layers right after a prompt and layers without a window, scored together, equal each scored alone."""
     gen = torch.Generator()
