@@ -166,6 +166,32 @@ def test_haystacks_are_deterministic_sized_and_hold_their_key() -> None:
     assert not retrieval.found("lanterns", "lantern") and retrieval.found("lantern", "lantern")
 
 
+@pytest.mark.parametrize("setting", ["seen", "unseen"])
+def test_the_retrieval_harness_compresses_the_document_before_an_unseen_question(
+        setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Question unseen: the first compaction holds the document only and comes with the question's forward (more
+    input, so the default takes its plain vote); question seen: with the first decoding step, after the question."""
+    import policies
+    from conftest import tiny_model
+    from hf_ropekv.eviction.compactor import Compactor
+
+    tokenizer = common.CharTokenizer()
+    haystack = retrieval.build(tokenizer, retrieval.pool_token_ids(tokenizer), 1002, 512)
+    model = tiny_model("llama")
+    assert max(haystack.ids) < model.config.vocab_size  # the character ids fit the tiny model
+    plans = []
+    compact = Compactor.compact
+    monkeypatch.setattr(Compactor, "compact", lambda self, layers, plan, *a, **k: (plans.append(plan),
+                                                                                   compact(self, layers, plan, *a, **k)))
+    cache = policies.make_cache(model, 64, "default", protect_prompt=False)
+    retrieval.answer(model, [haystack], cache, setting, max_new_tokens=2, stop_ids=[])
+    first = plans[0]
+    if setting == "unseen":
+        assert (first.seen, first.new) == (len(haystack.head), len(haystack.tail))
+    else:
+        assert (first.seen, first.new) == (len(haystack.ids), 1)
+
+
 def test_the_plain_vote_ablation_differs_from_the_default_only_when_a_decoding_step_compacts() -> None:
     """``plain_vote`` (``vote_candidates.py``) is the default with the plain prompt vote always: where more input
     follows a prompt it must keep the very slots the default keeps (else a screen compares against something else),
