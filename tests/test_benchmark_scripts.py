@@ -181,8 +181,12 @@ def test_the_retrieval_harness_compresses_the_document_before_an_unseen_question
     assert max(haystack.ids) < model.config.vocab_size  # the character ids fit the tiny model
     plans = []
     compact = Compactor.compact
-    monkeypatch.setattr(Compactor, "compact", lambda self, layers, plan, *a, **k: (plans.append(plan),
-                                                                                   compact(self, layers, plan, *a, **k)))
+
+    def recording(self, layers, plan, *args, **kwargs):
+        plans.append(plan)
+        return compact(self, layers, plan, *args, **kwargs)
+
+    monkeypatch.setattr(Compactor, "compact", recording)
     cache = policies.make_cache(model, 64, "default", protect_prompt=False)
     retrieval.answer(model, [haystack], cache, setting, max_new_tokens=2, stop_ids=[])
     first = plans[0]
