@@ -121,11 +121,18 @@ def window_attention(keys: torch.Tensor, ctx: ScoreContext, window: int,
                      scorer: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The observation-window vote of SnapKV and R-KV: ``(mass [B, H_kv, S], positions [B, N])``, the attention the
     last ``window`` queries put on each slot, averaged over each GQA group."""
-    queries, positions = require_queries(ctx, scorer)
-    queries, positions = queries[:, :, -window:], positions[:, -window:]
+    _, positions = require_queries(ctx, scorer)
+    return grouped_attention(keys, ctx, slice(-window, None), scorer), positions[:, -window:]
+
+
+def grouped_attention(keys: torch.Tensor, ctx: ScoreContext, queries: slice, scorer: str) -> torch.Tensor:
+    """``[B, H_kv, S]``: the attention the context's ``queries`` (a slice of them) put on each slot, summed over
+    those queries and averaged over each GQA group."""
+    all_queries, positions = require_queries(ctx, scorer)
     scale = context_scale(ctx, keys.shape[-1])
-    mass = summed_attention(queries, keys, positions, ctx.slot_positions, ctx.valid, scale)
-    return group_mean(mass, keys.shape[1]), positions
+    mass = summed_attention(all_queries[:, :, queries], keys, positions[:, queries], ctx.slot_positions, ctx.valid,
+                            scale)
+    return group_mean(mass, keys.shape[1])
 
 
 def pool_along_tokens(scores: torch.Tensor, slot_positions: torch.Tensor, valid: torch.Tensor | None, kernel_size: int,

@@ -11,7 +11,7 @@ import torch
 from ..model.layouts import ROTATE_HALF
 from .rope_scoring import query_weights, score_keys_weighted
 from .base import ScoreContext, standardize
-from .attention import context_scale, group_mean, pool_along_tokens, spread_forward, summed_attention
+from .attention import grouped_attention, pool_along_tokens, spread_forward
 from .key_novelty import key_novelty
 
 # At a compaction right after a prompt, the window's vote (a z-score) is lifted by this many standard deviations
@@ -143,13 +143,11 @@ class FrequencyScorer:
         lifted = torch.where(pooled >= POINTED, pooled + VOTE_LEAD, pooled)
         return spread_forward(lifted, ctx.slot_positions, ctx.valid, self.vote_span)
 
-    @staticmethod
-    def _pooled_attention(keys: torch.Tensor, ctx: ScoreContext, queries: slice) -> torch.Tensor:
+    def _pooled_attention(self, keys: torch.Tensor, ctx: ScoreContext, queries: slice) -> torch.Tensor:
         """The attention the window's ``queries`` put on each key, summed, averaged over each GQA group and pooled
         over 5 tokens: ``[B, H_kv, S]``."""
-        mass = summed_attention(ctx.queries[:, :, queries], keys, ctx.query_positions[:, queries], ctx.slot_positions,
-                                ctx.valid, context_scale(ctx, keys.shape[-1]))
-        return pool_along_tokens(group_mean(mass, keys.shape[1]), ctx.slot_positions, ctx.valid, 5, "avgpool")
+        mass = grouped_attention(keys, ctx, queries, type(self).__name__)
+        return pool_along_tokens(mass, ctx.slot_positions, ctx.valid, 5, "avgpool")
 
     def _layer_tensors(self, layer_idx: int, device: torch.device, kv_heads: int) -> tuple[torch.Tensor, ...]:
         if self._cached_stats is not self.stats:
