@@ -332,6 +332,13 @@ def test_speed_tables_take_each_point_whole_from_the_newest_run_of_the_same_code
     merged, used = report.newest_speed([old_commit, second, e2e_only])
     assert used == [e2e_only, second] and len(merged["rows"]) == 4 and len(merged["e2e"]) == 2
     assert "| 1x4096, 2000 tokens end to end | 60.0 s | 20.0 s | 3.00x |" in report.speed_summary(merged)
+    short = [{**e, "new_tokens": 32, "total_s": e["total_s"] / 50} for e in e2e]  # a first-token run, newer
+    merged, used = report.newest_speed([second, e2e_only, {**run("2026-12-02T04", "bbbbbbb", {}), "e2e": short}])
+    assert len(used) == 3 and len(merged["e2e"]) == 4  # each length whole from the newest run that has it
+    summary, table = report.speed_summary(merged), report.speed_table(merged)
+    assert "| 1x4096, 2000 tokens end to end | 60.0 s | 20.0 s | 3.00x |" in summary
+    assert "32 tokens" not in summary  # the summary keeps each point's longest run
+    assert "| 1x4096, 32 tokens | ropekv |" in table and "| 1x4096, 2000 tokens | ropekv |" in table
 
 
 def test_repository_docs_are_up_to_date_with_the_results() -> None:
