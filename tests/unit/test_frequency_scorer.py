@@ -11,7 +11,7 @@ from hf_ropekv import FrequencyScorer, FrequencyStats, RopeKVCache, ScoreContext
 from hf_ropekv.model.geometry import describe
 from hf_ropekv.scorers import SnapKVScorer
 from hf_ropekv.scorers.frequency import POINTED, VOTE_LEAD
-from hf_ropekv.scorers.key_novelty import key_novelty
+from hf_ropekv.scorers.key_novelty import NOVELTY_WINDOW, key_novelty
 from hf_ropekv.scorers.rope_scoring import score_keys
 from hf_ropekv.statistics.frequency_stats import geometry_metadata
 from hf_ropekv.statistics.online import RowStatistics
@@ -160,41 +160,59 @@ def prompt_context(keys: torch.Tensor, target: int, window: int, gen: torch.Gene
         new_queries=window, valid=torch.ones(batch, kv_heads, slots, dtype=torch.bool))
 
 
-def novelty_reference(keys: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """KeyDiff's score, one (row, head) at a time in float64: minus the cosine to the candidates' mean key,
-    z-scored over the candidates (population std)."""
-    out = torch.empty(keys.shape[:3], dtype=torch.float64)
+def novelty_reference(keys: torch.Tensor, candidates: torch.Tensor, slot_positions: torch.Tensor,
+                      valid: torch.Tensor | None = None, window: int = NOVELTY_WINDOW) -> torch.Tensor:
+    """Local KeyDiff, one (row, head, token) at a time in float64: minus the cosine to the mean of the valid keys
+    within ``window // 2`` places in token order, z-scored over the candidates (population std)."""
+    out = torch.zeros(keys.shape[:3], dtype=torch.float64)
+    valid = torch.ones(keys.shape[:3], dtype=torch.bool) if valid is None else valid
     for b in range(keys.shape[0]):
         for h in range(keys.shape[1]):
-            k, cand = keys[b, h].double(), candidates[b, h]
-            mean = k[cand].mean(0)
-            x = -(k @ mean) / (k.norm(dim=-1) * mean.norm())
+            slots = sorted((int(p), s) for s, p in enumerate(slot_positions[b, h]) if valid[b, h, s])
+            k = keys[b, h].double()
+            for rank, (_, s) in enumerate(slots):
+                near = [t for _, t in slots[max(0, rank - window // 2): rank + window // 2 + 1]]
+                mean = k[near].mean(0)
+                out[b, h, s] = -(k[s] @ mean) / (k[s].norm() * mean.norm())
+            cand = candidates[b, h]
+            x = out[b, h]
             out[b, h] = (x - x[cand].mean()) / x[cand].std(unbiased=False)
     return out
 
 
-def test_key_novelty_is_the_standardized_distance_to_the_mean_key() -> None:
+@pytest.mark.parametrize("window", [5, NOVELTY_WINDOW])
+def test_key_novelty_compares_each_key_with_the_keys_around_it(window: int) -> None:
     gen = torch.Generator()
     gen.seed()
-    keys = torch.randn(2, 3, 40, 16, generator=gen) + torch.randn(16, generator=gen)  # a shared direction
-    candidates = torch.rand(2, 3, 40, generator=gen) > 0.3
-    got = key_novelty(keys.to(torch.bfloat16), candidates)
-    assert got.dtype == torch.float32 and got.shape == (2, 3, 40)
-    torch.testing.assert_close(got.double(), novelty_reference(keys.to(torch.bfloat16).float(), candidates),
-                               rtol=1e-4, atol=1e-4)
-    candidates[0, 0, 5] = True
-    keys[0, 0, 5] = -keys[0, 0, candidates[0, 0]].mean(0) * 3  # against the mean: the most novel key
-    assert int(key_novelty(keys, candidates)[0, 0].masked_fill(~candidates[0, 0], -1e9).argmax()) == 5
+    batch, heads, slots, dim = 2, 3, 40, 16
+    keys = torch.randn(batch, heads, slots, dim, generator=gen) + torch.randn(dim, generator=gen)  # shared direction
+    candidates = torch.rand(batch, heads, slots, generator=gen) > 0.3
+    valid = torch.rand(batch, heads, slots, generator=gen) > 0.2
+    candidates &= valid
+    positions = torch.stack([torch.randperm(3 * slots, generator=gen)[:slots] for _ in range(batch * heads)])
+    positions = positions.view(batch, heads, slots)  # slots out of token order, tokens with gaps (evicted)
+    poisoned = keys.masked_fill(~valid.unsqueeze(-1), float("nan"))  # invalid slots must not be read
+    got = key_novelty(poisoned.to(torch.bfloat16), candidates, positions, valid, window)
+    assert got.dtype == torch.float32 and got.shape == (batch, heads, slots)
+    expected = novelty_reference(keys.to(torch.bfloat16).float(), candidates, positions, valid, window)
+    torch.testing.assert_close(got.double()[candidates], expected[candidates], rtol=1e-4, atol=1e-4)
+    # A key pointing against its neighbours is the most novel one of its head.
+    order = torch.argsort(positions[0, 0].masked_fill(~valid[0, 0], 1 << 40))
+    target = int(order[10])
+    candidates[0, 0, target] = valid[0, 0, target] = True
+    keys[0, 0, target] = -keys[0, 0, order[5:16]].mean(0) * 3
+    got = key_novelty(keys, candidates, positions, valid, window)
+    assert int(got[0, 0].masked_fill(~candidates[0, 0], -1e9).argmax()) == target
 
 
-def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> None:
+def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward_when_answered() -> None:
     gen = torch.Generator()
     gen.seed()
     stats, slots, target, span = random_stats(1), 200, 10, 6
     keys = torch.randn(2, GEOMETRY.num_kv_heads, slots, GEOMETRY.head_dim, generator=gen)
     ctx = prompt_context(keys, target, 8, gen)
     rope = reference(keys, stats, ctx).float()
-    novelty = novelty_reference(keys, ctx.candidates).float()
+    novelty = novelty_reference(keys, ctx.candidates, ctx.slot_positions).float()
     # Without the span, the vote is SnapKV's (window 8, pooled over 5), lifted by VOTE_LEAD where it reaches
     # POINTED; key novelty competes with the rest.
     plain = FrequencyScorer(stats=stats, prompt_window=8, vote_span=0).score(keys, ctx)
@@ -202,8 +220,12 @@ def test_after_a_prompt_the_windows_vote_ranks_first_and_spreads_forward() -> No
     assert bool((vote >= POINTED).any()) and bool((vote < POINTED).any())
     expected = torch.maximum(novelty, torch.where(vote >= POINTED, vote + VOTE_LEAD, vote))
     torch.testing.assert_close(plain, expected, rtol=1e-4, atol=1e-4)
-    # With it, the target and the `span` tokens after it outrank every key outside the pooled, spread run.
-    spread = FrequencyScorer(stats=stats, prompt_window=8, vote_span=span).score(keys, ctx)
+    # More input follows: the vote is not spread.
+    torch.testing.assert_close(FrequencyScorer(stats=stats, prompt_window=8, vote_span=span).score(keys, ctx), plain)
+    # A decoding step compacts (8 queries, none before the window: the plain vote): the target and the `span`
+    # tokens after it outrank every key outside the pooled, spread run.
+    decoding = ScoreContext(**{**ctx.__dict__, "decoding": True})
+    spread = FrequencyScorer(stats=stats, prompt_window=8, vote_span=span).score(keys, decoding)
     tokens = ctx.slot_positions[0, 0]
     run = (tokens >= target - 2) & (tokens <= target + 2 + span)  # the pooling reaches 2 tokens either side
     answer = (tokens >= target) & (tokens <= target + span)
@@ -261,7 +283,8 @@ def test_a_decoding_step_weighs_the_window_against_the_queries_before_it(decodin
         vote = torch.log((last + uniform) / (before + uniform))
     z = (vote - vote.mean(-1, keepdim=True)) / vote.std(-1, unbiased=False, keepdim=True)
     assert bool((z >= POINTED).any())
-    expected = torch.maximum(novelty_reference(keys, ctx.candidates), torch.where(z >= POINTED, z + VOTE_LEAD, z))
+    novelty = novelty_reference(keys, ctx.candidates, ctx.slot_positions)
+    expected = torch.maximum(novelty, torch.where(z >= POINTED, z + VOTE_LEAD, z))
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
     other = FrequencyScorer(stats=stats, prompt_window=window, vote_span=0).score(
         keys, ScoreContext(**{**ctx.__dict__, "decoding": not decoding}))
