@@ -220,6 +220,30 @@ def test_the_plain_vote_ablation_differs_from_the_default_only_when_a_decoding_s
     assert not all(torch.equal(a, b) for a, b in zip(answered[0], plain[0]))
 
 
+def test_gsm8k_cells_never_rank_by_the_prompt_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GSM8K cell (prompt pinned, budget = longest prompt + G, a left-padded batch through ``generate``) compacts
+    only while decoding, where the prompt window is stale: neither its vote nor key novelty ever ranks there, so a
+    change to the ranking right after a prompt (the retrieval and chunked-document cells) leaves GSM8K's slots as
+    they were."""
+    import policies
+    import quality
+    from conftest import tiny_model
+
+    from hf_ropekv.scorers import frequency
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a GSM8K cell ranked keys right after its prompt")
+
+    monkeypatch.setattr(frequency, "key_novelty", refuse)
+    monkeypatch.setattr(frequency.FrequencyScorer, "_prompt_vote", refuse)
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in (40, 52, 61)]
+    cache = policies.make_cache(model, max(map(len, prompts)) + 24, "default", compress_every=16)
+    rows, _ = quality.generate_batch(model, prompts, cache, max_new_tokens=60, stop_ids=[], pad_id=0)
+    assert cache.num_compactions >= 2 and all(len(r) == 60 for r in rows)
+
+
 # ---------------------------------------------------------------------------------------------- programs
 def test_program_runner_reads_the_last_number_and_reports_failures() -> None:
     reply = "Here:\n```python\nx = 0.1 * 3\nprint('total', x)\n```"
