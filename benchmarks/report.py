@@ -116,16 +116,30 @@ def quality_table(rows: list[dict[str, Any]], variants: bool = False) -> str:
     """The matrix: one line per cell (task, model, setting, param), one column per policy; full's score in its
     own column; accuracy cells show correct / n (fraction of full), perplexity cells ppl (+% over full). The
     default, the peers and the library's options; with ``variants``, the default and its variants instead (cells
-    where one ran)."""
+    where one ran), one table per task (retrieval: per question seen and unseen), each with its own columns."""
     if not rows:
         return NO_RESULTS
     finalize_rows(rows)
-    if variants:
-        cells_run = {_cell_key(r) for r in rows if is_variant(r["policy"])}
-        rows = [r for r in rows if r["policy"] == "full"
-                or (_cell_key(r) in cells_run and (r["policy"] == "default" or is_variant(r["policy"])))]
-    else:
-        rows = [r for r in rows if not is_variant(r["policy"])]
+    if not variants:
+        return _policy_table([r for r in rows if not is_variant(r["policy"])])
+    cells_run = {_cell_key(r) for r in rows if is_variant(r["policy"])}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        shown = _cell_key(r) in cells_run and (r["policy"] == "default" or is_variant(r["policy"]))
+        if r["policy"] == "full" or shown:
+            groups.setdefault(_variant_group(r), []).append(r)
+    return "\n\n".join(f"**{name}**\n\n{_policy_table(group)}" for name, group in groups.items()
+                       if any(r["policy"] != "full" for r in group))
+
+
+def _variant_group(row: dict[str, Any]) -> str:
+    if row["task"] != "retrieval":
+        return row["task"]
+    return "retrieval, question " + ("unseen" if "unseen" in row["setting"] else "seen")
+
+
+def _policy_table(rows: list[dict[str, Any]]) -> str:
+    """One table of ``rows`` (full's rows give the full column): a line per cell, a column per other policy."""
     names = sorted(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"), key=_column_order)
     full = {_ref(r): r for r in rows if r["policy"] == "full"}
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}

@@ -333,6 +333,16 @@ def test_matrix_keeps_peers_and_options_and_the_variants_table_the_default_and_i
     assert "| G=48 | 4/4 | 3/4 (0.75) | 1/4 (0.25) |" in variants
     assert report.peer_of("snapkv_fullroom") == "snapkv" and report.peer_of("sink_recent") == "sink_recent"
     assert report.peer_of("default_share50") is None
+    # Variants of other tasks go to tables of their own, each with only its columns.
+    rows += [_row("full", 1.0, task="retrieval", param=""), _row("default", 0.5, task="retrieval", param="4K/16x"),
+             _row("novelty_x", 0.75, task="retrieval", param="4K/16x")]
+    for r in rows[-3:]:
+        r["setting"] = "unseen"
+    variants = report.quality_table(report.merge_rows([_quality_result("2026-12-01T00:00:00", rows)]), variants=True)
+    gsm8k, retrieval = variants.split("\n\n**retrieval, question unseen**\n\n")
+    assert gsm8k.startswith("**gsm8k_cot**") and "novelty_x" not in gsm8k and "retrieval" not in gsm8k
+    assert "| full | default | novelty_x |" in retrieval and "share50" not in retrieval
+    assert "| retrieval | m | CPU | unseen | 4K/16x | 1.000 | 0.500 (0.50) | 0.750 (0.75) |" in retrieval
 
 
 def test_speed_tables_take_each_point_whole_from_the_newest_run_of_the_same_code() -> None:
